@@ -1,0 +1,128 @@
+"""The GRPO objective around the KL term (spec section 4), as pure functions over tensors.
+
+Shapes: B responses, L response positions (padded), ``mask`` [B, L] is 1 where the model
+generated the token and the token counts in the loss (0 for padding and for tool output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ADVANTAGE_MODES = ("grpo", "drgrpo", "rloo")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def group_advantages(rewards: Tensor, group_size: int, mode: str = "grpo", eps: float = 1e-6) -> Tensor:
+    """One advantage per response from rewards of consecutive groups of ``group_size``.
+
+    rewards: [B] with B a multiple of group_size, responses of a prompt adjacent.
+    mode: ``grpo`` (R - mean) / (std + eps), std unbiased as in the reference code;
+          ``drgrpo`` R - mean (no std division); ``rloo`` R - mean of the other responses.
+    Returns [B].
+    """
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"unknown advantage mode {mode!r}; expected one of {', '.join(ADVANTAGE_MODES)}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    r = rewards.reshape(-1, group_size).to(torch.float64)
+    mean = r.mean(-1, keepdim=True)
+    if mode == "grpo":
+        std = r.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+        adv = (r - mean) / (std + eps)
+    elif mode == "drgrpo":
+        adv = r - mean
+    else:
+        if group_size < 2:
+            raise ValueError("rloo needs group_size >= 2")
+        adv = (r - mean) * group_size / (group_size - 1)
+    return adv.reshape(-1).to(rewards.dtype)
+
+
+@dataclass
+class SurrogateOut:
+    """Per-token clipped surrogate loss [B, L] and diagnostics [B, L] (floats 0/1)."""
+
+    loss: Tensor
+    clipped: Tensor
+    dual_clipped: Tensor
+    ratio: Tensor
+
+
+def clipped_surrogate(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+) -> SurrogateOut:
+    """PPO clipped surrogate with asymmetric clip and the dual clip for negative advantages.
+
+    logp, old_logp: [B, L] log pi_theta and log pi_old of the sampled tokens.
+    advantages: [B] (broadcast over tokens) or [B, L].
+    loss = max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high)); where A < 0 it is capped at -A c.
+    """
+    adv = advantages.unsqueeze(-1) if advantages.dim() == logp.dim() - 1 else advantages
+    ratio = torch.exp(logp - old_logp.detach())
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
+    loss = torch.maximum(loss1, loss2)
+    clipped = (loss2 > loss1).float()
+    dual = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual = ((adv < 0) & (loss > cap)).float()
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+    return SurrogateOut(loss=loss, clipped=clipped.detach(), dual_clipped=dual.detach(), ratio=ratio.detach())
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    max_len: int | None = None,
+) -> Tensor:
+    """Reduce per-token values [B, L] over the masked tokens to a scalar.
+
+    token-mean: sum(v m) / num_tokens; seq-mean-token-mean: sum_i mean_t(v_i) / num_seqs;
+    seq-mean-token-sum-norm (Dr. GRPO): sum_i sum_t(v_i) / max_len / num_seqs.
+    ``num_tokens`` and ``num_seqs`` are the counts of the *whole* batch: pass them when ``values``
+    is one micro-batch so that the micro-batch losses add up to the full-batch loss exactly.
+    They default to this batch's own counts.
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token-mean":
+        denom = mask.sum() if num_tokens is None else num_tokens
+        return (values * mask).sum() / max(float(denom), 1.0)
+    seqs = values.shape[0] if num_seqs is None else num_seqs
+    per_seq_sum = (values * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq_sum / mask.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if max_len is None:
+            raise ValueError("seq-mean-token-sum-norm needs max_len (the constant response length)")
+        per_seq = per_seq_sum / max_len
+    else:
+        raise ValueError(f"unknown aggregation {mode!r}; expected one of {', '.join(AGG_MODES)}")
+    return per_seq.sum() / max(float(seqs), 1.0)
+
+
+def total_loss(pg_per_token: Tensor, kl_per_token: Tensor | None, mask: Tensor, beta: float, mode: str,
+               **counts) -> tuple[Tensor, Tensor, Tensor]:
+    """Loss = agg(PG) + beta * agg(KL), both with the same aggregation and mask.
+
+    Returns (loss, pg, kl) scalars; kl is 0 when ``kl_per_token`` is None. ``counts`` are forwarded
+    to :func:`aggregate`.
+    """
+    pg = aggregate(pg_per_token, mask, mode, **counts)
+    if kl_per_token is None:
+        kl = pg.new_zeros(())
+        return pg, pg, kl
+    kl = aggregate(kl_per_token, mask, mode, **counts)
+    return pg + beta * kl, pg, kl

@@ -1,0 +1,278 @@
+"""Every claim of the estimator table of spec section 3, by exact enumeration over the sampled token."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emapg import kl
+from emapg.logprobs import token_logprobs
+
+torch.set_default_dtype(torch.float64)
+V = 12
+
+
+def make(V=V, seed=0, off_policy=False):
+    g = torch.Generator().manual_seed(seed)
+    theta = (torch.randn(V, generator=g) * 1.5).requires_grad_(True)
+    anchor = theta.detach() + torch.randn(V, generator=g) * 0.8
+    samp = theta.detach() + torch.randn(V, generator=g) * 0.5 if off_policy else None
+    return theta, anchor, samp
+
+
+def expectation(estimator, theta, anchor, samp, k=0, form="unbiased"):
+    """E_{p ~ pi_samp}[estimate] and E[grad estimate] by enumerating every token p."""
+    Vn = theta.shape[0]
+    tokens = torch.arange(Vn)
+    rows = lambda t: t.unsqueeze(0).expand(Vn, Vn)  # noqa: E731 - the same distribution at V positions
+    est = kl.token_kl(rows(theta), rows(anchor), tokens, estimator=estimator, k=k,
+                      sampling_logits=None if samp is None else rows(samp), form=form)
+    weights = torch.softmax(theta if samp is None else samp, -1).detach()
+    value = (weights * est).sum()
+    (grad,) = torch.autograd.grad(value, theta)
+    return value.detach(), grad
+
+
+def exact(theta, anchor, which):
+    logp, loga = torch.log_softmax(theta, -1), torch.log_softmax(anchor, -1)
+    value = (logp.exp() * (logp - loga)).sum() if which == "reverse" else (loga.exp() * (loga - logp)).sum()
+    (grad,) = torch.autograd.grad(value, theta)
+    return value.detach(), grad
+
+
+def head_mass_grad(theta, samp_or_anchor, k):
+    """grad pi_theta(q) where q = top-k of the given logits."""
+    q = samp_or_anchor.detach().topk(k).indices
+    (grad,) = torch.autograd.grad(torch.softmax(theta, -1)[q].sum(), theta)
+    return grad
+
+
+CLOSE = dict(atol=1e-12, rtol=1e-10)
+policies = pytest.mark.parametrize("off_policy", [False, True], ids=["on-policy", "off-policy"])
+
+
+@policies
+@pytest.mark.parametrize("estimator", ["k1", "k3", "k3pp", "k4", "exact_reverse"])
+def test_value_unbiased_for_reverse_kl(estimator, off_policy):
+    theta, anchor, samp = make(off_policy=off_policy)
+    value, _ = expectation(estimator, theta, anchor, samp)
+    torch.testing.assert_close(value, exact(theta, anchor, "reverse")[0], **CLOSE)
+
+
+@policies
+@pytest.mark.parametrize("estimator", ["k5", "exact_forward"])
+def test_value_unbiased_for_forward_kl(estimator, off_policy):
+    theta, anchor, samp = make(off_policy=off_policy)
+    value, _ = expectation(estimator, theta, anchor, samp)
+    torch.testing.assert_close(value, exact(theta, anchor, "forward")[0], **CLOSE)
+
+
+@policies
+@pytest.mark.parametrize("estimator", ["k3pp", "k4", "exact_reverse"])
+def test_gradient_unbiased_for_reverse_kl(estimator, off_policy):
+    theta, anchor, samp = make(off_policy=off_policy)
+    _, grad = expectation(estimator, theta, anchor, samp)
+    torch.testing.assert_close(grad, exact(theta, anchor, "reverse")[1], **CLOSE)
+
+
+@policies
+@pytest.mark.parametrize("estimator", ["k5", "exact_forward"])
+def test_gradient_unbiased_for_forward_kl(estimator, off_policy):
+    theta, anchor, samp = make(off_policy=off_policy)
+    _, grad = expectation(estimator, theta, anchor, samp)
+    torch.testing.assert_close(grad, exact(theta, anchor, "forward")[1], **CLOSE)
+
+
+@policies
+def test_k1_expected_gradient_is_zero(off_policy):
+    theta, anchor, samp = make(off_policy=off_policy)
+    _, grad = expectation("k1", theta, anchor, samp)
+    torch.testing.assert_close(grad, torch.zeros_like(grad), **CLOSE)
+    assert exact(theta, anchor, "reverse")[1].abs().max() > 1e-2  # while the true gradient is not 0
+
+
+def test_k2_value_biased_gradient_reverse_on_policy():
+    theta, anchor, _ = make()
+    value, grad = expectation("k2", theta, anchor, None)
+    true_value, true_grad = exact(theta, anchor, "reverse")
+    assert (value - true_value).abs() > 1e-3
+    torch.testing.assert_close(grad, true_grad, **CLOSE)
+
+
+@policies
+def test_k3_gradient_is_forward_kl_gradient(off_policy):
+    theta, anchor, samp = make(off_policy=off_policy)
+    _, grad = expectation("k3", theta, anchor, samp)
+    torch.testing.assert_close(grad, exact(theta, anchor, "forward")[1], **CLOSE)
+    assert (grad - exact(theta, anchor, "reverse")[1]).abs().max() > 1e-2  # the wrong direction
+
+
+@policies
+@pytest.mark.parametrize("k", [0, 1, 3, 6, V - 1, V])
+def test_topk_reverse_unbiased_value_and_gradient_at_every_k(k, off_policy):
+    theta, anchor, samp = make(off_policy=off_policy, seed=k)
+    value, grad = expectation("topk_reverse", theta, anchor, samp, k=k)
+    true_value, true_grad = exact(theta, anchor, "reverse")
+    torch.testing.assert_close(value, true_value, **CLOSE)
+    torch.testing.assert_close(grad, true_grad, **CLOSE)
+
+
+@policies
+@pytest.mark.parametrize("k", [0, 1, 3, 6, V - 1, V])
+def test_topk_forward_unbiased_value_and_gradient_at_every_k(k, off_policy):
+    theta, anchor, samp = make(off_policy=off_policy, seed=k)
+    value, grad = expectation("topk_forward", theta, anchor, samp, k=k)
+    true_value, true_grad = exact(theta, anchor, "forward")
+    torch.testing.assert_close(value, true_value, **CLOSE)
+    torch.testing.assert_close(grad, true_grad, **CLOSE)
+
+
+@policies
+@pytest.mark.parametrize("k", [1, 3, 6, V - 1])
+def test_paper_form_reverse_gradient_bias_is_plus_grad_head_mass(k, off_policy):
+    theta, anchor, samp = make(off_policy=off_policy, seed=k)
+    value, grad = expectation("topk_reverse", theta, anchor, samp, k=k, form="paper")
+    true_value, true_grad = exact(theta, anchor, "reverse")
+    bias = head_mass_grad(theta, theta if samp is None else samp, k)
+    torch.testing.assert_close(value, true_value, **CLOSE)  # value still unbiased
+    torch.testing.assert_close(grad - true_grad, bias, **CLOSE)
+    assert bias.abs().max() > 1e-3
+
+
+@policies
+@pytest.mark.parametrize("k", [1, 3, 6, V - 1])
+def test_paper_form_forward_gradient_bias_is_minus_grad_head_mass(k, off_policy):
+    theta, anchor, samp = make(off_policy=off_policy, seed=k)
+    value, grad = expectation("topk_forward", theta, anchor, samp, k=k, form="paper")
+    true_value, true_grad = exact(theta, anchor, "forward")
+    bias = head_mass_grad(theta, anchor, k)
+    torch.testing.assert_close(value, true_value, **CLOSE)
+    torch.testing.assert_close(grad - true_grad, -bias, **CLOSE)
+    assert bias.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("estimator", ["topk_reverse", "topk_forward"])
+def test_paper_bias_persists_when_policy_equals_anchor(estimator):
+    theta, _, _ = make()
+    _, grad = expectation(estimator, theta, theta.detach().clone(), None, k=4, form="paper")
+    assert grad.abs().max() > 1e-3  # true gradient is 0 here
+    _, grad = expectation(estimator, theta, theta.detach().clone(), None, k=4)
+    torch.testing.assert_close(grad, torch.zeros_like(grad), **CLOSE)
+
+
+@pytest.mark.parametrize("form", ["unbiased", "paper"])
+def test_paper_and_unbiased_agree_at_k_zero_and_k_vocab_for_reverse(form):
+    theta, anchor, samp = make(off_policy=True)
+    for k in (0, V):
+        _, grad = expectation("topk_reverse", theta, anchor, samp, k=k, form=form)
+        torch.testing.assert_close(grad, exact(theta, anchor, "reverse")[1], **CLOSE)
+
+
+def test_topk_k_zero_is_k4_plus_zero_mean_term_and_k_vocab_is_exact():
+    theta, anchor, samp = make(off_policy=True)
+    tokens = torch.arange(V)
+    rows = lambda t: t.unsqueeze(0).expand(V, V)  # noqa: E731
+    tk0 = kl.token_kl(rows(theta), rows(anchor), tokens, estimator="topk_reverse", k=0, sampling_logits=rows(samp))
+    k4 = kl.token_kl(rows(theta), rows(anchor), tokens, estimator="k4", sampling_logits=rows(samp))
+    torch.testing.assert_close(tk0, k4, **CLOSE)  # (r - 1) has value 0
+    tkv = kl.token_kl(rows(theta), rows(anchor), tokens, estimator="topk_reverse", k=V, sampling_logits=rows(samp))
+    ex = kl.token_kl(rows(theta), rows(anchor), tokens, estimator="exact_reverse")
+    torch.testing.assert_close(tkv, ex, **CLOSE)  # per sample, not only in expectation
+
+
+def test_clipped_importance_weight_is_biased_unclipped_is_not():
+    theta, anchor, samp = make(off_policy=True, seed=3)
+    s_max = (torch.softmax(theta, -1) / torch.softmax(samp, -1)).max().item()
+    tokens = torch.arange(V)
+    rows = lambda t: t.unsqueeze(0).expand(V, V)  # noqa: E731
+    weights = torch.softmax(samp, -1)
+    for clip, biased in ((None, False), (s_max * 0.5, True)):
+        est = kl.token_kl(rows(theta), rows(anchor), tokens, estimator="k4", sampling_logits=rows(samp), is_clip=clip)
+        err = ((weights * est).sum() - exact(theta, anchor, "reverse")[0]).abs().item()
+        assert (err > 1e-6) == biased
+
+
+@settings(max_examples=30, deadline=None)
+@given(V=st.integers(2, 40), k_frac=st.floats(0, 1), seed=st.integers(0, 10_000), off=st.booleans(),
+       estimator=st.sampled_from(["topk_reverse", "topk_forward"]))
+def test_topk_unbiased_property(V, k_frac, seed, off, estimator):
+    theta, anchor, samp = make(V=V, seed=seed, off_policy=off)
+    k = round(k_frac * V)
+    value, grad = expectation(estimator, theta, anchor, samp, k=k)
+    true_value, true_grad = exact(theta, anchor, "forward" if estimator == "topk_forward" else "reverse")
+    torch.testing.assert_close(value, true_value, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(grad, true_grad, atol=1e-10, rtol=1e-8)
+
+
+# ---- lean form == reference form ---------------------------------------------------------------
+
+
+def lean_from_logits(policy_logits, anchor_logits, tokens, estimator, k, sampling_logits, form):
+    logp = torch.log_softmax(policy_logits, -1)
+    loga = torch.log_softmax(anchor_logits, -1)
+    samp = policy_logits if sampling_logits is None else sampling_logits
+    q = kl.head_ids(estimator, k if "topk" in estimator else policy_logits.shape[-1], samp, anchor_logits)
+    gather = lambda t, i: t.gather(-1, i)  # noqa: E731
+    tok = tokens.unsqueeze(-1)
+    return kl.kl_from_logprobs(
+        estimator, gather(logp, tok).squeeze(-1), gather(loga, tok).squeeze(-1),
+        samp_logp_tok=None if sampling_logits is None else gather(torch.log_softmax(samp, -1), tok).squeeze(-1),
+        policy_logp_q=gather(logp, q), anchor_logp_q=gather(loga, q), in_q=(q == tok).any(-1), form=form)
+
+
+@pytest.mark.parametrize("estimator", kl.ESTIMATORS)
+@pytest.mark.parametrize("form", kl.FORMS)
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_lean_form_equals_reference_form(estimator, form, off_policy):
+    g = torch.Generator().manual_seed(1)
+    N, Vn, k = 20, 50, 7
+    policy = torch.randn(N, Vn, generator=g).requires_grad_(True)
+    anchor = policy.detach() + 0.5 * torch.randn(N, Vn, generator=g)
+    samp = policy.detach() + 0.3 * torch.randn(N, Vn, generator=g) if off_policy else None
+    tokens = torch.randint(0, Vn, (N,), generator=g)
+    ref = kl.token_kl(policy, anchor, tokens, estimator=estimator, k=k, sampling_logits=samp, form=form)
+    lean = lean_from_logits(policy, anchor, tokens, estimator, k, samp, form)
+    torch.testing.assert_close(lean, ref, **CLOSE)
+    (g_ref,) = torch.autograd.grad(ref.sum(), policy)
+    (g_lean,) = torch.autograd.grad(lean.sum(), policy)
+    torch.testing.assert_close(g_lean, g_ref, **CLOSE)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_lean_from_hidden_states_matches_reference(dtype, tol):
+    """The trainer's path: chunked log-probs from hidden states -> lean KL, vs full logits -> token_kl."""
+    g = torch.Generator().manual_seed(2)
+    N, H, Vn, k, T = 37, 16, 300, 8, 0.7
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float32).to(dtype).requires_grad_(True)
+    weight = (torch.randn(Vn, H, generator=g, dtype=torch.float32) * 0.3).to(dtype).requires_grad_(True)
+    anchor_w = (weight.detach().float() + 0.05 * torch.randn(Vn, H, generator=g, dtype=torch.float32)).to(dtype)
+    tokens = torch.randint(0, Vn, (N,), generator=g)
+    with torch.no_grad():
+        samp = token_logprobs(hidden.detach(), weight.detach(), tokens, temperature=T, k_self=k, chunk_size=8)
+        anc = token_logprobs(hidden.detach(), anchor_w, tokens, ids=samp.topk_ids, temperature=T, chunk_size=8)
+    pol = token_logprobs(hidden, weight, tokens, ids=samp.topk_ids, temperature=T, chunk_size=8, entropy=True)
+    lean = kl.kl_from_logprobs("topk_reverse", pol.logp_tok, anc.logp_tok, samp_logp_tok=samp.logp_tok,
+                               policy_logp_q=pol.logp_ids, anchor_logp_q=anc.logp_ids,
+                               in_q=(samp.topk_ids == tokens[:, None]).any(-1))
+    h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    logits = h64 @ w64.T / T
+    ref = kl.token_kl(logits, hidden.detach().double() @ anchor_w.double().T / T, tokens, k=k,
+                      sampling_logits=logits.detach())
+    torch.testing.assert_close(lean.double(), ref.detach(), atol=tol, rtol=tol)
+    gh, gw = torch.autograd.grad(lean.sum(), (hidden, weight))
+    rh, rw = torch.autograd.grad(ref.sum(), (h64, w64))
+    for got, want in ((gh, rh), (gw, rw)):  # bf16 rounds per element: compare in norm
+        assert (got.double() - want).norm() / want.norm() < tol
+    ent_ref = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(pol.entropy.double(), ent_ref.detach(), atol=tol, rtol=tol)
+
+
+def test_bad_arguments_raise_clear_errors():
+    x = torch.zeros(2, 5)
+    t = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="unknown KL estimator 'k9'"):
+        kl.token_kl(x, x, t, estimator="k9")
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        kl.token_kl(x, x, t, k=-1)
+    with pytest.raises(ValueError, match="unknown KL form"):
+        kl.token_kl(x, x, t, form="Paper")

@@ -1,0 +1,93 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emapg import objective as obj
+
+
+def test_group_advantages_hand_computed():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    a = obj.group_advantages(r, 4, "grpo")
+    std = math.sqrt(0.75 / 3)  # unbiased std of [1, 0, 0, 0]: squared deviations sum to 0.75
+    torch.testing.assert_close(a[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6))
+    torch.testing.assert_close(a[4:], torch.zeros(4))  # all equal: no signal
+    torch.testing.assert_close(obj.group_advantages(r, 4, "drgrpo")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    # rloo: R_i - mean of the 3 others
+    torch.testing.assert_close(obj.group_advantages(r, 4, "rloo")[:4], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+    with pytest.raises(ValueError, match="groups of 3"):
+        obj.group_advantages(r, 3)
+    with pytest.raises(ValueError, match="unknown advantage mode"):
+        obj.group_advantages(r, 4, "ppo")
+
+
+def test_clipped_surrogate_hand_computed():
+    logp = torch.log(torch.tensor([[1.5, 0.5, 0.9, 5.0]]))
+    old = torch.zeros(1, 4)
+    out = obj.clipped_surrogate(logp, old, torch.tensor([1.0]), eps_low=0.2, eps_high=0.28, dual_clip=3.0)
+    # A > 0: loss = -min(rho, clip) ... = max(-rho, -clip(rho))
+    torch.testing.assert_close(out.loss, -torch.tensor([[1.28, 0.5, 0.9, 1.28]]))
+    torch.testing.assert_close(out.clipped, torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    out = obj.clipped_surrogate(logp, old, torch.tensor([-2.0]), eps_low=0.2, eps_high=0.28, dual_clip=3.0)
+    # A < 0: max(2 rho, 2 clip(rho)) then capped at 2 * 3 = 6
+    torch.testing.assert_close(out.loss, torch.tensor([[3.0, 1.6, 1.8, 6.0]]))
+    torch.testing.assert_close(out.clipped, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    torch.testing.assert_close(out.dual_clipped, torch.tensor([[0.0, 0.0, 0.0, 1.0]]))
+    out = obj.clipped_surrogate(logp, old, torch.tensor([-2.0]), dual_clip=None)
+    assert out.loss[0, 3].item() == pytest.approx(10.0)
+
+
+def test_clipped_tokens_have_zero_gradient():
+    logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_(True)
+    out = obj.clipped_surrogate(logp, torch.zeros(1, 2), torch.tensor([1.0]))
+    out.loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1]]))
+
+
+def test_aggregation_modes_hand_computed():
+    v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert obj.aggregate(v, m, "token-mean").item() == pytest.approx(10 / 4)
+    assert obj.aggregate(v, m, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert obj.aggregate(v, m, "seq-mean-token-sum-norm", max_len=4).item() == pytest.approx((6 / 4 + 4 / 4) / 2)
+    with pytest.raises(ValueError, match="max_len"):
+        obj.aggregate(v, m, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        obj.aggregate(v, m, "sum")
+
+
+def test_masked_positions_contribute_nothing():
+    v = torch.randn(3, 5, requires_grad=True)
+    m = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 1, 0, 1], [0, 0, 0, 0, 1]])
+    for mode in obj.AGG_MODES:
+        loss = obj.aggregate(v * 1e6 * (1 - m) + v, m, mode, max_len=5)  # huge values where masked
+        (g,) = torch.autograd.grad(loss, v)
+        assert torch.all(g[m == 0] == 0)
+        v2 = v.detach().clone()
+        v2[m == 0] = float("nan")
+        assert torch.isfinite(obj.aggregate(torch.nan_to_num(v2, nan=0.0), m, mode, max_len=5))
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(2, 8), L=st.integers(1, 6), micro=st.integers(1, 4), seed=st.integers(0, 1000),
+       mode=st.sampled_from(obj.AGG_MODES))
+def test_gradient_accumulation_equals_one_big_batch(B, L, micro, seed, mode):
+    g = torch.Generator().manual_seed(seed)
+    logp = torch.randn(B, L, generator=g, dtype=torch.float64, requires_grad=True)
+    old = logp.detach() + 0.1 * torch.randn(B, L, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, L, generator=g) > 0.3).to(torch.float64)
+    mask[:, 0] = 1
+    counts = dict(num_tokens=mask.sum().item(), num_seqs=B, max_len=L)
+
+    def loss_of(sl):
+        pg = obj.clipped_surrogate(logp[sl], old[sl], adv[sl]).loss
+        return obj.total_loss(pg, (logp[sl] - 0.2).exp(), mask[sl], 0.05, mode, **counts)[0]
+
+    (g_full,) = torch.autograd.grad(loss_of(slice(None)), logp)
+    total = sum(loss_of(slice(i, i + micro)) for i in range(0, B, micro))
+    (g_acc,) = torch.autograd.grad(total, logp)
+    torch.testing.assert_close(total, loss_of(slice(None)))
+    torch.testing.assert_close(g_acc, g_full)
