@@ -132,7 +132,7 @@ def test_lora_mode_averages_only_adapters_and_swaps_into_policy():
     with torch.no_grad():
         base_before = {n: p.clone() for n, p in policy.named_parameters() if not p.requires_grad}
         out0 = policy(x).logits
-        for n, p in policy.named_parameters():
+        for p in policy.parameters():
             if p.requires_grad:
                 p.add_(0.5)
         out1 = policy(x).logits
