@@ -3,9 +3,9 @@
 The output projection of a language model maps ``[N, H]`` hidden states to ``[N, V]`` logits, with V
 up to 150k+. Everything EMA-PG needs from those logits is small: the log-sum-exp, the sampled
 token's log-prob, log-probs at ``k`` given ids, the top-k ids, the entropy. :func:`token_logprobs`
-computes them one chunk of positions at a time and, with gradients on, recomputes each chunk's
-logits in the backward pass (``torch.utils.checkpoint``), so no more than one ``[chunk, V]`` block
-is alive in either pass.
+computes them one chunk of positions at a time and, with gradients on and more than one chunk,
+recomputes each chunk's logits in the backward pass (``torch.utils.checkpoint``), so no more than
+one ``[chunk, V]`` block is alive in either pass.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class TokenLogprobs:
     logp_tok: [N] log-prob of the given token (differentiable when the inputs are).
     logp_ids: [N, k] log-probs at the given ids, or None.
     topk_ids: [N, k_self] this distribution's own top-k ids (no grad), or None.
+    topk_logp: [N, k_self] its log-probs at those ids (no grad), or None.
     entropy: [N] entropy of the distribution (no grad), or None.
     lse: [N] log-sum-exp of the tempered logits.
     """
@@ -32,6 +33,7 @@ class TokenLogprobs:
     lse: Tensor
     logp_ids: Tensor | None = None
     topk_ids: Tensor | None = None
+    topk_logp: Tensor | None = None
     entropy: Tensor | None = None
 
 
@@ -45,7 +47,9 @@ def _chunk_stats(
     k_self: int,
     entropy: bool,
 ) -> tuple[Tensor, ...]:
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     lse = torch.logsumexp(logits, -1)
     logp_tok = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
     out = [logp_tok, lse]
@@ -53,7 +57,8 @@ def _chunk_stats(
         out.append(logits.gather(-1, ids) - lse.unsqueeze(-1))
     with torch.no_grad():
         if k_self > 0:
-            out.append(logits.topk(min(k_self, logits.shape[-1]), -1).indices)
+            top = logits.topk(min(k_self, logits.shape[-1]), -1)
+            out += [top.indices, top.values - lse.unsqueeze(-1)]
         if entropy:
             probs = torch.softmax(logits, -1)
             out.append(lse - (probs * logits).sum(-1))
@@ -87,21 +92,23 @@ def token_logprobs(
         :class:`TokenLogprobs`; gradients equal those of the naive full-logits computation.
     """
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    # With grad and several chunks, only each chunk's inputs are saved and its logits are
+    # recomputed in backward. A single chunk keeps its logits: that is one chunk's memory anyway.
+    recompute = grad and hidden.shape[0] > chunk_size
     chunks: list[tuple[Tensor, ...]] = []
     for start in range(0, hidden.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
         args = (hidden[sl], weight, bias, tokens[sl], None if ids is None else ids[sl], temperature, k_self, entropy)
-        # With grad, only the chunk's inputs are saved; its logits are recomputed in backward.
-        chunks.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args))
+        chunks.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute else _chunk_stats(*args))
     if not chunks:
-        n_out = 2 + (ids is not None) + (k_self > 0) + entropy
         chunks = [_chunk_stats(hidden[:0], weight, bias, tokens[:0], None if ids is None else ids[:0],
-                               temperature, k_self, entropy)][:n_out]
+                               temperature, k_self, entropy)]
     cols = iter([torch.cat(list(c)) for c in zip(*chunks, strict=True)])
     return TokenLogprobs(
         logp_tok=next(cols),
         lse=next(cols),
         logp_ids=next(cols) if ids is not None else None,
         topk_ids=next(cols) if k_self > 0 else None,
+        topk_logp=next(cols) if k_self > 0 else None,
         entropy=next(cols) if entropy else None,
     )

@@ -1,0 +1,145 @@
+"""Checkpoints: safetensors + JSON only, written atomically.
+
+Layout of ``RUN/checkpoints``::
+
+    step_000020/            one complete checkpoint
+        policy.safetensors  anchor.safetensors  optimizer.safetensors  state.json
+    latest                  text file naming the newest complete checkpoint
+
+A checkpoint is written into a temporary folder, flushed to disk, then renamed into place (an
+atomic operation on POSIX); only then is ``latest`` replaced, also by an atomic rename. A kill at
+any moment leaves either the previous checkpoint or the new one as ``latest``, never a broken one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+LATEST = "latest"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` via a temporary file and an atomic rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared or non-contiguous storage (tied embeddings): store independent copies.
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.detach().cpu()
+        if v.data_ptr() in seen or not v.is_contiguous():
+            v = v.clone().contiguous()
+        seen.add(v.data_ptr())
+        out[k] = v
+    return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state_dict into tensors (for safetensors) and JSON (the rest)."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for name, value in st.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}.{name}"] = value
+            else:
+                scalars[f"{idx}.{name}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in list(tensors.items()) + list(meta["scalars"].items()):
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    policy_state: dict[str, torch.Tensor],
+    anchor_state: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint ``step`` atomically and point ``latest`` at it; prune old ones."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = ckpt_dir / f"step_{step:06d}"
+    tmp = ckpt_dir / f".tmp_step_{step:06d}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file(_contiguous(policy_state), tmp / "policy.safetensors")
+    save_file(_contiguous(anchor_state), tmp / "anchor.safetensors")
+    opt_tensors, opt_meta = optimizer_tensors(optimizer)
+    save_file(_contiguous(opt_tensors), tmp / "optimizer.safetensors")
+    with open(tmp / "state.json", "w") as f:
+        json.dump({"step": step, "optimizer": opt_meta, **state}, f, indent=1)
+    for p in tmp.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (resume then save): move the old one out first
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(ckpt_dir)
+    write_json_atomic(ckpt_dir / LATEST, {"checkpoint": final.name, "step": step})
+    _prune(ckpt_dir, keep)
+    return final
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    done = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in ckpt_dir.glob(".tmp_step_*"):  # left by a killed save
+        if not stale.name.endswith(f"_{os.getpid()}"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The newest complete checkpoint of a run folder; raise FileNotFoundError naming what is missing."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    pointer = ckpt_dir / LATEST
+    if not pointer.exists():
+        raise FileNotFoundError(f"--resume {run_dir}: no checkpoint found ({pointer} does not exist)")
+    name = json.loads(pointer.read_text())["checkpoint"]
+    path = ckpt_dir / name
+    if not (path / "state.json").exists():
+        raise FileNotFoundError(f"--resume {run_dir}: {pointer} names {name}, which is incomplete or missing")
+    return path
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint folder: {'policy', 'anchor', 'optimizer': (tensors, meta), 'state'}."""
+    state = json.loads((path / "state.json").read_text())
+    return {
+        "policy": load_file(path / "policy.safetensors"),
+        "anchor": load_file(path / "anchor.safetensors"),
+        "optimizer": (load_file(path / "optimizer.safetensors"), state.pop("optimizer")),
+        "state": state,
+    }

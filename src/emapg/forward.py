@@ -1,0 +1,91 @@
+"""One model pass over a micro-batch of rollouts: per-response-token log-prob statistics.
+
+The anchor pass and the policy pass of spec section 5 are both this function. Two paths, equal
+in value and gradient (a test checks it):
+
+* ``prefix_sharing=True`` (default): each distinct prompt runs once; its key/value cache is
+  repeated for its n responses, and gradients flow back through the cache into the prompt.
+  With n = 4 and prompts longer than responses this skips most of the compute.
+* ``prefix_sharing=False``: the plain full-sequence forward, prompt repeated n times.
+
+Logits are never formed for prompt positions, nor for padding: hidden states of the response
+positions go to :func:`emapg.logprobs.token_logprobs`, which works chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from emapg.logprobs import TokenLogprobs, token_logprobs
+from emapg.rollout.batch import RolloutBatch
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The transformer body (returns final, normed hidden states) and the output projection."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def _cache_kwarg(decoder: nn.Module) -> str:
+    # transformers 5.x renamed past_key_values to cache (the old name is deprecated, then removed).
+    params = inspect.signature(decoder.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _positions(mask: Tensor) -> Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = True) -> Tensor:
+    """Hidden states [B, L, H] at the positions that predict each response token."""
+    decoder, _ = decoder_and_head(model)
+    n, resp = mb.n, mb.response_ids
+    pmask = mb.prompt_mask
+    inputs = resp[:, :-1]  # the last response token predicts nothing we need
+    if not prefix_sharing:
+        full_ids = torch.cat([mb.prompt_ids.repeat_interleave(n, 0), inputs], 1)
+        full_mask = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
+        h = decoder(input_ids=full_ids, attention_mask=full_mask, position_ids=_positions(full_mask),
+                    use_cache=False).last_hidden_state
+        return h[:, pmask.shape[1] - 1 :]
+    out = decoder(input_ids=mb.prompt_ids, attention_mask=pmask, position_ids=_positions(pmask), use_cache=True)
+    h_first = out.last_hidden_state[:, -1:].repeat_interleave(n, 0)  # left padding: last column is real
+    if inputs.shape[1] == 0:
+        return h_first
+    cache = getattr(out, "cache", None) or out.past_key_values
+    cache.batch_repeat_interleave(n)  # autograd-tracked: gradients reach the prompt's keys/values
+    att = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
+    pos = pmask.sum(1, keepdim=True).repeat_interleave(n, 0) + torch.arange(inputs.shape[1], device=inputs.device)
+    h = decoder(input_ids=inputs, attention_mask=att, position_ids=pos, use_cache=True,
+                **{_cache_kwarg(decoder): cache}).last_hidden_state
+    return torch.cat([h_first, h], 1)
+
+
+def response_logprobs(
+    model: nn.Module,
+    mb: RolloutBatch,
+    *,
+    temperature: float = 1.0,
+    ids: Tensor | None = None,
+    k_self: int = 0,
+    entropy: bool = False,
+    chunk_size: int = 1024,
+    prefix_sharing: bool = True,
+) -> TokenLogprobs:
+    """Log-prob statistics of the response tokens, only at valid (mask = 1) positions.
+
+    ids: [N, k] ids to gather log-probs at (the top-k head) at each valid position, or None.
+    Returns a :class:`TokenLogprobs` whose fields are [N] / [N, k] over the N = mask.sum()
+    valid positions, in row-major order (``tensor[mask.bool()]`` order).
+    """
+    _, head = decoder_and_head(model)
+    hidden = response_hidden(model, mb, prefix_sharing)
+    valid = mb.response_mask.bool()
+    return token_logprobs(
+        hidden[valid], head.weight, mb.response_ids[valid], ids=ids,
+        bias=getattr(head, "bias", None), temperature=temperature, k_self=k_self, entropy=entropy,
+        chunk_size=chunk_size,
+    )

@@ -1,0 +1,92 @@
+"""Where metrics go: metrics.jsonl (one object per step), TensorBoard, PNG plots, a progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+PLOTS = {
+    "reward": ["reward_mean"],
+    "accuracy": ["eval/policy_accuracy"],
+    "kl": ["kl", "kl_to_init"],
+    "entropy": ["entropy"],
+}
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            # Drop rows past the checkpoint we resume from: those steps are re-run.
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step)
+
+    def write(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, row["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """PNG plots of reward, held-out accuracy, KL and entropy against step. Returns the files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    out = []
+    for name, keys in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        drawn = False
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o" if len(pts) < 30 else None, ms=3, label=key)
+                drawn = True
+        if drawn:
+            ax.set_xlabel("step")
+            ax.set_title(name)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = Path(run_dir) / f"{name}.png"
+            fig.savefig(path, dpi=100)
+            out.append(path)
+        plt.close(fig)
+    return out
+
+
+def write_eval_table(run_dir: Path, table: dict[str, dict[str, Any] | None]) -> str:
+    """Write eval.json and eval.md (initial model, policy, anchor); return the markdown."""
+    Path(run_dir, "eval.json").write_text(json.dumps(table, indent=1))
+    lines = ["| model | held-out accuracy |", "|---|---|"]
+    for name, res in table.items():
+        acc = None if not res else res.get("accuracy")
+        lines.append(f"| {name} | {'n/a' if acc is None else f'{100 * acc:.1f}%'} |")
+    md = "\n".join(lines) + "\n"
+    Path(run_dir, "eval.md").write_text(md)
+    return md

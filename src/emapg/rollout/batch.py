@@ -1,0 +1,80 @@
+"""RolloutBatch: the one record that travels through a training step (see docs/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RolloutBatch:
+    """P distinct prompts, n responses each, B = P * n responses (responses of a prompt adjacent).
+
+    prompt_ids, prompt_mask: [P, Lp] left-padded prompts (mask 1 on real tokens).
+    response_ids: [B, L] right-padded responses. response_mask: [B, L] 1 where the model generated
+        the token and it counts in the loss (EOS included; padding, tool output excluded).
+    samp_logp: [B, L] log-prob of each response token under the sampling distribution (after
+        temperature and top-p). samp_topk: [B, L, k] that distribution's top-k ids, or None.
+    tail_lost: [B, L] probability mass the sampler could not draw (outside top-p), 0 when top_p = 1.
+    entropy: [B, L] entropy of the sampling distribution at each position (a diagnostic).
+    truncated: [B] the response hit the length budget without an end-of-sequence.
+    rewards, advantages: [B], filled by the trainer.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    samp_logp: Tensor
+    n: int
+    samp_topk: Tensor | None = None
+    tail_lost: Tensor | None = None
+    entropy: Tensor | None = None
+    truncated: Tensor | None = None
+    completions: list[str] = field(default_factory=list)
+    rewards: Tensor | None = None
+    advantages: Tensor | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def rows(self, prompts: slice) -> slice:
+        """Response rows of a slice of prompts."""
+        return slice(prompts.start * self.n, prompts.stop * self.n)
+
+    def micro_batch(self, prompts: slice) -> RolloutBatch:
+        """The sub-batch of a contiguous range of prompts with all their responses, trimmed of
+        all-padding columns (so a micro-batch of short answers runs short sequences)."""
+        rows = self.rows(prompts)
+        pm = self.prompt_mask[prompts]
+        p_cols = pm.any(0).nonzero()
+        p_start = int(p_cols[0]) if len(p_cols) else pm.shape[1]
+        rm = self.response_mask[rows]
+        r_cols = rm.any(0).nonzero()
+        r_end = int(r_cols[-1]) + 1 if len(r_cols) else 1
+        cut = lambda t: None if t is None else t[rows, :r_end]  # noqa: E731
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[prompts, p_start:], prompt_mask=pm[:, p_start:],
+            response_ids=self.response_ids[rows, :r_end], response_mask=rm[:, :r_end],
+            samp_logp=self.samp_logp[rows, :r_end], n=self.n, samp_topk=cut(self.samp_topk),
+            tail_lost=cut(self.tail_lost), entropy=cut(self.entropy),
+            truncated=None if self.truncated is None else self.truncated[rows],
+            completions=self.completions[rows],
+            rewards=None if self.rewards is None else self.rewards[rows],
+            advantages=None if self.advantages is None else self.advantages[rows],
+        )
+
+
+def response_mask_from_ids(ids: Tensor, eos_id: int | list[int]) -> tuple[Tensor, Tensor]:
+    """Mask [B, L] of positions up to and including the first EOS, and truncated [B] (no EOS).
+
+    Generators pad finished rows with the pad token, which is often the EOS token itself: only
+    the first EOS counts.
+    """
+    eos_ids = torch.tensor(eos_id if isinstance(eos_id, list) else [eos_id], device=ids.device)
+    is_eos = torch.isin(ids, eos_ids)
+    before = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+    return before.long(), ~is_eos.any(1)

@@ -1,0 +1,103 @@
+"""Rollouts with Hugging Face ``generate``: batched, left-padded, n samples per prompt.
+
+From the generation scores (the logits after temperature and top-p, which are exactly the
+sampling distribution) it records, per generated token, the sampled token's log-prob and that
+distribution's top-k ids, with no extra forward pass (spec section 5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from emapg.rollout.batch import RolloutBatch, response_mask_from_ids
+from emapg.tasks.base import Example
+
+
+def format_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat prompt: the tokenizer's chat template when it has one, else plain text."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def pad_left(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists to [P, Lp] ids and mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def eos_ids(model: nn.Module, tokenizer) -> list[int]:
+    """End-of-sequence ids: the tokenizer's and the model's generation config's."""
+    ids = {tokenizer.eos_token_id}
+    cfg = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(cfg if isinstance(cfg, list) else [cfg])
+    return sorted(i for i in ids if i is not None)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    tokenizer,
+    examples: list[Example],
+    *,
+    n: int = 1,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 32,
+    k: int = 0,
+    greedy: bool = False,
+) -> RolloutBatch:
+    """Sample ``n`` responses per example; returns a :class:`RolloutBatch` (rewards not yet set).
+
+    k: how many top-k ids of the sampling distribution to record per token (0 = none).
+    greedy: argmax decoding (evaluation); then samp_logp is the tempered log-prob of the argmax.
+    """
+    device = next(model.parameters()).device
+    prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
+    prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    eos = eos_ids(model, tokenizer)
+    sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if not greedy:
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    was_training = model.training
+    model.eval()
+    out = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens, num_return_sequences=n,
+        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True,
+        output_logits=top_p < 1.0 and not greedy,
+        **sampling,
+    )
+    model.train(was_training)
+    resp = out.sequences[:, prompt_ids.shape[1] :]
+    mask, truncated = response_mask_from_ids(resp, eos)
+    samp_logp = torch.zeros(resp.shape, dtype=torch.float32, device=device)
+    tail_lost = torch.zeros(resp.shape, dtype=torch.float32, device=device)
+    entropy = torch.zeros(resp.shape, dtype=torch.float32, device=device)
+    topk = torch.zeros((*resp.shape, k), dtype=torch.long, device=device) if k > 0 else None
+    for t, scores in enumerate(out.scores):
+        scores = scores.float() if not greedy else scores.float() / temperature
+        logp = torch.log_softmax(scores, -1)
+        samp_logp[:, t] = logp.gather(-1, resp[:, t : t + 1]).squeeze(-1)
+        entropy[:, t] = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+        if out.logits is not None:
+            # mass outside the nucleus, under the tempered but untruncated distribution
+            full = torch.softmax(out.logits[t].float() / temperature, -1)
+            tail_lost[:, t] = (full * torch.isinf(scores)).sum(-1)
+        if topk is not None:
+            topk[:, t] = logp.topk(min(k, logp.shape[-1]), -1).indices
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=mask, samp_logp=samp_logp,
+        n=n, samp_topk=topk, tail_lost=tail_lost, entropy=entropy, truncated=truncated,
+        completions=tokenizer.batch_decode(resp.masked_fill(mask == 0, tokenizer.pad_token_id),
+                                           skip_special_tokens=True),
+    )

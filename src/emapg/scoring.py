@@ -1,0 +1,31 @@
+"""Calling a task's reward on a batch of completions, with errors that name the sample."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from emapg.tasks.base import Example, Task
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned a non-number, for a named sample."""
+
+
+def score_completions(task: Task, completions: list[str], examples: list[Example], n: int) -> torch.Tensor:
+    """Rewards [len(completions)] for completions grouped n per example (example i // n)."""
+    out = []
+    for i, completion in enumerate(completions):
+        ex = examples[i // n]
+        try:
+            value = float(task.reward(completion, ex))
+        except Exception as e:  # the user's reward code: report which sample broke it
+            raise RewardError(
+                f"reward of task {task.name!r} raised {type(e).__name__}: {e} "
+                f"(sample {i}: example {ex.id!r}, response {i % n}, completion {completion[:200]!r})"
+            ) from e
+        if not math.isfinite(value):
+            raise RewardError(f"reward of task {task.name!r} returned {value} for sample {i} (example {ex.id!r})")
+        out.append(value)
+    return torch.tensor(out, dtype=torch.float32)

@@ -1,0 +1,330 @@
+"""The EMA-PG training loop (spec section 4). It only orchestrates: every formula lives in
+kl.py, objective.py, logprobs.py and anchor.py.
+
+One step: prompts -> n responses -> rewards -> advantages -> anchor pass -> PPO epochs over
+mini-batches (micro-batches accumulate) -> optimizer steps -> EMA anchor update -> metrics ->
+checkpoint. Every step seeds its own randomness from (seed, step), so a resumed run replays
+exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from emapg import kl as klmod
+from emapg.anchor import EMAAnchor
+from emapg.checkpoint import latest_checkpoint, load_checkpoint, load_optimizer, save_checkpoint
+from emapg.config import TrainConfig, save_config
+from emapg.evaluate import evaluate
+from emapg.forward import response_logprobs
+from emapg.metrics import MetricsWriter, plot_run
+from emapg.models import load_model, save_hf_folder
+from emapg.objective import aggregate, clipped_surrogate, group_advantages
+from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.hf import generate
+from emapg.scoring import score_completions
+from emapg.tasks import make_task
+
+
+@dataclass
+class AnchorStats:
+    """No-grad per-valid-position statistics of a micro-batch: [N] / [N, k]."""
+
+    logp_tok: Tensor
+    logp_q: Tensor | None
+    q_ids: Tensor | None  # [N, k] head ids, when the anchor chose them (top-k forward) or all ids (exact)
+    old_logp: Tensor  # log pi_old of the sampled tokens (PPO ratio)
+    init_logp_tok: Tensor | None = None
+
+
+def _scatter(values: Tensor, mask: Tensor) -> Tensor:
+    """Put [N] values of the valid positions back into a zero [B, L] tensor (differentiable)."""
+    out = values.new_zeros(mask.shape)
+    return out.index_put((mask.nonzero(as_tuple=True)), values)
+
+
+class Trainer:
+    """Runs one configuration into a run folder. ``resume=True`` continues from its latest checkpoint."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
+        self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.model, self.tokenizer = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
+        self.model.eval()  # no dropout in RL passes; the graph is the same for sampling and training
+        self.task = make_task(cfg.task, **cfg.task_args)
+        self.eval_set = self.task.eval_examples(cfg.eval.size) if cfg.eval.size else []
+        self.anchor = EMAAnchor(self.model, eta=cfg.algo.eta, every=cfg.algo.ema_every)
+        self.init_model = None
+        if cfg.log_kl_to_init:
+            self.init_model = EMAAnchor(self.model, eta=1.0).module
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+        self.step = 0
+        self.skipped_steps = 0
+        self.initial_eval: dict[str, Any] | None = None
+        if resume:
+            self._restore()
+        else:
+            save_config(cfg, self.run_dir / "config.yaml")
+        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        ckpt = load_checkpoint(latest_checkpoint(self.run_dir))
+        missing, unexpected = self.model.load_state_dict(ckpt["policy"], strict=False)
+        if unexpected or [m for m in missing if m not in self._tied_names()]:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.anchor.load_state_dict(ckpt["anchor"])
+        load_optimizer(self.optimizer, *ckpt["optimizer"])
+        st = ckpt["state"]
+        self.step, self.skipped_steps = st["step"], st["skipped_steps"]
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.initial_eval = st.get("initial_eval")
+
+    def _tied_names(self) -> set[str]:
+        seen, tied = {}, set()
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if t.data_ptr() in seen:
+                tied.add(name)
+            seen.setdefault(t.data_ptr(), name)
+        return tied
+
+    def save(self) -> Path:
+        state = {"skipped_steps": self.skipped_steps, "scheduler": self.scheduler.state_dict(),
+                 "initial_eval": self.initial_eval, "seed": self.cfg.seed}
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model.state_dict(),
+                               self.anchor.state_dict(), self.optimizer, state, keep=self.cfg.keep_checkpoints)
+
+    # ---- one training step ---------------------------------------------------------------------
+
+    def _step_seed(self, step: int) -> int:
+        return self.cfg.seed * 1_000_003 + step
+
+    def rollout(self, step: int) -> RolloutBatch:
+        cfg, r = self.cfg, self.cfg.rollout
+        rng = random.Random(self._step_seed(step))
+        examples = self.task.train_examples(rng, cfg.prompts_per_step)
+        need_q = cfg.algo.kl == "topk_reverse" and cfg.algo.k > 0
+        batch = generate(self.model, self.tokenizer, examples, n=r.n, temperature=r.temperature, top_p=r.top_p,
+                         max_new_tokens=r.max_new_tokens, k=cfg.algo.k if need_q else 0)
+        batch.rewards = score_completions(self.task, batch.completions, examples, r.n)
+        batch.advantages = group_advantages(batch.rewards, r.n, cfg.algo.advantage)
+        if cfg.algo.mask_truncated:
+            batch.response_mask = batch.response_mask * (~batch.truncated).long()[:, None]
+        return batch
+
+    def _micro_batches(self, prompts: range) -> list[slice]:
+        size = self.cfg.micro_batch_prompts
+        return [slice(s, min(s + size, prompts.stop)) for s in range(prompts.start, prompts.stop, size)]
+
+    def _passes(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return dict(temperature=cfg.rollout.temperature, chunk_size=cfg.chunk_size, prefix_sharing=cfg.prefix_sharing)
+
+    @torch.no_grad()
+    def anchor_pass(self, mb: RolloutBatch) -> AnchorStats:
+        """The anchor's log-probs of the sampled tokens and at the head ids q; pi_old; init (optional).
+
+        q is pi_samp's top-k (recorded at sampling) for top-k reverse, the anchor's own top-k for
+        top-k forward, every id for the exact estimators.
+        """
+        a = self.cfg.algo
+        valid = mb.response_mask.bool()
+        q_ids, k_self = None, 0
+        if a.kl in klmod.EXACT_ESTIMATORS:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            q_ids = torch.arange(vocab, device=valid.device).expand(int(valid.sum()), vocab)
+        elif a.kl == "topk_reverse" and a.k > 0:
+            q_ids = mb.samp_topk[valid]
+        elif a.kl == "topk_forward" and a.k > 0:
+            k_self = a.k
+        with self.anchor.use(self.model) as anchor_model:
+            st = response_logprobs(anchor_model, mb, ids=q_ids, k_self=k_self, **self._passes())
+        logp_q = st.logp_ids
+        if k_self:
+            q_ids, logp_q = st.topk_ids, st.topk_logp
+        old = mb.samp_logp[valid]
+        if a.ppo_epochs > 1 or self.cfg.rollout.top_p < 1.0:
+            # pi_old must be the unconstrained policy: the top-p sampler's log-probs are not
+            old = response_logprobs(self.model, mb, **self._passes()).logp_tok
+        init = None
+        if self.init_model is not None:
+            init = response_logprobs(self.init_model, mb, **self._passes()).logp_tok
+        return AnchorStats(logp_tok=st.logp_tok, logp_q=logp_q, q_ids=q_ids, old_logp=old, init_logp_tok=init)
+
+    def micro_loss(self, mb: RolloutBatch, anc: AnchorStats, counts: dict[str, Any]) -> tuple[Tensor, dict]:
+        """The loss of one micro-batch (already divided by the whole mini-batch's counts) and stats."""
+        a = self.cfg.algo
+        valid = mb.response_mask.bool()
+        pol = response_logprobs(self.model, mb, ids=anc.q_ids, **self._passes())
+        samp = mb.samp_logp[valid]  # s = pi/pi_samp: 1 up to rounding on-policy, the true weight off it
+        kl_tok = klmod.kl_from_logprobs(
+            a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=samp, policy_logp_q=pol.logp_ids,
+            anchor_logp_q=anc.logp_q,
+            in_q=None if anc.q_ids is None else (anc.q_ids == mb.response_ids[valid][:, None]).any(-1),
+            form=a.form, is_clip=a.is_clip)
+        sur = clipped_surrogate(_scatter(pol.logp_tok, valid), _scatter(anc.old_logp, valid), mb.advantages,
+                                a.eps_low, a.eps_high, a.dual_clip)
+        mask = mb.response_mask
+        pg = aggregate(sur.loss, mask, a.agg, **counts)
+        kl = aggregate(_scatter(kl_tok, valid), mask, a.agg, **counts)
+        loss = pg + a.beta * kl
+        sums = {
+            "pg_loss": pg.item(), "kl": kl.item(),
+            "clip_frac": float((sur.clipped * mask).sum()), "dual_clip_frac": float((sur.dual_clipped * mask).sum()),
+            "ratio_max": float(sur.ratio[valid].max()) if valid.any() else 1.0,
+            "tokens": float(valid.sum()),
+        }
+        if anc.init_logp_tok is not None:
+            sums["kl_to_init"] = float(klmod.kl_from_logprobs("k3", pol.logp_tok.detach(), anc.init_logp_tok,
+                                                                samp_logp_tok=mb.samp_logp[valid]).sum())
+        return loss, sums
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg, a = self.cfg, self.cfg.algo
+        torch.manual_seed(self._step_seed(step))
+        t0 = time.perf_counter()
+        batch = self.rollout(step)
+        t_gen = time.perf_counter() - t0
+        micro = self._micro_batches(range(batch.num_prompts))
+        micro_batches = [batch.micro_batch(sl) for sl in micro]
+        anchors = [self.anchor_pass(mb) for mb in micro_batches]
+        t_anchor = time.perf_counter() - t0 - t_gen
+        mini = cfg.mini_batch_prompts or cfg.prompts_per_step
+        per_mini = mini // cfg.micro_batch_prompts
+        acc: dict[str, float] = {}
+        grad_norms, skipped = [], 0
+        max_len = cfg.rollout.max_new_tokens
+        for _epoch in range(a.ppo_epochs):
+            for m0 in range(0, len(micro_batches), per_mini):
+                group = list(range(m0, m0 + per_mini))
+                counts = {"num_tokens": float(sum(micro_batches[i].response_mask.sum() for i in group)),
+                          "num_seqs": float(mini * cfg.rollout.n), "max_len": max_len}
+                self.optimizer.zero_grad(set_to_none=True)
+                finite = True
+                for i in group:
+                    loss, sums = self.micro_loss(micro_batches[i], anchors[i], counts)
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    loss.backward()
+                    for key, v in sums.items():
+                        acc[key] = max(acc.get(key, v), v) if key.endswith("_max") else acc.get(key, 0.0) + v
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm) if finite else torch.tensor(math.nan)
+                if not finite or not torch.isfinite(norm):
+                    skipped += 1  # a non-finite loss or gradient: drop this update, keep training
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue
+                grad_norms.append(float(norm))
+                self.optimizer.step()
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        ema_updated = self.anchor.step(self.model)
+        self.skipped_steps += skipped
+        n_updates = a.ppo_epochs * (cfg.prompts_per_step // mini)
+        tokens = max(acc.get("tokens", 0.0), 1.0)
+        lengths = batch.response_mask.sum(1).float()
+        groups = batch.rewards.view(-1, cfg.rollout.n)
+        row = {
+            "step": step,
+            "reward_mean": float(batch.rewards.mean()),
+            "reward_std": float(batch.rewards.std()) if batch.rewards.numel() > 1 else 0.0,
+            "solve_none": float((groups.max(1).values == groups.min(1).values).float().mean()),
+            "kl": acc.get("kl", math.nan) / max(n_updates - skipped, 1),
+            "pg_loss": acc.get("pg_loss", math.nan) / max(n_updates - skipped, 1),
+            "entropy": float((batch.entropy * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)),
+            "clip_frac": acc.get("clip_frac", 0.0) / tokens,
+            "dual_clip_frac": acc.get("dual_clip_frac", 0.0) / tokens,
+            "ratio_max": acc.get("ratio_max", math.nan),
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+            "response_length": float(lengths.mean()),
+            "truncated_frac": float(batch.truncated.float().mean()),
+            "tail_lost": float((batch.tail_lost * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)),
+            "lr": self.scheduler.get_last_lr()[0],
+            "ema_updated": int(ema_updated),
+            "skipped_updates": skipped,
+            "skipped_total": self.skipped_steps,
+            "gen_seconds": t_gen,
+            "anchor_seconds": t_anchor,
+            "step_seconds": time.perf_counter() - t0,
+        }
+        if "kl_to_init" in acc:
+            row["kl_to_init"] = acc["kl_to_init"] / tokens / a.ppo_epochs
+        return row
+
+    # ---- evaluation and the run ----------------------------------------------------------------
+
+    def evaluate(self, which: str = "policy") -> dict[str, Any]:
+        """Held-out accuracy of the policy, the anchor, or the initial model (``init``)."""
+        e, r = self.cfg.eval, self.cfg.rollout
+        kw = dict(max_new_tokens=e.max_new_tokens or r.max_new_tokens, greedy=e.greedy,
+                  temperature=r.temperature, top_p=r.top_p)
+        with torch.random.fork_rng():  # evaluation never shifts the training randomness
+            torch.manual_seed(self.cfg.seed)
+            if which == "anchor":
+                with self.anchor.use(self.model) as m:
+                    return evaluate(m, self.tokenizer, self.task, self.eval_set, **kw)
+            return evaluate(self.model, self.tokenizer, self.task, self.eval_set, **kw)
+
+    def train(self) -> dict[str, Any]:
+        """Run to ``cfg.steps``; returns the final eval table {'init'|'policy'|'anchor': results}."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        if self.initial_eval is None and self.eval_set:
+            self.initial_eval = self.evaluate("policy")
+            self.metrics.write({"step": 0, "eval/policy_accuracy": self.initial_eval["accuracy"],
+                                "eval/policy_length": self.initial_eval["mean_length"]})
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, desc="emapg", unit="step")
+        while self.step < cfg.steps:
+            step = self.step + 1
+            row = self.train_step(step)
+            self.step = step
+            if self.eval_set and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+                res = self.evaluate("policy")
+                row.update({"eval/policy_accuracy": res["accuracy"], "eval/policy_length": res["mean_length"]})
+            if step == cfg.steps and self.eval_set:
+                for which in ("policy", "anchor"):
+                    res = self.evaluate(which)
+                    row.update({f"eval/{which}_accuracy": res["accuracy"], f"eval/{which}_length": res["mean_length"]})
+            self.metrics.write(row)
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                self.save()
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", kl=f"{row['kl']:.2e}", s=f"{row['step_seconds']:.1f}")
+            bar.update(1)
+        bar.close()
+        self.metrics.close()
+        table = self._final_table()
+        if cfg.export:
+            save_hf_folder(self.model, self.tokenizer, self.run_dir / "export" / "policy")
+            with self.anchor.use(self.model) as m:
+                save_hf_folder(m, self.tokenizer, self.run_dir / "export" / "anchor")
+        plot_run(self.run_dir)
+        return table
+
+    def _final_table(self) -> dict[str, Any]:
+        from emapg.metrics import read_metrics, write_eval_table
+
+        last = {}
+        for row in read_metrics(self.run_dir):
+            last.update({k: v for k, v in row.items() if k.startswith("eval/")})
+        table = {"init": self.initial_eval,
+                 "policy": {"accuracy": last.get("eval/policy_accuracy")},
+                 "anchor": {"accuracy": last.get("eval/anchor_accuracy")}}
+        write_eval_table(self.run_dir, table)
+        return table

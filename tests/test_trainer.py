@@ -1,0 +1,204 @@
+"""End to end on tiny random models: the loop, resume, atomic checkpoints, faults, exports."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from emapg.checkpoint import latest_checkpoint, load_checkpoint
+from emapg.config import load_config
+from emapg.metrics import read_metrics
+from emapg.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "recipes" / "smoke.yaml"
+TIMING = ("step_seconds", "gen_seconds", "anchor_seconds")
+
+
+def cfg(*overrides):
+    return load_config(SMOKE, ["export=false", *overrides])
+
+
+def strip_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_smoke_run_writes_the_run_folder(tmp_path):
+    table = Trainer(load_config(SMOKE), tmp_path, progress=False).train()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for key in ("reward_mean", "kl", "entropy", "step_seconds", "clip_frac", "grad_norm", "response_length"):
+        assert all(key in r for r in rows[1:]), key
+    assert "eval/policy_accuracy" in rows[0] and "eval/anchor_accuracy" in rows[-1]
+    for f in ("config.yaml", "eval.md", "eval.json", "reward.png", "kl.png", "entropy.png", "accuracy.png"):
+        assert (tmp_path / f).exists(), f
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert set(table) == {"init", "policy", "anchor"}
+    # exports load with plain transformers and the anchor differs from the policy (eta < 1)
+    from transformers import AutoModelForCausalLM
+
+    pol = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "policy")
+    anc = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "anchor")
+    assert not torch.equal(pol.model.layers[0].mlp.up_proj.weight, anc.model.layers[0].mlp.up_proj.weight)
+
+
+def test_training_moves_the_policy_and_the_anchor_follows(tmp_path):
+    tr = Trainer(cfg("algo.eta=0.5"), tmp_path, progress=False)
+    w0 = tr.model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    tr.train()
+    w = tr.model.model.layers[0].mlp.up_proj.weight.detach()
+    a = tr.anchor.module.model.layers[0].mlp.up_proj.weight
+    assert not torch.equal(w, w0)
+    # the anchor lies strictly between the start and the policy
+    assert 0 < (a - w0).norm() < (w - w0).norm() + 1e-12
+
+
+def test_frozen_anchor_is_the_initial_model(tmp_path):
+    tr = Trainer(cfg("algo.eta=1.0", "algo.kl=k3"), tmp_path, progress=False)
+    w0 = tr.model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    tr.train()
+    assert torch.equal(tr.anchor.module.model.layers[0].mlp.up_proj.weight, w0)
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    Trainer(cfg("steps=4", "save_every=2"), full, progress=False).train()
+    Trainer(cfg("steps=2", "save_every=2"), part, progress=False).train()
+    # the interrupted run's config said steps=2; resume it to 4 as a user would with an override
+    resumed = Trainer(load_config(part / "config.yaml", ["steps=4"]), part, resume=True, progress=False)
+    assert resumed.step == 2
+    resumed.train()
+    a, b = strip_timing(read_metrics(full)), strip_timing(read_metrics(part))
+    # the 2-step run evaluated the anchor at its end (step 2); the full run did not: compare the rest
+    for ra, rb in zip(a, b, strict=True):
+        for key in set(ra) & set(rb):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
+    ca, cb = load_checkpoint(latest_checkpoint(full)), load_checkpoint(latest_checkpoint(part))
+    for name, t in ca["policy"].items():
+        torch.testing.assert_close(cb["policy"][name], t)
+    for name, t in ca["anchor"].items():
+        torch.testing.assert_close(cb["anchor"][name], t)
+
+
+def test_kill_during_save_never_breaks_latest(tmp_path):
+    """A child process saves checkpoints in a loop; we SIGKILL it at random moments and check that
+    `latest` always names a complete checkpoint that loads."""
+    script = f"""
+import sys, torch
+from pathlib import Path
+sys.path.insert(0, {str(ROOT / 'src')!r})
+from emapg.checkpoint import save_checkpoint
+model = torch.nn.Linear(256, 256)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 256)).sum().backward(); opt.step()
+step = 0
+while True:
+    step += 1
+    with torch.no_grad():
+        model.weight.fill_(float(step))
+    save_checkpoint(Path({str(tmp_path / 'checkpoints')!r}), step,
+                    model.state_dict(), {{"average.w": model.weight.detach()}}, opt, {{"note": "x"}}, keep=2)
+    print(step, flush=True)
+"""
+    for delay in (0.0, 0.003, 0.011, 0.027, 0.05):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        for _ in range(3):  # let it complete a few saves, then kill it somewhere inside the next ones
+            proc.stdout.readline()
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        path = latest_checkpoint(tmp_path)
+        ck = load_checkpoint(path)
+        step = ck["state"]["step"]
+        assert torch.all(ck["policy"]["weight"] == float(step))
+        assert torch.all(ck["anchor"]["average.w"] == float(step))
+
+
+def test_non_finite_loss_skips_the_update_and_training_goes_on(tmp_path, monkeypatch):
+    tr = Trainer(cfg("steps=3", "eval.size=0"), tmp_path, progress=False)
+    original = tr.micro_loss
+    calls = {"n": 0}
+
+    def poisoned(mb, anc, counts):
+        loss, sums = original(mb, anc, counts)
+        calls["n"] += 1
+        return (loss * math.nan if calls["n"] == 1 else loss), sums
+
+    monkeypatch.setattr(tr, "micro_loss", poisoned)
+    w0 = tr.model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    tr.train_step(1)
+    assert torch.equal(tr.model.model.layers[0].mlp.up_proj.weight, w0)  # the poisoned update was dropped
+    tr.step = 1
+    tr.train()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [2, 3] and all(r["skipped_updates"] == 0 for r in rows)
+    assert tr.skipped_steps == 1 and rows[-1]["skipped_total"] == 1
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+
+
+def test_reward_error_names_the_sample(tmp_path):
+    tr = Trainer(cfg("eval.size=0"), tmp_path, progress=False)
+
+    def bad_reward(completion, example):
+        if example.id == "train-1":
+            raise KeyError("boom")
+        return 0.0
+
+    tr.task.reward = bad_reward
+    with pytest.raises(RuntimeError, match=r"raised KeyError.*example 'train-1'"):
+        tr.train_step(1)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algo.eta=0", "algo.eta: must be in \\(0, 1\\]"),
+    ("algo.eta=1.5", "algo.eta: must be in"),
+    ("algo.k=-1", "algo.k: must be >= 0"),
+    ("algo.kl=k7", "algo.kl: unknown estimator 'k7'"),
+    ("micro_batch_prompts=3", "micro_batch_prompts: 3 does not divide"),
+    ("algo.etaa=0.5", "unknown key 'etaa' in algo"),
+    ("steps=ten", "steps: expected int"),
+    ("rollout.top_p=0", "rollout.top_p: must be in"),
+])
+def test_config_validation_messages(override, message):
+    from emapg.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(SMOKE, [override])
+
+
+def test_config_file_errors_name_file_and_line(tmp_path):
+    from emapg.config import ConfigError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 3\nalgo:\n  eta: [0.9\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml, line \d+: invalid YAML"):
+        load_config(bad)
+    bad.write_text("steps: 3\nalgo:\n  etta: 0.9\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: algo: unknown key\(s\) etta"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does-not-exist.yaml"):
+        load_config(tmp_path / "does-not-exist.yaml")
+
+
+def test_cli_train_and_resume(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "emapg", "train", "--config", str(SMOKE), "--out", str(out), "steps=2", "export=false"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "| init |" in res.stdout
+    res = subprocess.run([sys.executable, "-m", "emapg", "train", "--resume", str(out), "steps=3"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
+    assert json.loads((out / "checkpoints" / "latest").read_text())["step"] == 3
+    res = subprocess.run([sys.executable, "-m", "emapg", "train", "--config", str(SMOKE), "algo.eta=2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 2 and "algo.eta: must be in (0, 1]" in res.stderr
