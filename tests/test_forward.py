@@ -43,3 +43,18 @@ def test_response_mask_stops_after_first_eos():
     mask, truncated = response_mask_from_ids(ids, 1)
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert truncated.tolist() == [False, False, True]
+
+
+def test_generate_with_shared_prompt_cache_equals_plain_generate():
+    model, tok = load_model("tiny-llama", seed=3)
+    examples = make_task("arithmetic", digits=2, terms=3, ops="+-").train_examples(random.Random(0), 3)
+    examples[1].messages[0]["content"] += " Think."
+    out = []
+    for sharing in (True, False):
+        torch.manual_seed(0)
+        out.append(generate(model, tok, examples, n=3, temperature=0.9, max_new_tokens=10, k=4,
+                            prefix_sharing=sharing))
+    assert torch.equal(out[0].response_ids, out[1].response_ids)
+    assert torch.equal(out[0].samp_topk, out[1].samp_topk)
+    torch.testing.assert_close(out[0].samp_logp, out[1].samp_logp, atol=1e-5, rtol=1e-5)
+    assert out[0].prompt_ids.shape[0] == 3 and out[0].response_ids.shape[0] == 9

@@ -43,6 +43,18 @@ def eos_ids(model: nn.Module, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def _shared_prefix_inputs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, n: int) -> dict:
+    """generate() inputs for P*n rows whose cache of the first Lp-1 prompt tokens was computed once per
+    prompt. generate() then feeds only the last prompt token and continues decoding."""
+    head_ids, head_mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
+    pos = (head_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=head_ids, attention_mask=head_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    cache.batch_repeat_interleave(n)
+    return dict(input_ids=prompt_ids.repeat_interleave(n, 0), attention_mask=prompt_mask.repeat_interleave(n, 0),
+                past_key_values=cache, num_return_sequences=1)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -55,12 +67,17 @@ def generate(
     max_new_tokens: int = 32,
     k: int = 0,
     greedy: bool = False,
+    prefix_sharing: bool = True,
 ) -> RolloutBatch:
     """Sample ``n`` responses per example; returns a :class:`RolloutBatch` (rewards not yet set).
 
     k: how many top-k ids of the sampling distribution to record per token (0 = none).
     greedy: argmax decoding (evaluation); then samp_logp is the tempered log-prob of the argmax.
+    prefix_sharing: run each prompt once (all but its last token) and hand ``generate`` the key/value
+        cache repeated n times, instead of letting it run every prompt n times.
     """
+    if greedy and n > 1:
+        raise ValueError("greedy decoding gives one response per prompt: use n = 1 or sampling")
     device = next(model.parameters()).device
     prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
     prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
@@ -71,11 +88,12 @@ def generate(
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     was_training = model.training
     model.eval()
+    inputs = dict(input_ids=prompt_ids, attention_mask=prompt_mask, num_return_sequences=n)
+    if prefix_sharing and n > 1 and prompt_ids.shape[1] > 1:
+        inputs = _shared_prefix_inputs(model, prompt_ids, prompt_mask, n)
     out = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens, num_return_sequences=n,
-        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True,
-        output_logits=top_p < 1.0 and not greedy,
-        **sampling,
+        **inputs, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+        output_scores=True, return_dict_in_generate=True, output_logits=top_p < 1.0 and not greedy, **sampling,
     )
     model.train(was_training)
     resp = out.sequences[:, prompt_ids.shape[1] :]
