@@ -202,3 +202,19 @@ def test_cli_train_and_resume(tmp_path):
     res = subprocess.run([sys.executable, "-m", "emapg", "train", "--config", str(SMOKE), "algo.eta=2"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 2 and "algo.eta: must be in (0, 1]" in res.stderr
+
+
+@pytest.mark.parametrize("estimator", ["topk_forward", "exact_reverse", "k3", "k1"])
+def test_every_estimator_family_trains(tmp_path, estimator):
+    tr = Trainer(cfg("steps=1", "eval.size=0", f"algo.kl={estimator}", "algo.k=4"), tmp_path, progress=False)
+    row = tr.train_step(1)
+    assert math.isfinite(row["kl"]) and math.isfinite(row["grad_norm"])
+
+
+def test_two_ppo_epochs_with_top_p_recompute_pi_old(tmp_path):
+    tr = Trainer(cfg("steps=1", "eval.size=0", "algo.ppo_epochs=2", "mini_batch_prompts=2", "rollout.top_p=0.9",
+                     "lr=0.05"), tmp_path, progress=False)
+    row = tr.train_step(1)
+    assert row["tail_lost"] > 0  # top-p cut some mass, and it is reported
+    assert row["ratio_max"] > 1.0 + 1e-4  # later mini-batches and the 2nd epoch see a moved policy
+    assert row["skipped_updates"] == 0

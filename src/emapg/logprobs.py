@@ -50,11 +50,14 @@ def _chunk_stats(
     logits = torch.nn.functional.linear(hidden, weight, bias).float()
     if temperature != 1.0:
         logits = logits / temperature
-    lse = torch.logsumexp(logits, -1)
-    logp_tok = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
-    out = [logp_tok, lse]
+    # cross_entropy = lse - logit[token] is one fused pass forward and backward (softmax - onehot);
+    # lse then follows from the gathered logit, with the right gradient (softmax).
+    nll = torch.nn.functional.cross_entropy(logits, tokens, reduction="none")
+    picked = logits.gather(-1, tokens.unsqueeze(-1) if ids is None else torch.cat([tokens.unsqueeze(-1), ids], -1))
+    lse = picked[:, 0] + nll
+    out = [-nll, lse]
     if ids is not None:
-        out.append(logits.gather(-1, ids) - lse.unsqueeze(-1))
+        out.append(picked[:, 1:] - lse.unsqueeze(-1))
     with torch.no_grad():
         if k_self > 0:
             top = logits.topk(min(k_self, logits.shape[-1]), -1)
