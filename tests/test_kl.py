@@ -8,8 +8,16 @@ from hypothesis import strategies as st
 from emapg import kl
 from emapg.logprobs import token_logprobs
 
-torch.set_default_dtype(torch.float64)
 V = 12
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """Exactness claims are checked in float64; restore the default for the other test modules."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def make(V=V, seed=0, off_policy=False):

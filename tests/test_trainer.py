@@ -218,3 +218,18 @@ def test_two_ppo_epochs_with_top_p_recompute_pi_old(tmp_path):
     assert row["tail_lost"] > 0  # top-p cut some mass, and it is reported
     assert row["ratio_max"] > 1.0 + 1e-4  # later mini-batches and the 2nd epoch see a moved policy
     assert row["skipped_updates"] == 0
+
+
+def test_lora_training_with_ema_of_adapters(tmp_path):
+    tr = Trainer(cfg("steps=2", "lora.r=4", "algo.eta=0.5", "export=true", "eval.size=4"), tmp_path, progress=False)
+    assert tr.anchor.mode == "lora" and tr.anchor.module is None
+    base = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}
+    tr.train()
+    assert all(torch.equal(p, base[n]) for n, p in tr.model.named_parameters() if not p.requires_grad)
+    adapters = {n: p for n, p in tr.model.named_parameters() if p.requires_grad}
+    assert set(tr.anchor.average) == set(adapters)
+    assert any(not torch.equal(tr.anchor.average[n], p.float()) for n, p in adapters.items())
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "anchor")
+    assert not any("lora" in n for n, _ in merged.named_parameters())

@@ -1,7 +1,7 @@
 """The ``emapg`` command line.
 
     emapg train [--config FILE] [--out DIR] [--resume DIR] [KEY=VALUE ...]
-    emapg eval  --model PATH_OR_NAME --task NAME [--samples N] [--size N] [--out DIR]
+    emapg eval  --model PATH_OR_NAME --task NAME [--data FILE ...] [--samples N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -51,24 +51,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from emapg.evaluate import evaluate
+    from emapg.metrics import eval_markdown
     from emapg.models import load_model
     from emapg.tasks import make_task
 
     torch.manual_seed(args.seed)
     model, tok = load_model(args.model, args.dtype)
     task_args = json.loads(args.task_args) if args.task_args else {}
-    task = make_task(args.task, **task_args)
-    examples = task.eval_examples(args.size)
     greedy = args.samples <= 1 and args.temperature == 0
-    res = evaluate(model, tok, task, examples, max_new_tokens=args.max_new_tokens, greedy=greedy,
-                   temperature=args.temperature or 1.0, samples=args.samples)
-    md = f"| model | task | n | accuracy |\n|---|---|---|---|\n| {args.model} | {args.task} | {res['num']} | " \
-         f"{100 * res['accuracy']:.1f}% |\n"
+    temperature = args.temperature or 1.0
+    datasets = [(Path(d).stem, {**task_args, "eval_file": d}) for d in args.data] if args.data else [
+        (args.task, task_args)]
+    rows = []
+    for name, targs in datasets:
+        task = make_task(args.task, **targs)
+        examples = task.eval_examples(args.size)
+        res = evaluate(model, tok, task, examples, max_new_tokens=args.max_new_tokens, greedy=greedy,
+                       temperature=temperature, top_p=args.top_p, samples=args.samples, batch_size=args.batch_size)
+        rows.append({"dataset": name, **res})
+        print(f"emapg eval: {name}: {100 * res['accuracy']:.1f}% over {res['num']} samples", file=sys.stderr)
+    md = eval_markdown(args.model, rows)
     print(md)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "eval.json").write_text(json.dumps({"model": args.model, "task": args.task, **res}, indent=1))
+        settings = {"model": args.model, "task": args.task, "samples": args.samples, "greedy": greedy,
+                    "temperature": None if greedy else temperature, "top_p": args.top_p,
+                    "max_new_tokens": args.max_new_tokens}
+        (out / "eval.json").write_text(json.dumps({**settings, "rows": rows}, indent=1))
         (out / "eval.md").write_text(md)
     return 0
 
@@ -85,10 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out accuracy of a model on a task")
     e.add_argument("--model", required=True, help="model folder or built-in name (smollm2-135m)")
     e.add_argument("--task", required=True)
-    e.add_argument("--task-args", help='JSON, e.g. \'{"digits": 2}\'')
-    e.add_argument("--samples", type=int, default=1, help="samples per problem (avg@n when > 1)")
-    e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    e.add_argument("--size", type=int, default=100, help="number of held-out problems")
+    e.add_argument("--task-args", help='JSON, e.g. \'{"digits": 2}\' or \'{"template": "chat"}\'')
+    e.add_argument("--data", nargs="+", help="eval files (math: JSONL/JSON/Parquet); one table row per file")
+    e.add_argument("--samples", type=int, default=1, help="samples per problem (avg@n and pass@k when > 1)")
+    e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (only with --samples 1)")
+    e.add_argument("--top-p", type=float, default=1.0)
+    e.add_argument("--size", type=int, default=100_000, help="at most this many problems per dataset")
+    e.add_argument("--batch-size", type=int, default=64)
     e.add_argument("--max-new-tokens", type=int, default=32)
     e.add_argument("--dtype", default="float32")
     e.add_argument("--seed", type=int, default=0)

@@ -87,6 +87,22 @@ class EvalConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT). With r > 0 the policy is base + adapters and the EMA anchor averages
+    only the adapters: base + EMA(adapters), never a second copy of the base."""
+
+    r: int = 0
+    """Adapter rank; 0 = full fine-tuning."""
+    alpha: float = 16.0
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input (0 keeps sampling and training the same function)."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+    """Module names to adapt."""
+
+
+@dataclass
 class TrainConfig:
     """One training run."""
 
@@ -129,6 +145,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """How many recent checkpoints to keep."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -152,10 +169,19 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if text.startswith("list"):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+        return value
     if "dict" in text:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return value
+    if "float" in text and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if "float" in text and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if "int" in text and isinstance(value, int) and not isinstance(value, bool):
@@ -264,6 +290,8 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1", cfg.keep_checkpoints),
         (cfg.eval.every >= 0, "eval.every", "must be >= 0", cfg.eval.every),
         (cfg.eval.size >= 0, "eval.size", "must be >= 0", cfg.eval.size),
+        (cfg.lora.r >= 0, "lora.r", "must be >= 0", cfg.lora.r),
+        (0 <= cfg.lora.dropout < 1, "lora.dropout", "must be in [0, 1)", cfg.lora.dropout),
     ]
     for ok, name, msg, value in checks:
         if not ok:

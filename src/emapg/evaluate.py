@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -10,6 +11,15 @@ from torch import nn
 from emapg.rollout.hf import generate
 from emapg.scoring import score_completions
 from emapg.tasks.base import Example, Task
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k) (Chen et al., 2021)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 @torch.no_grad()
@@ -26,19 +36,25 @@ def evaluate(
     samples: int = 1,
     batch_size: int = 64,
 ) -> dict[str, Any]:
-    """Mean reward over ``examples`` x ``samples`` (pass@1 averaged over samples when sampling).
+    """Mean reward over ``examples`` x ``samples`` (avg@n: pass@1 averaged over n samples).
 
-    Returns {'accuracy', 'mean_length', 'num'}; accuracy = mean reward (rewards are 0/1 for the
-    built-in tasks). Greedy decoding uses one sample per example.
+    Returns {'accuracy' (= avg@n), 'pass@k' for k = 1, 2, 4, ... <= n, 'mean_length', 'num'}.
+    A reward >= 1 counts as correct for pass@k. Greedy decoding uses one sample per example.
     """
     n = 1 if greedy else samples
     total, length, count = 0.0, 0.0, 0
+    correct: list[int] = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         batch = generate(model, tokenizer, chunk, n=n, temperature=temperature, top_p=top_p,
                          max_new_tokens=max_new_tokens, greedy=greedy)
         rewards = score_completions(task, batch.completions, chunk, n)
         total += float(rewards.sum())
+        correct += (rewards >= 1.0).view(-1, n).sum(1).tolist()
         length += float(batch.response_mask.sum())
         count += len(batch.completions)
-    return {"accuracy": total / max(count, 1), "mean_length": length / max(count, 1), "num": count}
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n]
+    out = {"accuracy": total / max(count, 1), "mean_length": length / max(count, 1), "num": count, "samples": n}
+    for k in ks:
+        out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
+    return out

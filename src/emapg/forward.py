@@ -29,7 +29,7 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return base.get_decoder(), base.get_output_embeddings()
 
 
-def _cache_kwarg(decoder: nn.Module) -> str:
+def cache_kwarg(decoder: nn.Module) -> str:
     # transformers 5.x renamed past_key_values to cache (the old name is deprecated, then removed).
     params = inspect.signature(decoder.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -60,7 +60,7 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     att = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
     pos = pmask.sum(1, keepdim=True).repeat_interleave(n, 0) + torch.arange(inputs.shape[1], device=inputs.device)
     h = decoder(input_ids=inputs, attention_mask=att, position_ids=pos, use_cache=True,
-                **{_cache_kwarg(decoder): cache}).last_hidden_state
+                **{cache_kwarg(decoder): cache}).last_hidden_state
     return torch.cat([h_first, h], 1)
 
 

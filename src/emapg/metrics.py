@@ -90,3 +90,18 @@ def write_eval_table(run_dir: Path, table: dict[str, dict[str, Any] | None]) -> 
     md = "\n".join(lines) + "\n"
     Path(run_dir, "eval.md").write_text(md)
     return md
+
+
+def eval_markdown(model: str, rows: list[dict[str, Any]]) -> str:
+    """One table for an eval run: a row per dataset (avg@n, pass@k, length) and their average."""
+    ks = sorted({k for r in rows for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
+    head = ["dataset", "problems", "samples", "avg@n"] + ks + ["mean tokens"]
+    lines = [f"model: {model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["dataset"], str(r["num"] // max(r.get("samples", 1), 1)), str(r.get("samples", 1)),
+                 f"{100 * r['accuracy']:.1f}"] + [f"{100 * r[k]:.1f}" for k in ks] + [f"{r['mean_length']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if len(rows) > 1:
+        avg = sum(r["accuracy"] for r in rows) / len(rows)
+        lines.append(f"| average | | | {100 * avg:.1f} |" + " |" * (len(ks) + 1))
+    return "\n".join(lines) + "\n"

@@ -155,20 +155,13 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
     return model, load_tokenizer(path, trust_remote_code)
 
 
-def save_hf_folder(model: nn.Module, tokenizer, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
-    """Export a model (optionally with other weights, e.g. the anchor's) as an HF model folder."""
+def save_hf_folder(model: nn.Module, tokenizer, path: Path) -> None:
+    """Export a model as a Hugging Face folder; a PEFT model is exported merged (base + adapters)."""
     path.mkdir(parents=True, exist_ok=True)
     target = model
-    if hasattr(target, "merge_and_unload") and state is None:  # PEFT: export the merged model
+    if hasattr(model, "merge_and_unload"):
         import copy
 
         target = copy.deepcopy(model).merge_and_unload()
-    if state is not None:
-        import copy
-
-        target = copy.deepcopy(model)
-        target.load_state_dict(state, strict=False)
-        if hasattr(target, "merge_and_unload"):
-            target = target.merge_and_unload()
     target.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -61,6 +61,12 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.model, self.tokenizer = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
+        if cfg.lora.r > 0:
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(
+                r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                target_modules=cfg.lora.target_modules))
         self.model.eval()  # no dropout in RL passes; the graph is the same for sampling and training
         self.task = make_task(cfg.task, **cfg.task_args)
         self.eval_set = self.task.eval_examples(cfg.eval.size) if cfg.eval.size else []

@@ -15,8 +15,11 @@ from emapg.tasks.base import Example
 
 
 def format_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat prompt: the tokenizer's chat template when it has one, else plain text."""
-    if getattr(tokenizer, "chat_template", None):
+    """Token ids of a chat prompt: the tokenizer's chat template when it has one, else plain text.
+    A single message with role ``raw`` is sent as it is (base models)."""
+    if len(messages) == 1 and messages[0]["role"] == "raw":
+        text = messages[0]["content"]
+    elif getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
         text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
@@ -51,8 +54,10 @@ def _shared_prefix_inputs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Ten
     out = model(input_ids=head_ids, attention_mask=head_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None) or out.past_key_values
     cache.batch_repeat_interleave(n)
-    return dict(input_ids=prompt_ids.repeat_interleave(n, 0), attention_mask=prompt_mask.repeat_interleave(n, 0),
-                past_key_values=cache, num_return_sequences=1)
+    from emapg.forward import cache_kwarg, decoder_and_head
+
+    return {"input_ids": prompt_ids.repeat_interleave(n, 0), "attention_mask": prompt_mask.repeat_interleave(n, 0),
+            cache_kwarg(decoder_and_head(model)[0]): cache, "num_return_sequences": 1}
 
 
 @torch.no_grad()

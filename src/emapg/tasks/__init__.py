@@ -6,8 +6,9 @@ from typing import Any
 
 from emapg.tasks.arithmetic import ArithmeticTask
 from emapg.tasks.base import Example, Task
+from emapg.tasks.math import MathTask
 
-TASKS = {"arithmetic": ArithmeticTask}
+TASKS = {"arithmetic": ArithmeticTask, "math": MathTask}
 
 
 def make_task(name: str, **kwargs: Any) -> Task:

@@ -1,0 +1,102 @@
+"""Loading prompt datasets: JSONL, JSON, Parquet files and `datasets` folders saved to disk.
+
+``load_rows(path, fields)`` returns a list of dicts with the fields renamed to what a task
+expects (``{"problem": "question"}`` maps the file's ``question`` column to ``problem``). Every
+error names the file, the line (for JSONL) and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class DataError(ValueError):
+    """A problem in a user's data file."""
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {i}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
+            rows.append((f"line {i}", row))
+    return rows
+
+
+def _read_json(path: Path) -> list[tuple[str, dict]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}, line {e.lineno}: malformed JSON ({e.msg})") from None
+    if isinstance(data, dict):  # {"data": [...]} or a column-oriented dict is not guessed at
+        data = data.get("data", data.get("rows"))
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of objects (or {{\"data\": [...]}})")
+    out = []
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}, item {i}: expected a JSON object, got {type(row).__name__}")
+        out.append((f"item {i}", row))
+    return out
+
+
+def _read_table(path: Path) -> list[tuple[str, dict]]:
+    if path.is_dir():
+        from datasets import load_from_disk
+
+        ds = load_from_disk(str(path))
+        if hasattr(ds, "keys"):  # a DatasetDict: take the train split, or the only one
+            split = "train" if "train" in ds else next(iter(ds))
+            ds = ds[split]
+    else:
+        from datasets import Dataset
+
+        ds = Dataset.from_parquet(str(path))
+    return [(f"row {i}", dict(row)) for i, row in enumerate(ds)]
+
+
+def load_rows(path: str | Path, fields: dict[str, str] | None = None, required: tuple[str, ...] = ()) -> list[dict]:
+    """Rows of a data file with columns renamed by ``fields`` (task name -> file column).
+
+    ``required`` lists task field names every row must have (after renaming).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist")
+    if path.is_dir():
+        raw = _read_table(path)
+    elif path.suffix == ".jsonl":
+        raw = _read_jsonl(path)
+    elif path.suffix == ".json":
+        raw = _read_json(path)
+    elif path.suffix == ".parquet":
+        raw = _read_table(path)
+    else:
+        raise DataError(f"{path}: unknown format {path.suffix!r}; "
+                        "expected .jsonl, .json, .parquet or a datasets folder")
+    if not raw:
+        raise DataError(f"{path}: no rows (the file is empty)")
+    fields = fields or {}
+    out = []
+    for where, row in raw:
+        item: dict[str, Any] = dict(row)
+        for name, column in fields.items():
+            if column not in row:
+                raise DataError(f"{path}, {where}: missing field {column!r} (mapped to {name!r}); "
+                                f"the row has {', '.join(sorted(row))}")
+            item[name] = row[column]
+        for name in required:
+            if name not in item or item[name] is None:
+                raise DataError(f"{path}, {where}: missing field {name!r}; the row has {', '.join(sorted(row))}")
+        item.setdefault("id", where.replace(" ", "-"))
+        out.append(item)
+    return out

@@ -1,0 +1,67 @@
+"""Math answer checking with math-verify: is a model's final answer equivalent to the gold one?
+
+The completion's answer is its last ``\\boxed{...}`` when there is one, else whatever math-verify
+extracts (a final LaTeX expression or number). Equivalence is symbolic and numeric (fractions vs
+decimals, intervals, tuples, sets, units stripped). Model text is parsed, never executed, and
+math-verify bounds each parse and comparison in time, so no answer can hang training.
+"""
+
+from __future__ import annotations
+
+import re
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+    return None
+
+
+def _normalise_number_text(s: str) -> str:
+    s = s.strip().strip("$").strip()
+    if re.fullmatch(r"-?[\d,]+(\.\d+)?", s):
+        s = _THOUSANDS.sub("", s)  # 1,000 -> 1000 (a list "1,2" has no 3-digit group and is kept)
+        s = re.sub(r"^(-?)0+(?=\d)", r"\1", s)  # 025 -> 25
+    return s
+
+
+def _parse(text: str, timeout: int):
+    from math_verify import parse
+
+    return parse(text, parsing_timeout=timeout)
+
+
+def math_reward(completion: str, answer: str, timeout: int = 5) -> float:
+    """1.0 if the completion's final answer is mathematically equal to ``answer``, else 0.0."""
+    from math_verify import verify
+
+    gold_text = _normalise_number_text(str(answer))
+    gold = _parse(f"${gold_text}$", timeout) or _parse(gold_text, timeout)
+    if not gold:
+        return 0.0
+    boxed = last_boxed(completion)
+    pred_text = f"${_normalise_number_text(boxed)}$" if boxed is not None else completion
+    pred = _parse(pred_text, timeout)
+    if not pred:
+        return 0.0
+    try:
+        return float(verify(gold, pred, timeout_seconds=timeout))
+    except Exception:  # a malformed expression is a wrong answer, not a crash
+        return 0.0
+
+
+def boxed_format_reward(completion: str) -> float:
+    """1.0 if the completion puts a final answer in ``\\boxed{}``."""
+    return float(last_boxed(completion) is not None)

@@ -1,0 +1,138 @@
+"""Math answer checking, pass@k, data loading, and a tiny-model math eval end to end."""
+
+import json
+import math
+
+import pytest
+
+from emapg.data import DataError, load_rows
+from emapg.evaluate import pass_at_k
+from emapg.rewards import last_boxed, math_reward
+
+# (completion, gold answer, equivalent?)
+PAIRS = [
+    ("The answer is \\boxed{42}.", "42", True),
+    ("\\boxed{42}", "41", False),
+    ("So we get \\boxed{\\frac{1}{2}}", "0.5", True),
+    ("\\boxed{0.5}", "\\frac12", True),
+    ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}", True),
+    ("\\boxed{0.75}", "\\frac{2}{3}", False),
+    ("\\boxed{1,000}", "1000", True),
+    ("\\boxed{1000}", "1,000", True),
+    ("\\boxed{25}", "025", True),
+    ("\\boxed{073}", "73", True),
+    ("\\boxed{72}", "073", False),
+    ("\\boxed{-3}", "-3", True),
+    ("\\boxed{3}", "-3", False),
+    ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", True),
+    ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}", True),
+    ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", True),
+    ("\\boxed{\\sqrt{3}}", "\\sqrt{12}", False),
+    ("\\boxed{\\pi/2}", "\\frac{\\pi}{2}", True),
+    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    ("\\boxed{(3, \\pi/2)}", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    ("\\boxed{(\\pi/2, 3)}", "\\left( 3, \\frac{\\pi}{2} \\right)", False),
+    ("\\boxed{[1, 5)}", "[1,5)", True),
+    ("\\boxed{[1, 5]}", "[1,5)", False),
+    ("\\boxed{(-\\infty, 2)}", "(-\\infty,2)", True),
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", True),
+    ("\\boxed{x^2+1}", "(x+1)^2", False),
+    ("\\boxed{10\\%}", "10", True),
+    ("\\boxed{18 \\text{ dollars}}", "18", True),
+    ("\\boxed{5 \\text{ cm}}", "5", True),
+    ("\\boxed{\\$18}", "18", True),
+    ("\\boxed{2, 3}", "2,3", True),
+    ("\\boxed{3, 2}", "2,3", True),
+    ("\\boxed{2, 4}", "2,3", False),
+    ("\\boxed{\\{1, 2, 3\\}}", "\\{1,2,3\\}", True),
+    ("\\boxed{1.5}", "\\frac{3}{2}", True),
+    ("\\boxed{1.50}", "1.5", True),
+    ("\\boxed{1.49}", "1.5", False),
+    ("\\boxed{2^{10}}", "1024", True),
+    ("\\boxed{9}", "3^2", True),
+    ("First \\boxed{7}, then corrected: \\boxed{8}", "8", True),
+    ("First \\boxed{8}, then corrected: \\boxed{7}", "8", False),
+    ("\\boxed{\\frac{a}{b}}", "a/b", True),
+    ("The final answer is 12.", "12", True),
+    ("I don't know.", "12", False),
+    ("", "12", False),
+    ("\\boxed{}", "12", False),
+    ("\\boxed{\\text{(B)}}", "\\text{(B)}", True),
+]
+
+
+@pytest.mark.parametrize("completion,answer,equal", PAIRS)
+def test_math_reward_table(completion, answer, equal):
+    assert math_reward(completion, answer) == float(equal)
+
+
+def test_math_reward_does_not_execute_text_and_survives_garbage():
+    assert math_reward("\\boxed{__import__('os').system('echo hacked')}", "0") == 0.0
+    assert math_reward("\\boxed{" + "(" * 500 + "}", "1") == 0.0
+    assert math_reward("\\boxed{\\frac{1}{0}}", "1") == 0.0
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("x \\boxed{\\frac{1}{2}} y \\boxed{a{b}c}") == "a{b}c"
+    assert last_boxed("no box") is None
+    assert last_boxed("\\boxed{unclosed") is None
+
+
+def test_pass_at_k_hand_computed():
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 4, 2) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))  # 0.5
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - math.comb(3, 3) / math.comb(5, 3))  # 0.9
+    assert pass_at_k(10, 3, 10) == 1.0
+    with pytest.raises(ValueError, match="at least 3 samples"):
+        pass_at_k(2, 1, 3)
+
+
+def test_loader_reads_jsonl_json_parquet_with_field_mapping(tmp_path):
+    rows = [{"question": "1+1?", "final": "2"}, {"question": "2+2?", "final": "4"}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    from datasets import Dataset
+
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "a.parquet"))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    for name in ("a.jsonl", "a.json", "a.parquet", "ds"):
+        got = load_rows(tmp_path / name, {"problem": "question", "answer": "final"}, ("problem", "answer"))
+        assert [(r["problem"], r["answer"]) for r in got] == [("1+1?", "2"), ("2+2?", "4")], name
+
+
+def test_loader_errors_name_file_line_and_field(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b"\n')
+    with pytest.raises(DataError, match=r"bad.jsonl, line 2: malformed JSON"):
+        load_rows(f)
+    f.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "solution": "x"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl, line 2: missing field 'answer'"):
+        load_rows(f, {"answer": "answer"})
+    f.write_text("")
+    with pytest.raises(DataError, match=r"bad.jsonl: no rows"):
+        load_rows(f)
+    with pytest.raises(DataError, match="does not exist"):
+        load_rows(tmp_path / "nope.jsonl")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unknown format '.csv'"):
+        load_rows(tmp_path / "x.csv")
+
+
+def test_tiny_model_math_eval_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    data = tmp_path / "mini.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(4)))
+    res = subprocess.run([sys.executable, "-m", "emapg", "eval", "--model", "tiny-llama", "--task", "math",
+                          "--data", str(data), str(data), "--samples", "2", "--temperature", "1.0",
+                          "--max-new-tokens", "6", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert [r["dataset"] for r in out["rows"]] == ["mini", "mini"]
+    assert out["rows"][0]["num"] == 8 and "pass@2" in out["rows"][0]
+    assert "| mini | 4 | 2 |" in res.stdout and "| average |" in res.stdout
