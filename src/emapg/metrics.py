@@ -9,7 +9,7 @@ from typing import Any
 
 PLOTS = {
     "reward": ["reward_mean"],
-    "accuracy": ["eval/policy_accuracy"],
+    "accuracy": ["eval/policy_accuracy", "eval/anchor_accuracy"],
     "kl": ["kl", "kl_to_init"],
     "entropy": ["entropy"],
 }
