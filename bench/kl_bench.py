@@ -6,8 +6,9 @@ Methods, on the same hidden states and output projection:
   topk32    + the top-k reverse estimator, k = 32, lean form (gathers 32 logits per position)
   exact     the exact full-vocabulary reverse KL on materialised [N, V] logits (the naive way)
 
-Each (method, vocab, positions) runs in its own subprocess, so peak memory is that process's
-high-water mark (ru_maxrss) above its level after setup. Times are medians over --reps.
+Each (method, vocab, positions) runs in its own subprocess. Peak memory is the highest resident
+set size seen by a sampling thread (every 2 ms) during the timed passes, above the resident size
+just before them. Times are medians over --reps.
 
     python bench/kl_bench.py                      # the table in docs/BENCHMARKS.md
     python bench/kl_bench.py --vocab 49152 --positions 1024 2048 --reps 3
@@ -17,17 +18,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 METHODS = ("logprob", "k3", "topk32", "exact")
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakRSS:
+    """Highest resident set size seen while the context is open, sampled by a thread."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss_mb())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_mb())
 
 
 def run_one(method: str, vocab: int, n: int, hidden: int, reps: int, chunk: int, threads: int) -> dict:
@@ -49,8 +72,8 @@ def run_one(method: str, vocab: int, n: int, hidden: int, reps: int, chunk: int,
         if method == "exact":
             anchor_full = torch.log_softmax(h @ w_anchor.T, -1)
     del g
-    base = _rss_mb()
     times = []
+    meter = PeakRSS().__enter__()
     for _ in range(reps):
         hh = h.clone().requires_grad_(True)
         ww = w.clone().requires_grad_(True)
@@ -72,8 +95,9 @@ def run_one(method: str, vocab: int, n: int, hidden: int, reps: int, chunk: int,
         loss.backward()
         times.append(time.perf_counter() - t0)
         del hh, ww, loss
+    meter.__exit__(None, None, None)
     return {"method": method, "vocab": vocab, "positions": n, "seconds": statistics.median(times),
-            "peak_extra_mb": _rss_mb() - base}
+            "peak_extra_mb": meter.peak - meter.base}
 
 
 def main() -> None:

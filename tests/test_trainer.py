@@ -204,11 +204,13 @@ def test_cli_train_and_resume(tmp_path):
     assert res.returncode == 2 and "algo.eta: must be in (0, 1]" in res.stderr
 
 
-@pytest.mark.parametrize("estimator", ["topk_forward", "exact_reverse", "k3", "k1"])
-def test_every_estimator_family_trains(tmp_path, estimator):
-    tr = Trainer(cfg("steps=1", "eval.size=0", f"algo.kl={estimator}", "algo.k=4"), tmp_path, progress=False)
+@pytest.mark.parametrize("estimator,k", [("topk_forward", 4), ("topk_reverse", 0), ("topk_forward", 0),
+                                         ("exact_reverse", 4), ("k3", 4), ("k1", 4)])
+def test_every_estimator_family_trains(tmp_path, estimator, k):
+    tr = Trainer(cfg("steps=1", "eval.size=0", f"algo.kl={estimator}", f"algo.k={k}", "log_kl_to_init=true"),
+                 tmp_path, progress=False)
     row = tr.train_step(1)
-    assert math.isfinite(row["kl"]) and math.isfinite(row["grad_norm"])
+    assert math.isfinite(row["kl"]) and math.isfinite(row["grad_norm"]) and math.isfinite(row["kl_to_init"])
 
 
 def test_two_ppo_epochs_with_top_p_recompute_pi_old(tmp_path):
@@ -233,3 +235,20 @@ def test_lora_training_with_ema_of_adapters(tmp_path):
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "anchor")
     assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+def test_pruning_never_removes_latest_and_drops_an_abandoned_future(tmp_path):
+    from emapg.checkpoint import save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = tmp_path / "checkpoints"
+    for step in (10, 20, 30):
+        save_checkpoint(ck, step, model.state_dict(), {}, opt, {}, keep=2)
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_000020", "step_000030"]
+    # resumed from step 20 (step 30's future is abandoned), then saves 25 with keep=1
+    save_checkpoint(ck, 25, model.state_dict(), {}, opt, {}, keep=1)
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_000025"]
+    assert latest_checkpoint(tmp_path).name == "step_000025"
+    save_checkpoint(ck, 25, model.state_dict(), {}, opt, {}, keep=1)  # re-saving a step replaces it
+    assert latest_checkpoint(tmp_path).name == "step_000025" and not list(ck.glob(".old_*"))

@@ -103,20 +103,35 @@ def save_checkpoint(
         with open(p, "rb") as f:
             os.fsync(f.fileno())
     _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (resume then save): move the old one out first
-        shutil.rmtree(final)
+    old = None
+    if final.exists():  # re-saving a step (after a resume): rename, never delete, before replacing
+        old = ckpt_dir / f".old_step_{step:06d}_{os.getpid()}"
+        os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(ckpt_dir)
     write_json_atomic(ckpt_dir / LATEST, {"checkpoint": final.name, "step": step})
-    _prune(ckpt_dir, keep)
+    _fsync_dir(ckpt_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _prune(ckpt_dir, keep, step)
     return final
 
 
-def _prune(ckpt_dir: Path, keep: int) -> None:
-    done = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in ckpt_dir.glob(".tmp_step_*"):  # left by a killed save
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[1])
+
+
+def _prune(ckpt_dir: Path, keep: int, current: int) -> None:
+    """Keep the ``keep`` newest checkpoints up to ``current`` (which ``latest`` names). Folders of later
+    steps belong to a future this run abandoned by resuming from an earlier checkpoint: remove them."""
+    done = sorted((p for p in ckpt_dir.glob("step_*") if p.is_dir()), key=_step_of)
+    for p in done:
+        if _step_of(p) > current:
+            shutil.rmtree(p, ignore_errors=True)
+    kept = [p for p in done if _step_of(p) <= current]
+    for p in kept[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    for stale in list(ckpt_dir.glob(".tmp_step_*")) + list(ckpt_dir.glob(".old_step_*")):  # killed saves
         if not stale.name.endswith(f"_{os.getpid()}"):
             shutil.rmtree(stale, ignore_errors=True)
 

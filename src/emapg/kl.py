@@ -135,6 +135,7 @@ def kl_from_logprobs(
             the exact estimators pass all V ids). Normalised by each distribution's full
             log-sum-exp, so only k values per position are ever stored.
         in_q: [...] bool, sampled token in q (top-k estimators only).
+        With ``policy_logp_q=None`` a top-k estimator runs with k = 0 (no head, all tail).
     Returns:
         [...] the estimate, differentiable w.r.t. the policy's log-probs.
     """
@@ -144,7 +145,11 @@ def kl_from_logprobs(
     s = importance_weight(policy_logp_tok, samp_logp_tok, is_clip)
     if estimator in SAMPLED_ESTIMATORS:
         return s * sampled_kl(estimator, policy_logp_tok, anchor_logp_tok)
-    head = topk_head(estimator, policy_logp_q, anchor_logp_q)
+    if policy_logp_q is None or policy_logp_q.shape[-1] == 0:  # k = 0: no head, every token is tail
+        head = torch.zeros_like(policy_logp_tok)
+        in_q = torch.zeros_like(policy_logp_tok, dtype=torch.bool)
+    else:
+        head = topk_head(estimator, policy_logp_q, anchor_logp_q)
     return head + s * topk_tail(estimator, form, policy_logp_tok, anchor_logp_tok, in_q)
 
 

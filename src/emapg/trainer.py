@@ -71,9 +71,8 @@ class Trainer:
         self.task = make_task(cfg.task, **cfg.task_args)
         self.eval_set = self.task.eval_examples(cfg.eval.size) if cfg.eval.size else []
         self.anchor = EMAAnchor(self.model, eta=cfg.algo.eta, every=cfg.algo.ema_every)
-        self.init_model = None
-        if cfg.log_kl_to_init:
-            self.init_model = EMAAnchor(self.model, eta=1.0).module
+        # The initial policy, frozen (a full copy, or the initial adapters with LoRA): for kl_to_init.
+        self.init_anchor = EMAAnchor(self.model, eta=1.0) if cfg.log_kl_to_init else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -168,8 +167,9 @@ class Trainer:
             # pi_old must be the unconstrained policy: the top-p sampler's log-probs are not
             old = response_logprobs(self.model, mb, **self._passes()).logp_tok
         init = None
-        if self.init_model is not None:
-            init = response_logprobs(self.init_model, mb, **self._passes()).logp_tok
+        if self.init_anchor is not None:
+            with self.init_anchor.use(self.model) as init_model:
+                init = response_logprobs(init_model, mb, **self._passes()).logp_tok
         return AnchorStats(logp_tok=st.logp_tok, logp_q=logp_q, q_ids=q_ids, old_logp=old, init_logp_tok=init)
 
     def micro_loss(self, mb: RolloutBatch, anc: AnchorStats, counts: dict[str, Any]) -> tuple[Tensor, dict]:
@@ -181,7 +181,8 @@ class Trainer:
         kl_tok = klmod.kl_from_logprobs(
             a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=samp, policy_logp_q=pol.logp_ids,
             anchor_logp_q=anc.logp_q,
-            in_q=None if anc.q_ids is None else (anc.q_ids == mb.response_ids[valid][:, None]).any(-1),
+            in_q=None if anc.q_ids is None or a.kl in klmod.EXACT_ESTIMATORS
+            else (anc.q_ids == mb.response_ids[valid][:, None]).any(-1),
             form=a.form, is_clip=a.is_clip)
         sur = clipped_surrogate(_scatter(pol.logp_tok, valid), _scatter(anc.old_logp, valid), mb.advantages,
                                 a.eps_low, a.eps_high, a.dual_clip)

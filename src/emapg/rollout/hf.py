@@ -91,6 +91,10 @@ def generate(
     sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     if not greedy:
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    # Neutralise any other logits processor a model's generation_config may ship (repetition penalty,
+    # min_p, suppressed tokens...): the recorded log-probs must be those of pi_theta at the temperature.
+    sampling.update(repetition_penalty=1.0, no_repeat_ngram_size=0, min_p=None, typical_p=1.0, min_length=0,
+                    min_new_tokens=None, suppress_tokens=None, begin_suppress_tokens=None, bad_words_ids=None)
     was_training = model.training
     model.eval()
     inputs = dict(input_ids=prompt_ids, attention_mask=prompt_mask, num_return_sequences=n)
