@@ -44,6 +44,8 @@ def evaluate(
     n = 1 if greedy else samples
     total, length, count = 0.0, 0.0, 0
     correct: list[int] = []
+    # Batches of similar prompt length waste less compute on left padding (order does not matter here).
+    examples = sorted(examples, key=lambda ex: sum(len(m["content"]) for m in ex.messages))
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         batch = generate(model, tokenizer, chunk, n=n, temperature=temperature, top_p=top_p,
