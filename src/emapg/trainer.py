@@ -73,8 +73,8 @@ class Trainer:
         self.anchor = EMAAnchor(self.model, eta=cfg.algo.eta, every=cfg.algo.ema_every)
         # The initial policy, frozen (a full copy, or the initial adapters with LoRA): for kl_to_init.
         self.init_anchor = EMAAnchor(self.model, eta=1.0) if cfg.log_kl_to_init else None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
         self.step = 0
@@ -223,20 +223,24 @@ class Trainer:
                           "num_seqs": float(mini * cfg.rollout.n), "max_len": max_len}
                 self.optimizer.zero_grad(set_to_none=True)
                 finite = True
+                update_stats: list[dict[str, float]] = []  # logged only if this update is applied
                 for i in group:
                     loss, sums = self.micro_loss(micro_batches[i], anchors[i], counts)
                     if not torch.isfinite(loss):
                         finite = False
                         break
                     loss.backward()
-                    for key, v in sums.items():
-                        acc[key] = max(acc.get(key, v), v) if key.endswith("_max") else acc.get(key, 0.0) + v
-                params = [p for p in self.model.parameters() if p.requires_grad]
-                norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm) if finite else torch.tensor(math.nan)
+                    update_stats.append(sums)
+                norm = torch.tensor(math.nan)
+                if finite:
+                    norm = torch.nn.utils.clip_grad_norm_(self.params, a.max_grad_norm)
                 if not finite or not torch.isfinite(norm):
                     skipped += 1  # a non-finite loss or gradient: drop this update, keep training
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
+                for sums in update_stats:
+                    for key, v in sums.items():
+                        acc[key] = max(acc.get(key, v), v) if key.endswith("_max") else acc.get(key, 0.0) + v
                 grad_norms.append(float(norm))
                 self.optimizer.step()
                 self.scheduler.step()
