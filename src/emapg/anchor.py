@@ -10,6 +10,9 @@ size (1 - eta) * theta). Two modes:
   in (:meth:`EMAAnchor.use`). The anchor then costs adapter-sized memory, not a second model.
 
 With FSDP2 every tensor is a DTensor; the update acts on each rank's local shard, no gather.
+Only :meth:`EMAAnchor.state_dict` gathers (whole tensors, so a checkpoint fits any number of
+processes). A sharded policy needs its anchor copy made before sharding and sharded alike: pass
+it as ``module``.
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ class EMAAnchor:
         every: apply the update every ``every`` calls of :meth:`step` (training steps).
         mode: ``"full"``, ``"lora"``, or ``"auto"`` (lora if the model has frozen parameters and
             trainable ones named like PEFT adapters).
+        module: full mode only: the anchor's own copy of ``model`` (default: a deep copy). Given
+            when the policy is sharded: a copy made before sharding, sharded the same way.
     """
 
-    def __init__(self, model: nn.Module, eta: float, every: int = 1, mode: str = "auto"):
+    def __init__(self, model: nn.Module, eta: float, every: int = 1, mode: str = "auto",
+                 module: nn.Module | None = None):
         if not 0.0 < eta <= 1.0:
             raise ValueError(f"eta must be in (0, 1], got {eta}")
         if every < 1:
@@ -64,10 +70,11 @@ class EMAAnchor:
             raise ValueError("the model has no tensors to average (no trainable parameters in lora mode)")
         self.module: nn.Module | None = None
         if mode == "full":
-            self.module = copy.deepcopy(model)
+            self.module = module if module is not None else copy.deepcopy(model)
             self.module.requires_grad_(False)
             self.module.eval()
             src = _averaged_tensors(self.module, False)
+        self._like = src  # name -> the averaged tensor (a DTensor when sharded): its layout
         # The average in at least fp32, one local shard per rank. Where the anchor module's own
         # tensor already has that precision, it holds the average in place (no second copy).
         self.average: dict[str, Tensor] = {}
@@ -132,21 +139,26 @@ class EMAAnchor:
                     _local(p).copy_(saved[n])
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The fp32 average, plus step counters as 0-d tensors (safetensors-friendly)."""
-        state = {f"average.{n}": t for n, t in self.average.items()}
+        """The fp32 average (whole tensors, gathered from the shards: collective when sharded),
+        plus step counters as 0-d tensors (safetensors-friendly)."""
+        from emapg.distributed import full_tensor
+
+        state = {f"average.{n}": full_tensor(t, self._like[n]) for n, t in self.average.items()}
         state["num_steps"] = torch.tensor(self.num_steps)
         state["num_updates"] = torch.tensor(self.num_updates)
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Restore :meth:`state_dict`; the names must match the anchor's averaged tensors."""
+        """Restore :meth:`state_dict` (whole tensors; each rank keeps its shard); names must match."""
+        from emapg.distributed import local_shard
+
         names = {n[len("average.") :] for n in state if n.startswith("average.")}
         if names != set(self.average):
             missing, extra = set(self.average) - names, names - set(self.average)
             raise KeyError(f"anchor state mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
         for n, avg in self.average.items():
-            avg.copy_(state[f"average.{n}"])
+            avg.copy_(local_shard(state[f"average.{n}"], self._like[n]))
         self.num_steps = int(state["num_steps"])
         self.num_updates = int(state["num_updates"])
         self._sync_module()

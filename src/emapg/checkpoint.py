@@ -56,25 +56,34 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split an optimizer state_dict into tensors (for safetensors) and JSON (the rest)."""
-    sd = optimizer.state_dict()
+def optimizer_tensors(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state dict into tensors (for safetensors) and JSON (the rest).
+
+    The state is keyed by parameter (a name, or an index for a bare optimizer); tensors are stored
+    as ``<param>.<field>`` (parameter names contain dots, field names do not).
+    """
     tensors, scalars = {}, {}
-    for idx, st in sd["state"].items():
+    for param, st in state_dict["state"].items():
         for name, value in st.items():
             if torch.is_tensor(value):
-                tensors[f"{idx}.{name}"] = value
+                tensors[f"{param}.{name}"] = value
             else:
-                scalars[f"{idx}.{name}"] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+                scalars[f"{param}.{name}"] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def optimizer_state_dict(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`optimizer_tensors`."""
+    state: dict[Any, dict[str, Any]] = {}
+    for key, value in list(tensors.items()) + list(meta["scalars"].items()):
+        param, name = key.rsplit(".", 1)
+        state.setdefault(int(param) if param.isdigit() else param, {})[name] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in list(tensors.items()) + list(meta["scalars"].items()):
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    """Load an index-keyed optimizer state (a bare optimizer, no model) saved by :func:`save_checkpoint`."""
+    optimizer.load_state_dict(optimizer_state_dict(tensors, meta))
 
 
 def save_checkpoint(
@@ -82,11 +91,14 @@ def save_checkpoint(
     step: int,
     policy_state: dict[str, torch.Tensor],
     anchor_state: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | dict[str, Any],
     state: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and point ``latest`` at it; prune old ones."""
+    """Write checkpoint ``step`` atomically and point ``latest`` at it; prune old ones.
+
+    ``optimizer``: an optimizer, or its state dict (name-keyed, as the trainer saves it).
+    """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step_{step:06d}"
     tmp = ckpt_dir / f".tmp_step_{step:06d}_{os.getpid()}"
@@ -95,7 +107,8 @@ def save_checkpoint(
     tmp.mkdir()
     save_file(_contiguous(policy_state), tmp / "policy.safetensors")
     save_file(_contiguous(anchor_state), tmp / "anchor.safetensors")
-    opt_tensors, opt_meta = optimizer_tensors(optimizer)
+    opt_sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+    opt_tensors, opt_meta = optimizer_tensors(opt_sd)
     save_file(_contiguous(opt_tensors), tmp / "optimizer.safetensors")
     with open(tmp / "state.json", "w") as f:
         json.dump({"step": step, "optimizer": opt_meta, **state}, f, indent=1)

@@ -1,6 +1,6 @@
 """The ``emapg`` command line.
 
-    emapg train [--config FILE] [--out DIR] [--resume DIR] [KEY=VALUE ...]
+    emapg train [--config FILE] [--out DIR] [--resume DIR] [--nproc N] [KEY=VALUE ...]
     emapg eval  --model PATH_OR_NAME --task NAME [--data FILE ...] [--samples N] [--out DIR]
 """
 
@@ -26,9 +26,25 @@ def _recipe_path(name: str) -> Path:
     raise ConfigError(f"recipe {name} not found (looked in {here.parent}); pass --config FILE")
 
 
+def _launch(args: argparse.Namespace, run_dir: Path) -> int:
+    """Re-run this command under torchrun with ``args.nproc`` processes on this machine."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "emapg", "train"]
+    cmd += ["--resume", str(run_dir)] if args.resume else ["--out", str(run_dir)]
+    if args.config:
+        cmd += ["--config", args.config]
+    return subprocess.call(cmd + list(args.overrides))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from emapg import distributed
     from emapg.trainer import Trainer
 
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and not (args.out or args.resume):
+        raise ConfigError("--out: needed with more than one process (each would pick its own default folder)")
     if args.resume:
         run_dir = Path(args.resume)
         cfg_file = run_dir / "config.yaml"
@@ -38,12 +54,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config or _recipe_path(DEFAULT_RECIPE), args.overrides)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
-    print(f"emapg: run folder {run_dir}", file=sys.stderr)
+    if args.nproc > 1 and not launched:
+        return _launch(args, run_dir)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume))
+    if trainer.main:
+        print(f"emapg: run folder {run_dir} ({trainer.dist.world} process(es), {trainer.dist.device})",
+              file=sys.stderr)
     table = trainer.train()
-    from emapg.metrics import write_eval_table
+    if trainer.main:
+        from emapg.metrics import write_eval_table
 
-    print(write_eval_table(run_dir, table))
+        print(write_eval_table(run_dir, table))
+    distributed.shutdown()
     return 0
 
 
@@ -90,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML recipe")
     t.add_argument("--out", help="run folder (default runs/<time>-<task>)")
     t.add_argument("--resume", help="continue the run in this folder from its latest checkpoint")
+    t.add_argument("--nproc", type=int, default=1,
+                   help="data-parallel processes on this machine (runs torchrun; or launch torchrun yourself)")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.eta=0.95 steps=100")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy of a model on a task")

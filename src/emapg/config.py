@@ -110,6 +110,12 @@ class TrainConfig:
     """A Hugging Face model folder, or a built-in name: smollm2-135m, tiny-llama, tiny-qwen2."""
     dtype: str = "float32"
     """Policy dtype: float32, bfloat16 or float16."""
+    device: str = "auto"
+    """auto (CUDA when available), cpu, cuda, or cuda:N. Under torchrun each process takes its local rank's GPU."""
+    mixed_precision: str | None = None
+    """bf16: compute in bfloat16 with fp32 master weights (autocast; FSDP2's policy when sharded)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder activations in the backward pass (needs prefix_sharing: false)."""
     task: str = "arithmetic"
     """Task name (see emapg.tasks)."""
     task_args: dict[str, Any] = field(default_factory=dict)
@@ -286,6 +292,11 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.micro_batch_prompts >= 1, "micro_batch_prompts", "must be >= 1", cfg.micro_batch_prompts),
         (cfg.lr > 0, "lr", "must be > 0", cfg.lr),
         (cfg.dtype in ("float32", "bfloat16", "float16"), "dtype", "expected float32, bfloat16 or float16", cfg.dtype),
+        (cfg.mixed_precision in (None, "bf16"), "mixed_precision", "expected bf16 or null", cfg.mixed_precision),
+        (cfg.device == "auto" or cfg.device.split(":")[0] in ("cpu", "cuda"), "device",
+         "expected auto, cpu, cuda or cuda:N", cfg.device),
+        (not (cfg.gradient_checkpointing and cfg.prefix_sharing), "gradient_checkpointing",
+         "needs prefix_sharing: false (checkpointed layers keep no key/value cache to share)", True),
         (cfg.save_every >= 1, "save_every", "must be >= 1", cfg.save_every),
         (cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1", cfg.keep_checkpoints),
         (cfg.eval.every >= 0, "eval.every", "must be >= 0", cfg.eval.every),

@@ -5,10 +5,15 @@ One step: prompts -> n responses -> rewards -> advantages -> anchor pass -> PPO 
 mini-batches (micro-batches accumulate) -> optimizer steps -> EMA anchor update -> metrics ->
 checkpoint. Every step seeds its own randomness from (seed, step), so a resumed run replays
 exactly what an uninterrupted one would.
+
+Under torchrun every process runs this same loop on its share of the prompts (whole groups, so
+rewards and advantages need no communication); emapg.distributed shards the models with FSDP2,
+normalises the loss by global token counts and reduces the metrics.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -19,12 +24,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from emapg import distributed
 from emapg import kl as klmod
 from emapg.anchor import EMAAnchor
-from emapg.checkpoint import latest_checkpoint, load_checkpoint, load_optimizer, save_checkpoint
-from emapg.config import TrainConfig, save_config
+from emapg.checkpoint import latest_checkpoint, load_checkpoint, optimizer_state_dict, save_checkpoint
+from emapg.config import ConfigError, TrainConfig, save_config
+from emapg.distributed import gathered, logprobs
 from emapg.evaluate import evaluate
-from emapg.forward import response_logprobs
 from emapg.metrics import MetricsWriter, plot_run
 from emapg.models import load_model, save_hf_folder
 from emapg.objective import aggregate, clipped_surrogate, group_advantages
@@ -51,28 +57,55 @@ def _scatter(values: Tensor, mask: Tensor) -> Tensor:
     return out.index_put((mask.nonzero(as_tuple=True)), values)
 
 
+RANK_SEED_STRIDE = 7919  # rank r samples with seed + r * stride; rank 0 (and a single process) with seed
+SUM_STATS = ("pg_loss", "kl", "clip_frac", "dual_clip_frac", "tokens", "kl_to_init")
+
+
+def rank_prompts(prompts: int, mini: int, world: int, rank: int) -> list[int]:
+    """The prompts of a global batch that rank ``rank`` holds: its share of every mini-batch, so an
+    optimizer step sees the same prompts whatever the number of processes."""
+    share = mini // world
+    return [m + rank * share + i for m in range(0, prompts, mini) for i in range(share)]
+
+
+def check_world(cfg: TrainConfig, world: int) -> None:
+    """The batch must split into whole prompt groups and whole micro-batches on every rank."""
+    mini = cfg.mini_batch_prompts or cfg.prompts_per_step
+    if cfg.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step: {cfg.prompts_per_step} does not split over {world} processes")
+    if mini % world or (mini // world) % cfg.micro_batch_prompts:
+        raise ConfigError(f"micro_batch_prompts: {cfg.micro_batch_prompts} does not divide the per-process "
+                          f"mini-batch ({mini} prompts over {world} processes)")
+
+
 class Trainer:
     """Runs one configuration into a run folder. ``resume=True`` continues from its latest checkpoint."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.dist = distributed.init(cfg.device)
+        check_world(cfg, self.dist.world)
+        self.main = self.dist.is_main
+        if self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+            torch.set_num_threads(max(1, cfg.threads // self.dist.world) if self.dist.device.type == "cpu"
+                                  else cfg.threads)
         torch.manual_seed(cfg.seed)
-        self.model, self.tokenizer = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
-        if cfg.lora.r > 0:
-            from peft import LoraConfig, get_peft_model
-
-            self.model = get_peft_model(self.model, LoraConfig(
-                r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                target_modules=cfg.lora.target_modules))
-        self.model.eval()  # no dropout in RL passes; the graph is the same for sampling and training
+        self.model, self.tokenizer = self._build_model()
         self.task = make_task(cfg.task, **cfg.task_args)
         self.eval_set = self.task.eval_examples(cfg.eval.size) if cfg.eval.size else []
-        self.anchor = EMAAnchor(self.model, eta=cfg.algo.eta, every=cfg.algo.ema_every)
+        # Sharded, the anchor's copy is made before sharding and sharded alike; LoRA needs no copy.
+        full = cfg.lora.r == 0 and self.dist.enabled
+        anchor_copy = self._frozen_copy() if full else None
+        init_copy = self._frozen_copy() if full and cfg.log_kl_to_init else None
+        if self.dist.enabled:
+            for m in (self.model, anchor_copy, init_copy):
+                if m is not None:
+                    distributed.shard(m, cfg.mixed_precision)
+        self.anchor = EMAAnchor(self.model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=anchor_copy)
         # The initial policy, frozen (a full copy, or the initial adapters with LoRA): for kl_to_init.
-        self.init_anchor = EMAAnchor(self.model, eta=1.0) if cfg.log_kl_to_init else None
+        self.init_anchor = EMAAnchor(self.model, eta=1.0, module=init_copy) if cfg.log_kl_to_init else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -82,19 +115,51 @@ class Trainer:
         self.initial_eval: dict[str, Any] | None = None
         if resume:
             self._restore()
-        else:
+        elif self.main:
             save_config(cfg, self.run_dir / "config.yaml")
-        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None)
+        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None) if self.main else None
+
+    def _build_model(self):
+        cfg = self.cfg
+        model, tokenizer = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
+        if cfg.lora.r > 0:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(
+                r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                target_modules=cfg.lora.target_modules))
+        model.to(self.dist.device)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.eval()  # no dropout in RL passes; the graph is the same for sampling and training
+        return model, tokenizer
+
+    def _frozen_copy(self) -> torch.nn.Module:
+        m = copy.deepcopy(self.model)
+        m.requires_grad_(False)
+        return m
+
+    def _autocast(self):
+        """bf16 autocast for a single process (FSDP's mixed-precision policy does it when sharded)."""
+        import contextlib
+
+        if self.cfg.mixed_precision == "bf16" and not self.dist.enabled:
+            return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
     def _restore(self) -> None:
         ckpt = load_checkpoint(latest_checkpoint(self.run_dir))
-        missing, unexpected = self.model.load_state_dict(ckpt["policy"], strict=False)
-        if unexpected or [m for m in missing if m not in self._tied_names()]:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if self.dist.enabled:
+            distributed.load_model_state(self.model, ckpt["policy"])
+        else:
+            missing, unexpected = self.model.load_state_dict(ckpt["policy"], strict=False)
+            if unexpected or [m for m in missing if m not in self._tied_names()]:
+                raise ValueError(
+                    f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.anchor.load_state_dict(ckpt["anchor"])
-        load_optimizer(self.optimizer, *ckpt["optimizer"])
+        distributed.load_optimizer_state(self.model, self.optimizer, optimizer_state_dict(*ckpt["optimizer"]))
         st = ckpt["state"]
         self.step, self.skipped_steps = st["step"], st["skipped_steps"]
         self.scheduler.load_state_dict(st["scheduler"])
@@ -109,10 +174,19 @@ class Trainer:
         return tied
 
     def save(self) -> Path:
+        """Write a checkpoint of whole tensors (any number of processes can resume it). Collective:
+        every rank gathers, rank 0 writes."""
         state = {"skipped_steps": self.skipped_steps, "scheduler": self.scheduler.state_dict(),
-                 "initial_eval": self.initial_eval, "seed": self.cfg.seed}
-        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model.state_dict(),
-                               self.anchor.state_dict(), self.optimizer, state, keep=self.cfg.keep_checkpoints)
+                 "initial_eval": self.initial_eval, "seed": self.cfg.seed, "world": self.dist.world}
+        policy = distributed.model_state(self.model)
+        anchor = self.anchor.state_dict()
+        opt = distributed.optimizer_state(self.model, self.optimizer)
+        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        if self.main:
+            path = save_checkpoint(self.run_dir / "checkpoints", self.step, policy, anchor, opt, state,
+                                   keep=self.cfg.keep_checkpoints)
+        distributed.barrier()
+        return path
 
     # ---- one training step ---------------------------------------------------------------------
 
@@ -122,11 +196,15 @@ class Trainer:
     def rollout(self, step: int) -> RolloutBatch:
         cfg, r = self.cfg, self.cfg.rollout
         rng = random.Random(self._step_seed(step))
-        examples = self.task.train_examples(rng, cfg.prompts_per_step)
+        examples = self.task.train_examples(rng, cfg.prompts_per_step)  # the global batch, same on every rank
+        mine = rank_prompts(cfg.prompts_per_step, cfg.mini_batch_prompts or cfg.prompts_per_step,
+                            self.dist.world, self.dist.rank)
+        examples = [examples[i] for i in mine]
         need_q = cfg.algo.kl == "topk_reverse" and cfg.algo.k > 0
-        batch = generate(self.model, self.tokenizer, examples, n=r.n, temperature=r.temperature, top_p=r.top_p,
-                         max_new_tokens=r.max_new_tokens, k=cfg.algo.k if need_q else 0)
-        batch.rewards = score_completions(self.task, batch.completions, examples, r.n)
+        with gathered(self.model) as model, self._autocast():
+            batch = generate(model, self.tokenizer, examples, n=r.n, temperature=r.temperature, top_p=r.top_p,
+                             max_new_tokens=r.max_new_tokens, k=cfg.algo.k if need_q else 0)
+        batch.rewards = score_completions(self.task, batch.completions, examples, r.n).to(self.dist.device)
         batch.advantages = group_advantages(batch.rewards, r.n, cfg.algo.advantage)
         if cfg.algo.mask_truncated:
             batch.response_mask = batch.response_mask * (~batch.truncated).long()[:, None]
@@ -139,6 +217,10 @@ class Trainer:
     def _passes(self) -> dict[str, Any]:
         cfg = self.cfg
         return dict(temperature=cfg.rollout.temperature, chunk_size=cfg.chunk_size, prefix_sharing=cfg.prefix_sharing)
+
+    def _logprobs(self, model: torch.nn.Module, mb: RolloutBatch, **kw) -> Any:
+        with self._autocast():
+            return logprobs(model, mb, **kw, **self._passes())
 
     @torch.no_grad()
     def anchor_pass(self, mb: RolloutBatch) -> AnchorStats:
@@ -158,25 +240,25 @@ class Trainer:
         elif a.kl == "topk_forward" and a.k > 0:
             k_self = a.k
         with self.anchor.use(self.model) as anchor_model:
-            st = response_logprobs(anchor_model, mb, ids=q_ids, k_self=k_self, **self._passes())
+            st = self._logprobs(anchor_model, mb, ids=q_ids, k_self=k_self)
         logp_q = st.logp_ids
         if k_self:
             q_ids, logp_q = st.topk_ids, st.topk_logp
         old = mb.samp_logp[valid]
         if a.ppo_epochs > 1 or self.cfg.rollout.top_p < 1.0:
             # pi_old must be the unconstrained policy: the top-p sampler's log-probs are not
-            old = response_logprobs(self.model, mb, **self._passes()).logp_tok
+            old = self._logprobs(self.model, mb).logp_tok
         init = None
         if self.init_anchor is not None:
             with self.init_anchor.use(self.model) as init_model:
-                init = response_logprobs(init_model, mb, **self._passes()).logp_tok
+                init = self._logprobs(init_model, mb).logp_tok
         return AnchorStats(logp_tok=st.logp_tok, logp_q=logp_q, q_ids=q_ids, old_logp=old, init_logp_tok=init)
 
     def micro_loss(self, mb: RolloutBatch, anc: AnchorStats, counts: dict[str, Any]) -> tuple[Tensor, dict]:
         """The loss of one micro-batch (already divided by the whole mini-batch's counts) and stats."""
         a = self.cfg.algo
         valid = mb.response_mask.bool()
-        pol = response_logprobs(self.model, mb, ids=anc.q_ids, **self._passes())
+        pol = self._logprobs(self.model, mb, ids=anc.q_ids)
         samp = mb.samp_logp[valid]  # s = pi/pi_samp: 1 up to rounding on-policy, the true weight off it
         kl_tok = klmod.kl_from_logprobs(
             a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=samp, policy_logp_q=pol.logp_ids,
@@ -202,41 +284,56 @@ class Trainer:
         return loss, sums
 
     def train_step(self, step: int) -> dict[str, Any]:
-        cfg, a = self.cfg, self.cfg.algo
-        torch.manual_seed(self._step_seed(step))
+        """Rollout, then :meth:`update`; the metrics row of the step."""
+        torch.manual_seed(self._step_seed(step) + RANK_SEED_STRIDE * self.dist.rank)
         t0 = time.perf_counter()
         batch = self.rollout(step)
         t_gen = time.perf_counter() - t0
+        row = {"step": step, **self.update(batch), "gen_seconds": t_gen}
+        row["step_seconds"] = time.perf_counter() - t0
+        return row
+
+    def update(self, batch: RolloutBatch) -> dict[str, Any]:
+        """Learn from this rank's share of a scored rollout batch: anchor pass, PPO epochs over
+        mini-batches of micro-batches, optimizer steps, EMA update. Returns the metrics (global:
+        reduced over ranks)."""
+        cfg, a, world = self.cfg, self.cfg.algo, self.dist.world
+        t0 = time.perf_counter()
         micro = self._micro_batches(range(batch.num_prompts))
         micro_batches = [batch.micro_batch(sl) for sl in micro]
         anchors = [self.anchor_pass(mb) for mb in micro_batches]
-        t_anchor = time.perf_counter() - t0 - t_gen
-        mini = cfg.mini_batch_prompts or cfg.prompts_per_step
-        per_mini = mini // cfg.micro_batch_prompts
+        t_anchor = time.perf_counter() - t0
+        mini = cfg.mini_batch_prompts or cfg.prompts_per_step  # global; each rank holds mini / world
+        per_mini = mini // world // cfg.micro_batch_prompts
         acc: dict[str, float] = {}
         grad_norms, skipped = [], 0
         max_len = cfg.rollout.max_new_tokens
         for _epoch in range(a.ppo_epochs):
             for m0 in range(0, len(micro_batches), per_mini):
                 group = list(range(m0, m0 + per_mini))
-                counts = {"num_tokens": float(sum(micro_batches[i].response_mask.sum() for i in group)),
+                local_tokens = float(sum(micro_batches[i].response_mask.sum() for i in group))
+                counts = {"num_tokens": distributed.all_reduce([local_tokens])[0],
                           "num_seqs": float(mini * cfg.rollout.n), "max_len": max_len}
                 self.optimizer.zero_grad(set_to_none=True)
                 finite = True
                 update_stats: list[dict[str, float]] = []  # logged only if this update is applied
                 for i in group:
                     loss, sums = self.micro_loss(micro_batches[i], anchors[i], counts)
-                    if not torch.isfinite(loss):
+                    # every rank must agree, or one would skip a backward the others wait in
+                    if distributed.all_reduce([float(torch.isfinite(loss))])[0] < world:
                         finite = False
                         break
-                    loss.backward()
+                    # the loss is this rank's share of the global mean; FSDP averages gradients over ranks
+                    (loss * world if world > 1 else loss).backward()
                     update_stats.append(sums)
                 norm = torch.tensor(math.nan)
                 if finite:
                     norm = torch.nn.utils.clip_grad_norm_(self.params, a.max_grad_norm)
+                    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                 if not finite or not torch.isfinite(norm):
                     skipped += 1  # a non-finite loss or gradient: drop this update, keep training
                     self.optimizer.zero_grad(set_to_none=True)
+                    distributed.reshard(self.model)  # a skipped backward leaves units gathered
                     continue
                 for sums in update_stats:
                     for key, v in sums.items():
@@ -248,31 +345,41 @@ class Trainer:
         ema_updated = self.anchor.step(self.model)
         self.skipped_steps += skipped
         n_updates = a.ppo_epochs * (cfg.prompts_per_step // mini)
+        # Reduce over ranks: sums of the loss terms and counts, max of ratio_max, the whole batch's rewards.
+        present = [k for k in SUM_STATS if k in acc]
+        acc.update(zip(present, distributed.all_reduce([acc[k] for k in present])))
+        if "ratio_max" in acc:
+            acc["ratio_max"] = distributed.all_reduce([acc["ratio_max"]], op="max")[0]
+        mask = batch.response_mask
+        local = {"rewards": batch.rewards.tolist(), "lengths": mask.sum(1).tolist(),
+                 "truncated": batch.truncated.tolist(), "mask": float(mask.sum()),
+                 "entropy": float((batch.entropy * mask).sum()), "tail_lost": float((batch.tail_lost * mask).sum())}
+        parts = distributed.all_gather_objects(local)
+        rewards = torch.tensor([x for p in parts for x in p["rewards"]], dtype=torch.float32)
+        lengths = torch.tensor([x for p in parts for x in p["lengths"]], dtype=torch.float32)
+        truncated = torch.tensor([x for p in parts for x in p["truncated"]], dtype=torch.float32)
+        positions = max(sum(p["mask"] for p in parts), 1.0)
         tokens = max(acc.get("tokens", 0.0), 1.0)
-        lengths = batch.response_mask.sum(1).float()
-        groups = batch.rewards.view(-1, cfg.rollout.n)
+        groups = rewards.view(-1, cfg.rollout.n)
         row = {
-            "step": step,
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std()) if batch.rewards.numel() > 1 else 0.0,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "solve_none": float((groups.max(1).values == groups.min(1).values).float().mean()),
             "kl": acc.get("kl", math.nan) / max(n_updates - skipped, 1),
             "pg_loss": acc.get("pg_loss", math.nan) / max(n_updates - skipped, 1),
-            "entropy": float((batch.entropy * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)),
+            "entropy": sum(p["entropy"] for p in parts) / positions,
             "clip_frac": acc.get("clip_frac", 0.0) / tokens,
             "dual_clip_frac": acc.get("dual_clip_frac", 0.0) / tokens,
             "ratio_max": acc.get("ratio_max", math.nan),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "response_length": float(lengths.mean()),
-            "truncated_frac": float(batch.truncated.float().mean()),
-            "tail_lost": float((batch.tail_lost * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)),
+            "truncated_frac": float(truncated.mean()),
+            "tail_lost": sum(p["tail_lost"] for p in parts) / positions,
             "lr": self.scheduler.get_last_lr()[0],
             "ema_updated": int(ema_updated),
             "skipped_updates": skipped,
             "skipped_total": self.skipped_steps,
-            "gen_seconds": t_gen,
             "anchor_seconds": t_anchor,
-            "step_seconds": time.perf_counter() - t0,
         }
         if "kl_to_init" in acc:
             row["kl_to_init"] = acc["kl_to_init"] / tokens / a.ppo_epochs
@@ -281,27 +388,34 @@ class Trainer:
     # ---- evaluation and the run ----------------------------------------------------------------
 
     def evaluate(self, which: str = "policy") -> dict[str, Any]:
-        """Held-out accuracy of the policy, the anchor, or the initial model (``init``)."""
+        """Held-out accuracy of the policy or the anchor; each rank evaluates its share of the set."""
         e, r = self.cfg.eval, self.cfg.rollout
         kw = dict(max_new_tokens=e.max_new_tokens or r.max_new_tokens, greedy=e.greedy,
                   temperature=r.temperature, top_p=r.top_p)
-        with torch.random.fork_rng():  # evaluation never shifts the training randomness
-            torch.manual_seed(self.cfg.seed)
+        mine = self.eval_set[self.dist.rank :: self.dist.world]
+        cuda = [self.dist.device] if self.dist.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # evaluation never shifts the training randomness
+            torch.manual_seed(self.cfg.seed + RANK_SEED_STRIDE * self.dist.rank)
             if which == "anchor":
-                with self.anchor.use(self.model) as m:
-                    return evaluate(m, self.tokenizer, self.task, self.eval_set, **kw)
-            return evaluate(self.model, self.tokenizer, self.task, self.eval_set, **kw)
+                with self.anchor.use(self.model) as m, gathered(m) as g, self._autocast():
+                    res = evaluate(g, self.tokenizer, self.task, mine, **kw)
+            else:
+                with gathered(self.model) as g, self._autocast():
+                    res = evaluate(g, self.tokenizer, self.task, mine, **kw)
+        return _combine_evals(distributed.all_gather_objects(res)) if self.dist.enabled else res
 
-    def train(self) -> dict[str, Any]:
-        """Run to ``cfg.steps``; returns the final eval table {'init'|'policy'|'anchor': results}."""
+    def train(self) -> dict[str, Any] | None:
+        """Run to ``cfg.steps``; returns the final eval table {'init'|'policy'|'anchor': results}
+        (on rank 0; None on the other ranks)."""
         from tqdm.auto import tqdm
 
         cfg = self.cfg
         if self.initial_eval is None and self.eval_set:
             self.initial_eval = self.evaluate("policy")
-            self.metrics.write({"step": 0, "eval/policy_accuracy": self.initial_eval["accuracy"],
-                                "eval/policy_length": self.initial_eval["mean_length"]})
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, desc="emapg", unit="step")
+            self._write({"step": 0, "eval/policy_accuracy": self.initial_eval["accuracy"],
+                         "eval/policy_length": self.initial_eval["mean_length"]})
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.main), desc="emapg",
+                   unit="step")
         while self.step < cfg.steps:
             step = self.step + 1
             row = self.train_step(step)
@@ -313,20 +427,49 @@ class Trainer:
                 for which in ("policy", "anchor"):
                     res = self.evaluate(which)
                     row.update({f"eval/{which}_accuracy": res["accuracy"], f"eval/{which}_length": res["mean_length"]})
-            self.metrics.write(row)
+            self._write(row)
             if step % cfg.save_every == 0 or step == cfg.steps:
                 self.save()
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", kl=f"{row['kl']:.2e}", s=f"{row['step_seconds']:.1f}")
             bar.update(1)
         bar.close()
+        if cfg.export:
+            self.export()
+        if not self.main:
+            return None
         self.metrics.close()
         table = self._final_table()
-        if cfg.export:
-            save_hf_folder(self.model, self.tokenizer, self.run_dir / "export" / "policy")
-            with self.anchor.use(self.model) as m:
-                save_hf_folder(m, self.tokenizer, self.run_dir / "export" / "anchor")
         plot_run(self.run_dir)
         return table
+
+    def _write(self, row: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(row)
+
+    def export(self) -> None:
+        """The policy and the anchor as Hugging Face folders in RUN/export/. Collective when sharded:
+        rank 0 loads the gathered weights into an unsharded model and writes it."""
+        out = self.run_dir / "export"
+        if not self.dist.enabled:
+            save_hf_folder(self.model, self.tokenizer, out / "policy")
+            with self.anchor.use(self.model) as m:
+                save_hf_folder(m, self.tokenizer, out / "anchor")
+            return
+        policy = distributed.model_state(self.model)
+        with self.anchor.use(self.model) as m:
+            anchor = distributed.model_state(m)
+        if self.main:
+            plain, _ = load_model(self.cfg.model, self.cfg.dtype, seed=self.cfg.seed)
+            if self.cfg.lora.r > 0:
+                from peft import LoraConfig, get_peft_model
+
+                c = self.cfg.lora
+                plain = get_peft_model(plain, LoraConfig(r=c.r, lora_alpha=c.alpha, lora_dropout=c.dropout,
+                                                         target_modules=c.target_modules))
+            for name, state in (("policy", policy), ("anchor", anchor)):
+                plain.load_state_dict(state, strict=False)
+                save_hf_folder(plain, self.tokenizer, out / name)
+        distributed.barrier()
 
     def _final_table(self) -> dict[str, Any]:
         from emapg.metrics import read_metrics, write_eval_table
@@ -339,3 +482,15 @@ class Trainer:
                  "anchor": {"accuracy": last.get("eval/anchor_accuracy")}}
         write_eval_table(self.run_dir, table)
         return table
+
+
+def _combine_evals(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One evaluation result from the results of disjoint shares of the examples."""
+    num = sum(p["num"] for p in parts)
+    out = dict(parts[0])
+    out["num"] = num
+    # Means over samples, or over problems (pass@k): every problem has the same number of samples,
+    # so both are weighted by the number of samples.
+    for key in ["accuracy", "mean_length"] + [k for k in parts[0] if k.startswith("pass@")]:
+        out[key] = sum(p[key] * p["num"] for p in parts) / max(num, 1)
+    return out

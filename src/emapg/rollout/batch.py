@@ -45,10 +45,16 @@ class RolloutBatch:
         """Response rows of a slice of prompts."""
         return slice(prompts.start * self.n, prompts.stop * self.n)
 
-    def micro_batch(self, prompts: slice) -> RolloutBatch:
-        """The sub-batch of a contiguous range of prompts with all their responses, trimmed of
-        all-padding columns (so a micro-batch of short answers runs short sequences)."""
-        rows = self.rows(prompts)
+    def micro_batch(self, prompts: slice | list[int]) -> RolloutBatch:
+        """The sub-batch of some prompts (a slice, or a list of indices) with all their responses,
+        trimmed of all-padding columns (so a micro-batch of short answers runs short sequences)."""
+        if isinstance(prompts, slice):
+            rows: slice | Tensor = self.rows(prompts)
+            completions = self.completions[rows]
+        else:
+            rows = torch.tensor([p * self.n + j for p in prompts for j in range(self.n)], dtype=torch.long)
+            completions = [self.completions[i] for i in rows.tolist()] if self.completions else []
+            prompts = torch.tensor(prompts, dtype=torch.long)
         pm = self.prompt_mask[prompts]
         p_cols = pm.any(0).nonzero()
         p_start = int(p_cols[0]) if len(p_cols) else pm.shape[1]
@@ -56,15 +62,13 @@ class RolloutBatch:
         r_cols = rm.any(0).nonzero()
         r_end = int(r_cols[-1]) + 1 if len(r_cols) else 1
         cut = lambda t: None if t is None else t[rows, :r_end]  # noqa: E731
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return RolloutBatch(
             prompt_ids=self.prompt_ids[prompts, p_start:], prompt_mask=pm[:, p_start:],
             response_ids=self.response_ids[rows, :r_end], response_mask=rm[:, :r_end],
             samp_logp=self.samp_logp[rows, :r_end], n=self.n, samp_topk=cut(self.samp_topk),
-            tail_lost=cut(self.tail_lost), entropy=cut(self.entropy),
-            truncated=None if self.truncated is None else self.truncated[rows],
-            completions=self.completions[rows],
-            rewards=None if self.rewards is None else self.rewards[rows],
-            advantages=None if self.advantages is None else self.advantages[rows],
+            tail_lost=cut(self.tail_lost), entropy=cut(self.entropy), truncated=pick(self.truncated),
+            completions=completions, rewards=pick(self.rewards), advantages=pick(self.advantages),
         )
 
 

@@ -1,0 +1,256 @@
+"""Data parallelism on PyTorch distributed: torchrun starts the processes, FSDP2 shards the models.
+
+Everything here is a thin layer over ``torch.distributed``; with one process every function is
+the identity (or the local computation), so the trainer has a single code path.
+
+* :func:`init` joins the process group that torchrun describes in the environment (NCCL on
+  CUDA, gloo on CPU) and says which rank and device this process has.
+* :func:`shard` applies ``fully_shard`` to each decoder layer and to the model, and registers
+  :func:`logprobs` as an FSDP forward method, so the output head (used by the chunked log-prob
+  code without calling its ``forward``) is gathered and its gradient reduce-scattered like any
+  other parameter.
+* :func:`gathered` holds every shard gathered for generation: ``generate`` then runs locally,
+  with no collective per token, so ranks may decode different numbers of tokens.
+* The rest gathers or reduces plain numbers, objects and state for metrics and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from emapg.logprobs import TokenLogprobs
+
+LOGPROBS_METHOD = "emapg_logprobs"
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job: rank, number of processes, local rank, device."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` = CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def init(device: str = "auto") -> DistInfo:
+    """Join the process group torchrun set up (WORLD_SIZE > 1), or describe a single process."""
+    dev = resolve_device(device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo(device=dev)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return DistInfo(rank=rank, world=world, local_rank=local_rank, device=dev)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _logprobs_method(self: nn.Module, mb, **kwargs) -> dict[str, Tensor | None]:
+    from emapg.forward import response_logprobs
+
+    # A dict of tensors (a pytree), so FSDP sees the outputs and hooks their backward.
+    st = response_logprobs(self, mb, **kwargs)
+    return {f.name: getattr(st, f.name) for f in fields(st)}
+
+
+def shard(model: nn.Module, mixed_precision: str | None = None) -> nn.Module:
+    """FSDP2 over the default process group: each decoder layer is one unit, the rest (embeddings,
+    final norm, output head) the root unit. Parameters become DTensors sharded along dim 0.
+
+    mixed_precision: ``"bf16"`` computes in bfloat16 and reduces gradients in fp32 (params stay
+    fp32 masters); None computes in the parameters' dtype.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    from emapg.forward import decoder_and_head
+
+    mp = None
+    if mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision is not None:
+        raise ValueError(f"mixed_precision: expected 'bf16' or None, got {mixed_precision!r}")
+    kw = {"mp_policy": mp} if mp is not None else {}
+    decoder, _ = decoder_and_head(model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot shard {type(decoder).__name__}: it has no .layers list of decoder blocks")
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    setattr(model, LOGPROBS_METHOD, types.MethodType(_logprobs_method, model))
+    register_fsdp_forward_method(model, LOGPROBS_METHOD)
+    return model
+
+
+def logprobs(model: nn.Module, mb, **kwargs) -> TokenLogprobs:
+    """:func:`emapg.forward.response_logprobs`, through FSDP's hooks when the model is sharded."""
+    if _is_sharded(model):
+        out = TokenLogprobs(**getattr(model, LOGPROBS_METHOD)(mb, **kwargs))
+        if not torch.is_grad_enabled():
+            reshard(model)  # FSDP keeps the root unit gathered after forward, waiting for a backward
+        return out
+    from emapg.forward import response_logprobs
+
+    return response_logprobs(model, mb, **kwargs)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered FSDP unit of ``model`` (no-op when not sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Every FSDP unit of ``model`` gathered, and kept so across forward calls, for generation.
+
+    Costs one full copy of the parameters while open (what a generation engine holds anyway).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield model
+        return
+    for u in units:
+        u.unshard()
+        u.set_reshard_after_forward(False)
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        for u in units:
+            u.reshard()
+            u.set_reshard_after_forward(True)
+
+
+# ---- reductions --------------------------------------------------------------------------------
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum (or max) a list of numbers over ranks."""
+    if not dist.is_initialized() or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (a one-item list with one process)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+# ---- whole tensors from shards and back --------------------------------------------------------
+
+
+def full_tensor(local: Tensor, like: Tensor) -> Tensor:
+    """The whole tensor of which ``local`` is this rank's shard, sharded as ``like`` (a DTensor).
+    Collective: every rank must call it. ``local`` itself when ``like`` is not a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return local
+    whole = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                               shape=like.shape, stride=like.stride())
+    return whole.full_tensor()
+
+
+def local_shard(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's shard of ``full``, sharded as ``like`` (no communication); ``full`` when not sharded."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def model_state(model: nn.Module) -> dict[str, Tensor]:
+    """The whole state dict on CPU (rank 0 gets it; other ranks get {} when sharded). Collective."""
+    if not _is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Load a whole state dict (every rank passes it) into a plain or sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name, whole tensors on CPU: one format for any number
+    of processes (rank 0 gets it when sharded). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=_is_sharded(model)))
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,121 @@
+"""Data parallelism on CPU (gloo, FSDP2): 2 processes compute what 1 process computes, and their
+checkpoints resume in either. The processes are real: torchrun runs tests/dist_worker.py."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist_worker.py"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+
+
+def run(nproc: int, *args: str) -> None:
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    proc = subprocess.run([*launcher, str(WORKER), *args], env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # one PPO epoch, prefix sharing, top-k reverse KL, EMA update
+    ["algo.ppo_epochs=2", "mini_batch_prompts=2", "algo.kl=k3"],  # 4 optimizer steps, pi_old recomputed
+    ["lora.r=4", "lora.target_modules=[q_proj,v_proj]"],  # adapters sharded, anchor = EMA of adapters
+], ids=["topk", "ppo-epochs", "lora"])
+def test_two_processes_equal_one_process(tmp_path, overrides):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    run(1, "update", str(one), *overrides)
+    run(2, "update", str(two), *overrides)
+    a, b = load_file(one / "result.safetensors"), load_file(two / "result.safetensors")
+    assert set(a) == set(b)
+    assert any(k.startswith("grad.") for k in a) and any(k.startswith("anchor.") for k in a)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+    grads = [a[k] for k in a if k.startswith("grad.")]
+    assert sum(float(g.abs().sum()) for g in grads) > 0  # the comparison is not between zeros
+    ra, rb = json.loads((one / "row.json").read_text()), json.loads((two / "row.json").read_text())
+    assert set(ra) == set(rb)
+    for key, value in ra.items():
+        assert rb[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert ra["clip_frac"] > 0  # the fixed batch is off-policy: the clipped path is exercised too
+
+
+def _same_checkpoint(a: Path, b: Path) -> None:
+    for name in ("policy", "anchor", "optimizer"):
+        x, y = load_file(a / f"{name}.safetensors"), load_file(b / f"{name}.safetensors")
+        assert set(x) == set(y), name
+        for key in x:
+            assert torch.equal(x[key], y[key]), f"{name}: {key}"
+    sa, sb = json.loads((a / "state.json").read_text()), json.loads((b / "state.json").read_text())
+    assert {k: v for k, v in sa.items() if k != "world"} == {k: v for k, v in sb.items() if k != "world"}
+
+
+def test_checkpoints_resume_across_process_counts(tmp_path):
+    one = tmp_path / "one"
+    run(1, "train", str(one), "1")
+    # 1 -> 2: two processes load the 1-process checkpoint and write it back unchanged
+    two = tmp_path / "two"
+    shutil.copytree(one, two)
+    run(2, "resave", str(two))
+    _same_checkpoint(one / "checkpoints" / "step_000001", two / "checkpoints" / "step_000001")
+    assert json.loads((two / "checkpoints" / "step_000001" / "state.json").read_text())["world"] == 2
+    # ... and train on from it
+    run(2, "train", str(two), "2", "--resume")
+    # 2 -> 1: one process loads the 2-process checkpoint and writes it back unchanged, then trains on
+    back = tmp_path / "back"
+    shutil.copytree(two, back)
+    run(1, "resave", str(back))
+    _same_checkpoint(two / "checkpoints" / "step_000002", back / "checkpoints" / "step_000002")
+    run(1, "train", str(back), "3", "--resume")
+    steps = [json.loads(line)["step"] for line in (back / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_cli_nproc_runs_a_whole_run(tmp_path):
+    """`emapg train --nproc 2`: eval split over ranks, metrics and checkpoints from rank 0, exports."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "emapg", "train", "--nproc", "2", "--config", str(ROOT / "recipes" / "smoke.yaml"),
+         "--out", str(out), "steps=2", "eval.size=6", "threads=2"],
+        env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "| policy" in proc.stdout or "policy" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/anchor_accuracy" in rows[-1]
+    assert (out / "checkpoints" / "step_000002" / "policy.safetensors").exists()
+    from transformers import AutoModelForCausalLM
+
+    for which in ("policy", "anchor"):
+        AutoModelForCausalLM.from_pretrained(out / "export" / which)
+
+
+def test_a_batch_that_does_not_split_is_refused():
+    from emapg.config import ConfigError, load_config
+    from emapg.trainer import check_world
+
+    cfg = load_config(ROOT / "recipes" / "smoke.yaml", ["prompts_per_step=4", "micro_batch_prompts=2"])
+    check_world(cfg, 2)
+    with pytest.raises(ConfigError, match="prompts_per_step"):
+        check_world(cfg, 3)
+    with pytest.raises(ConfigError, match="micro_batch_prompts"):
+        check_world(load_config(ROOT / "recipes" / "smoke.yaml", ["prompts_per_step=4", "micro_batch_prompts=4"]), 2)
+
+
+def test_each_rank_holds_its_share_of_every_mini_batch():
+    from emapg.trainer import rank_prompts
+
+    assert rank_prompts(8, 8, 2, 0) == [0, 1, 2, 3] and rank_prompts(8, 8, 2, 1) == [4, 5, 6, 7]
+    assert rank_prompts(8, 4, 2, 0) == [0, 1, 4, 5] and rank_prompts(8, 4, 2, 1) == [2, 3, 6, 7]
+    assert rank_prompts(6, 6, 1, 0) == list(range(6))
+    for world in (1, 2, 4):
+        shares = [rank_prompts(16, 8, world, r) for r in range(world)]
+        assert sorted(i for s in shares for i in s) == list(range(16))
