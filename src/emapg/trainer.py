@@ -347,7 +347,7 @@ class Trainer:
         n_updates = a.ppo_epochs * (cfg.prompts_per_step // mini)
         # Reduce over ranks: sums of the loss terms and counts, max of ratio_max, the whole batch's rewards.
         present = [k for k in SUM_STATS if k in acc]
-        acc.update(zip(present, distributed.all_reduce([acc[k] for k in present])))
+        acc.update(zip(present, distributed.all_reduce([acc[k] for k in present]), strict=True))
         if "ratio_max" in acc:
             acc["ratio_max"] = distributed.all_reduce([acc["ratio_max"]], op="max")[0]
         mask = batch.response_mask
