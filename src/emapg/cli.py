@@ -2,6 +2,10 @@
 
     emapg train [--config FILE] [--out DIR] [--resume DIR] [--nproc N] [KEY=VALUE ...]
     emapg eval  --model PATH_OR_NAME --task NAME [--data FILE ...] [--samples N] [--out DIR]
+    emapg index build --corpus FILE --out DIR          BM25 index of a {id, title, text} JSONL corpus
+    emapg serve-retriever --index DIR [--host H] [--port P]   Search-R1 /retrieve over HTTP
+    emapg kb make --out DIR [--seed S]                  the generated two-hop knowledge base as files
+    emapg compare --spec FILE --out DIR [--quick] [--only NAME ...] [--report-only]
 """
 
 from __future__ import annotations
@@ -105,6 +109,47 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index_build(args: argparse.Namespace) -> int:
+    from emapg.retrieval.bm25 import build_index
+
+    fields = json.loads(args.fields) if args.fields else None
+    meta = build_index(args.corpus, args.out, fields=fields)
+    print(f"emapg index: {meta.get('documents', meta.get('num_documents'))} passages indexed into {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from emapg.retrieval.server import serve
+
+    serve(args.index, host=args.host, port=args.port)
+    return 0
+
+
+def cmd_kb_make(args: argparse.Namespace) -> int:
+    from emapg.tasks.multihop_kb import make_kb
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kb = make_kb(seed=args.seed)
+    for name, rows in kb.items():
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"emapg kb: {len(kb['corpus'])} passages, {len(kb['train'])} training and {len(kb['eval'])} held-out "
+          f"questions in {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from emapg.compare import load_spec, report, run_all
+
+    spec = load_spec(args.spec, quick=args.quick, only=args.only)
+    out = Path(args.out)
+    if not args.report_only:
+        run_all(spec, out, log=lambda m: print(f"emapg compare: {m}", file=sys.stderr, flush=True))
+    print(report(spec, out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
     sub = p.add_subparsers(dest="command", required=True)
@@ -131,6 +176,30 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", help="folder for eval.json and eval.md")
     e.set_defaults(func=cmd_eval)
+    ix = sub.add_parser("index", help="retrieval indexes").add_subparsers(dest="index_command", required=True)
+    b = ix.add_parser("build", help="build a BM25 index (bm25s + PyStemmer) from a JSONL corpus of {id, title, text}")
+    b.add_argument("--corpus", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--fields", help='JSON column mapping, e.g. \'{"text": "contents"}\'')
+    b.set_defaults(func=cmd_index_build)
+    sv = sub.add_parser("serve-retriever", help="serve an index over HTTP in Search-R1's /retrieve format")
+    sv.add_argument("--index", required=True)
+    sv.add_argument("--host", default="127.0.0.1", help="default loopback only")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.set_defaults(func=cmd_serve)
+    kb = sub.add_parser("kb", help="the generated multi-hop knowledge base").add_subparsers(dest="kb_command",
+                                                                                         required=True)
+    mk = kb.add_parser("make", help="write corpus.jsonl, train.jsonl and eval.jsonl")
+    mk.add_argument("--out", required=True)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=cmd_kb_make)
+    c = sub.add_parser("compare", help="several configurations x seeds, same budget: table and figure")
+    c.add_argument("--spec", required=True, help="comparison YAML (see bench/compare.yaml)")
+    c.add_argument("--out", required=True, help="folder of the runs, results.md, summary.json and figures")
+    c.add_argument("--quick", action="store_true", help="the spec's quick variant (fewer steps and seeds)")
+    c.add_argument("--only", nargs="+", help="run only these configurations")
+    c.add_argument("--report-only", action="store_true", help="summarise finished runs, start none")
+    c.set_defaults(func=cmd_compare)
     return p
 
 
@@ -140,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"emapg: error: {e}", file=sys.stderr)
         return 2
 

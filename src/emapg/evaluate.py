@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from emapg.rollout.hf import generate
+from emapg.rollout import rollout_for_task
 from emapg.scoring import score_completions
 from emapg.tasks.base import Example, Task
 
@@ -44,19 +44,23 @@ def evaluate(
     n = 1 if greedy else samples
     total, length, count = 0.0, 0.0, 0
     correct: list[int] = []
+    stats: dict[str, float] = {}
     # Batches of similar prompt length waste less compute on left padding (order does not matter here).
     examples = sorted(examples, key=lambda ex: sum(len(m["content"]) for m in ex.messages))
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
-        batch = generate(model, tokenizer, chunk, n=n, temperature=temperature, top_p=top_p,
-                         max_new_tokens=max_new_tokens, greedy=greedy)
+        batch = rollout_for_task(model, tokenizer, task, chunk, n=n, temperature=temperature, top_p=top_p,
+                                 max_new_tokens=max_new_tokens, greedy=greedy)
         rewards = score_completions(task, batch.completions, chunk, n)
         total += float(rewards.sum())
         correct += (rewards >= 1.0).view(-1, n).sum(1).tolist()
         length += float(batch.response_mask.sum())
         count += len(batch.completions)
+        for key, v in batch.stats.items():
+            stats[key] = stats.get(key, 0.0) + float(v.sum())
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n]
     out = {"accuracy": total / max(count, 1), "mean_length": length / max(count, 1), "num": count, "samples": n}
+    out.update({f"{key}_mean": v / max(count, 1) for key, v in stats.items()})  # e.g. searches per episode
     for k in ks:
         out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
     return out

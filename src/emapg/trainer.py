@@ -34,8 +34,8 @@ from emapg.evaluate import evaluate
 from emapg.metrics import MetricsWriter, plot_run
 from emapg.models import load_model, save_hf_folder
 from emapg.objective import aggregate, clipped_surrogate, group_advantages
+from emapg.rollout import rollout_for_task
 from emapg.rollout.batch import RolloutBatch
-from emapg.rollout.hf import generate
 from emapg.scoring import score_completions
 from emapg.tasks import make_task
 
@@ -202,8 +202,8 @@ class Trainer:
         examples = [examples[i] for i in mine]
         need_q = cfg.algo.kl == "topk_reverse" and cfg.algo.k > 0
         with gathered(self.model) as model, self._autocast():
-            batch = generate(model, self.tokenizer, examples, n=r.n, temperature=r.temperature, top_p=r.top_p,
-                             max_new_tokens=r.max_new_tokens, k=cfg.algo.k if need_q else 0)
+            batch = rollout_for_task(model, self.tokenizer, self.task, examples, n=r.n, temperature=r.temperature,
+                                     top_p=r.top_p, max_new_tokens=r.max_new_tokens, k=cfg.algo.k if need_q else 0)
         batch.rewards = score_completions(self.task, batch.completions, examples, r.n).to(self.dist.device)
         batch.advantages = group_advantages(batch.rewards, r.n, cfg.algo.advantage)
         if cfg.algo.mask_truncated:
@@ -352,6 +352,7 @@ class Trainer:
             acc["ratio_max"] = distributed.all_reduce([acc["ratio_max"]], op="max")[0]
         mask = batch.response_mask
         local = {"rewards": batch.rewards.tolist(), "lengths": mask.sum(1).tolist(),
+                 "stats": {k: v.tolist() for k, v in batch.stats.items()},
                  "truncated": batch.truncated.tolist(), "mask": float(mask.sum()),
                  "entropy": float((batch.entropy * mask).sum()), "tail_lost": float((batch.tail_lost * mask).sum())}
         parts = distributed.all_gather_objects(local)
@@ -381,6 +382,9 @@ class Trainer:
             "skipped_total": self.skipped_steps,
             "anchor_seconds": t_anchor,
         }
+        for key in batch.stats:  # rollout diagnostics, e.g. searches per episode
+            values = [x for p in parts for x in p["stats"][key]]
+            row[f"{key}_mean"] = sum(values) / max(len(values), 1)
         if "kl_to_init" in acc:
             row["kl_to_init"] = acc["kl_to_init"] / tokens / a.ppo_epochs
         return row
@@ -412,8 +416,7 @@ class Trainer:
         cfg = self.cfg
         if self.initial_eval is None and self.eval_set:
             self.initial_eval = self.evaluate("policy")
-            self._write({"step": 0, "eval/policy_accuracy": self.initial_eval["accuracy"],
-                         "eval/policy_length": self.initial_eval["mean_length"]})
+            self._write({"step": 0, **_eval_row("policy", self.initial_eval)})
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.main), desc="emapg",
                    unit="step")
         while self.step < cfg.steps:
@@ -422,11 +425,11 @@ class Trainer:
             self.step = step
             if self.eval_set and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                 res = self.evaluate("policy")
-                row.update({"eval/policy_accuracy": res["accuracy"], "eval/policy_length": res["mean_length"]})
+                row.update(_eval_row("policy", res))
             if step == cfg.steps and self.eval_set:
                 for which in ("policy", "anchor"):
                     res = self.evaluate(which)
-                    row.update({f"eval/{which}_accuracy": res["accuracy"], f"eval/{which}_length": res["mean_length"]})
+                    row.update(_eval_row(which, res))
             self._write(row)
             if step % cfg.save_every == 0 or step == cfg.steps:
                 self.save()
@@ -484,6 +487,14 @@ class Trainer:
         return table
 
 
+def _eval_row(which: str, res: dict[str, Any]) -> dict[str, Any]:
+    """Metrics-row entries of an evaluation: accuracy, response length, rollout diagnostics."""
+    row = {f"eval/{which}_accuracy": res["accuracy"], f"eval/{which}_length": res["mean_length"]}
+    row.update({f"eval/{which}_{k[: -len('_mean')]}": v for k, v in res.items()
+                if k.endswith("_mean")})
+    return row
+
+
 def _combine_evals(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One evaluation result from the results of disjoint shares of the examples."""
     num = sum(p["num"] for p in parts)
@@ -491,6 +502,6 @@ def _combine_evals(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out["num"] = num
     # Means over samples, or over problems (pass@k): every problem has the same number of samples,
     # so both are weighted by the number of samples.
-    for key in ["accuracy", "mean_length"] + [k for k in parts[0] if k.startswith("pass@")]:
+    for key in ["accuracy", "mean_length"] + [k for k in parts[0] if k.startswith("pass@") or k.endswith("_mean")]:
         out[key] = sum(p[key] * p["num"] for p in parts) / max(num, 1)
     return out

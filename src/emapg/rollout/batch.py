@@ -21,6 +21,7 @@ class RolloutBatch:
     entropy: [B, L] entropy of the sampling distribution at each position (a diagnostic).
     truncated: [B] the response hit the length budget without an end-of-sequence.
     rewards, advantages: [B], filled by the trainer.
+    stats: per-response diagnostics [B] of a rollout (e.g. searches per episode), logged as means.
     """
 
     prompt_ids: Tensor
@@ -36,6 +37,13 @@ class RolloutBatch:
     completions: list[str] = field(default_factory=list)
     rewards: Tensor | None = None
     advantages: Tensor | None = None
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The batch with every tensor on ``device``."""
+        moved = {f: (v.to(device) if torch.is_tensor(v) else v) for f, v in self.__dict__.items()}
+        moved["stats"] = {k: v.to(device) for k, v in self.stats.items()}
+        return RolloutBatch(**moved)
 
     @property
     def num_prompts(self) -> int:
@@ -69,6 +77,7 @@ class RolloutBatch:
             samp_logp=self.samp_logp[rows, :r_end], n=self.n, samp_topk=cut(self.samp_topk),
             tail_lost=cut(self.tail_lost), entropy=cut(self.entropy), truncated=pick(self.truncated),
             completions=completions, rewards=pick(self.rewards), advantages=pick(self.advantages),
+            stats={k: v[rows] for k, v in self.stats.items()},
         )
 
 

@@ -7,8 +7,9 @@ from typing import Any
 from emapg.tasks.arithmetic import ArithmeticTask
 from emapg.tasks.base import Example, Task
 from emapg.tasks.math import MathTask
+from emapg.tasks.search_qa import SearchQATask
 
-TASKS = {"arithmetic": ArithmeticTask, "math": MathTask}
+TASKS = {"arithmetic": ArithmeticTask, "math": MathTask, "search_qa": SearchQATask}
 
 
 def make_task(name: str, **kwargs: Any) -> Task:

@@ -1,0 +1,231 @@
+"""Side-by-side comparisons: several configurations x the same seeds x the same budget.
+
+A comparison spec (YAML) names a base recipe, overrides shared by every run, the seeds, and the
+configurations (each a list of overrides); ``quick`` may shrink all of it. Each run is a plain
+``emapg train`` in its own process and folder (``OUT/<config>/seed<k>``); a finished run (its
+eval.json exists) is not run again, so an interrupted comparison continues where it stopped.
+
+The summary reads the runs' metrics.jsonl: mean and spread over seeds of held-out accuracy, reward,
+KL to the anchor, KL to the initial policy and entropy, as one PNG figure and a markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from emapg.config import ConfigError
+from emapg.metrics import read_metrics
+
+CURVES = {  # panel title -> metrics key
+    "held-out accuracy (policy)": "eval/policy_accuracy",
+    "reward": "reward_mean",
+    "KL to the anchor": "kl",
+    "KL to the initial policy": "kl_to_init",
+    "entropy": "entropy",
+}
+
+
+@dataclass
+class Spec:
+    base: Path
+    overrides: list[str]
+    seeds: list[int]
+    configs: dict[str, list[str]]
+    labels: dict[str, str] = field(default_factory=dict)
+    groups: dict[str, list[str]] = field(default_factory=dict)
+
+
+def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None) -> Spec:
+    """Read a comparison spec; errors name the file and the field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: malformed YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with base, configs, seeds")
+    for key in ("base", "configs"):
+        if key not in raw:
+            raise ConfigError(f"{path}: missing field {key!r}")
+    configs = {}
+    for name, spec in raw["configs"].items():
+        over = spec.get("overrides", []) if isinstance(spec, dict) else spec
+        if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
+            raise ConfigError(f"{path}: configs.{name}: expected a list of KEY=VALUE overrides")
+        configs[str(name)] = over
+    labels = {str(n): s.get("label", n) for n, s in raw["configs"].items() if isinstance(s, dict)}
+    overrides, seeds = list(raw.get("overrides", [])), list(raw.get("seeds", [0]))
+    if quick:
+        q = raw.get("quick") or {}
+        overrides += q.get("overrides", [])
+        seeds = q.get("seeds", seeds)
+        only = only or q.get("only")
+    if only:
+        unknown = [n for n in only if n not in configs]
+        if unknown:
+            raise ConfigError(f"{path}: unknown configs {unknown}; known: {', '.join(configs)}")
+        configs = {n: configs[n] for n in only}
+    base = Path(raw["base"])
+    if not base.is_absolute():
+        base = (path.parent / base).resolve()
+    if not base.exists():
+        raise ConfigError(f"{path}: base: {base} does not exist")
+    groups = {g: [n for n in names if n in configs] for g, names in (raw.get("groups") or {}).items()}
+    return Spec(base=base, overrides=overrides, seeds=[int(s) for s in seeds], configs=configs, labels=labels,
+                groups={g: names for g, names in groups.items() if names})
+
+
+def run_all(spec: Spec, out: Path, log=print) -> None:
+    """Run every (config, seed) not yet finished, one process each, and record its wall time."""
+    out.mkdir(parents=True, exist_ok=True)
+    total = len(spec.configs) * len(spec.seeds)
+    done = 0
+    for name, over in spec.configs.items():
+        for seed in spec.seeds:
+            done += 1
+            run = out / name / f"seed{seed}"
+            if (run / "eval.json").exists():
+                log(f"[{done}/{total}] {name} seed {seed}: done already")
+                continue
+            cmd = [sys.executable, "-m", "emapg", "train", "--config", str(spec.base), "--out", str(run),
+                   *spec.overrides, *over, f"seed={seed}"]
+            if (run / "checkpoints" / "latest").exists():
+                cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run)]
+            log(f"[{done}/{total}] {name} seed {seed}: {' '.join(cmd[3:])}")
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"run {run} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            seconds = time.perf_counter() - t0
+            prev = json.loads((run / "compute.json").read_text())["seconds"] if (run / "compute.json").exists() else 0
+            (run / "compute.json").write_text(json.dumps({"seconds": prev + seconds}))
+
+
+def _curve(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
+    return {r["step"]: float(r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])}
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(spec: Spec, out: Path) -> dict[str, Any]:
+    """Per config: mean/std curves over seeds, final numbers, compute. Runs not finished are left out."""
+    summary: dict[str, Any] = {}
+    for name in spec.configs:
+        runs = [out / name / f"seed{s}" for s in spec.seeds if (out / name / f"seed{s}" / "eval.json").exists()]
+        if not runs:
+            continue
+        metrics = [read_metrics(r) for r in runs]
+        curves = {}
+        for key in CURVES.values():
+            per_seed = [_curve(m, key) for m in metrics]
+            steps = sorted(set.intersection(*(set(c) for c in per_seed))) if per_seed else []
+            curves[key] = {"steps": steps,
+                           "mean": [_mean_std([c[s] for c in per_seed])[0] for s in steps],
+                           "std": [_mean_std([c[s] for c in per_seed])[1] for s in steps]}
+        finals = [json.loads((r / "eval.json").read_text()) for r in runs]
+
+        def acc(which: str, finals=finals) -> list[float]:
+            return [f[which]["accuracy"] for f in finals if f.get(which) and f[which].get("accuracy") is not None]
+
+        last = [m[-1] for m in metrics]
+        tail = [statistics.fmean(x["reward_mean"] for x in m if "reward_mean" in x and x["step"] > m[-1]["step"] - 5)
+                for m in metrics]
+        peak = [max(_curve(m, "eval/policy_accuracy").values()) for m in metrics]
+        compute = [json.loads((r / "compute.json").read_text())["seconds"] for r in runs
+                   if (r / "compute.json").exists()]
+        summary[name] = {
+            "label": spec.labels.get(name, name), "seeds": len(runs), "curves": curves,
+            "init": _mean_std(acc("init")), "policy": _mean_std(acc("policy")), "anchor": _mean_std(acc("anchor")),
+            "peak": _mean_std(peak), "reward_last5": _mean_std(tail),
+            "kl_to_init": _mean_std([x["kl_to_init"] for x in last if "kl_to_init" in x]),
+            "entropy": _mean_std([x["entropy"] for x in last if "entropy" in x]),
+            "minutes": _mean_std([c / 60 for c in compute]),
+        }
+    return summary
+
+
+def _pm(ms: tuple[float, float], scale: float = 100.0, digits: int = 1) -> str:
+    m, s = ms
+    if math.isnan(m):
+        return "n/a"
+    return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}"
+
+
+def markdown(spec: Spec, summary: dict[str, Any]) -> str:
+    """One table per group (or one table), mean ± std over seeds."""
+    head = ("| config | seeds | initial acc % | final policy acc % | final anchor acc % | peak policy acc % | "
+            "reward (last 5 steps) | KL to init (last step) | entropy (last step) | minutes per run |")
+    sep = "|" + "---|" * 10
+    groups = spec.groups or {"all": list(summary)}
+    lines = []
+    for group, names in groups.items():
+        rows = [n for n in names if n in summary]
+        if not rows:
+            continue
+        if spec.groups:
+            lines += [f"**{group}**", ""]
+        lines += [head, sep]
+        for n in rows:
+            s = summary[n]
+            cells = [s["label"], str(s["seeds"]), _pm(s["init"]), _pm(s["policy"]), _pm(s["anchor"]), _pm(s["peak"]),
+                     _pm(s["reward_last5"], 1, 3), _pm(s["kl_to_init"], 1, 4), _pm(s["entropy"], 1, 3),
+                     _pm(s["minutes"], 1, 1)]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) -> Path:
+    """One figure: a panel per curve, a line per config (mean over seeds) with a ±1 std band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in (names or list(summary)) if n in summary]
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4))
+    for ax, (title, key) in zip(axes, CURVES.items(), strict=True):
+        for n in names:
+            c = summary[n]["curves"][key]
+            if not c["steps"]:
+                continue
+            lo = [m - s for m, s in zip(c["mean"], c["std"], strict=True)]
+            hi = [m + s for m, s in zip(c["mean"], c["std"], strict=True)]
+            line, = ax.plot(c["steps"], c["mean"], marker="o" if len(c["steps"]) < 12 else None, ms=3,
+                            label=summary[n]["label"])
+            ax.fill_between(c["steps"], lo, hi, color=line.get_color(), alpha=0.15)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(spec: Spec, out: Path) -> str:
+    """Write summary.json, results.md and one figure per group (or compare.png); return the markdown."""
+    summary = summarize(spec, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    md = markdown(spec, summary)
+    (out / "results.md").write_text(md)
+    for group, names in (spec.groups or {"compare": list(summary)}).items():
+        plot(summary, out / f"{group}.png", names)
+    return md

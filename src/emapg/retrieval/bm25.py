@@ -1,0 +1,234 @@
+"""An embedded BM25 index (bm25s + PyStemmer, English stemming and stopwords).
+
+``build_index(corpus, out)`` turns a JSONL/JSON/Parquet corpus of ``{id, title?, text}`` rows into an
+index folder; ``BM25Index.load(out).search(queries, topk)`` answers queries. The folder holds bm25s's
+sparse score matrix (``.npy`` + JSON files, no pickle), ``passages.jsonl`` (the passages in index order)
+and ``emapg_index.json`` (metadata). Building writes a temporary sibling folder and renames it into place,
+so an existing index is replaced only once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from emapg.data import DataError, load_rows
+from emapg.retrieval import Passage
+
+FORMAT_VERSION = 1
+META_FILE = "emapg_index.json"
+PASSAGES_FILE = "passages.jsonl"
+STEMMER_LANGUAGE = "english"
+STOPWORDS = "en"
+_BM25S_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "indices.csc.index.npy",
+                "indptr.csc.index.npy")
+
+
+def _import_bm25s():
+    try:
+        import bm25s
+        import Stemmer
+    except ImportError as e:
+        raise ImportError(f"the BM25 retriever needs bm25s and PyStemmer ({e}); "
+                          "install them with: pip install 'emapg[search]'") from None
+    return bm25s, Stemmer
+
+
+def _field(corpus: Path, pid: str, row: dict, name: str) -> str:
+    value = row.get(name)
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    raise DataError(f"{corpus}: passage id {pid!r}: field {name!r} must be a string, got {type(value).__name__}")
+
+
+def _replaceable(out: Path) -> bool:
+    """Whether ``out`` may be replaced: absent, an empty folder or an existing index."""
+    if not out.exists():
+        return True
+    return out.is_dir() and ((out / META_FILE).is_file() or not any(out.iterdir()))
+
+
+def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | None = None) -> dict:
+    """Index a corpus of ``{id, title?, text}`` rows into the folder ``out``; returns the index metadata.
+
+    ``fields`` renames columns as in ``emapg.data.load_rows`` (``{"text": "contents"}``). Raises DataError
+    for a malformed corpus (naming file, line and field, or a duplicate id) and FileExistsError if ``out``
+    exists and is neither an index nor an empty folder.
+    """
+    bm25s, Stemmer = _import_bm25s()
+    start = time.perf_counter()
+    corpus, out = Path(corpus), Path(out)
+    if not _replaceable(out):
+        raise FileExistsError(f"{out} exists and is not an emapg index or an empty folder; refusing to replace it")
+    rows = load_rows(corpus, fields, required=("id", "text"))
+    ids: list[str] = []
+    titles: list[str] = []
+    texts: list[str] = []
+    seen: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        pid = str(row["id"])
+        if pid in seen:
+            raise DataError(f"{corpus}: duplicate id {pid!r} (passages {seen[pid] + 1} and {i + 1})")
+        seen[pid] = i
+        ids.append(pid)
+        titles.append(_field(corpus, pid, row, "title"))
+        texts.append(_field(corpus, pid, row, "text"))
+    del rows, seen
+
+    tokens = bm25s.tokenize([f"{t} {x}" if t else x for t, x in zip(titles, texts, strict=True)],
+                            stopwords=STOPWORDS, stemmer=Stemmer.Stemmer(STEMMER_LANGUAGE), show_progress=False)
+    retriever = bm25s.BM25()
+    retriever.index(tokens, show_progress=False)
+    del tokens
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        retriever.save(tmp, show_progress=False)
+        with open(tmp / PASSAGES_FILE, "w", encoding="utf-8") as f:
+            for pid, title, text in zip(ids, titles, texts, strict=True):
+                f.write(json.dumps({"id": pid, "title": title, "text": text}, ensure_ascii=False) + "\n")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "documents": len(ids),
+            "corpus": str(corpus.resolve()),
+            "stemmer": STEMMER_LANGUAGE,
+            "stopwords": STOPWORDS,
+            "bm25s_version": bm25s.__version__,
+            "build_seconds": round(time.perf_counter() - start, 3),
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            old = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.old"
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old, out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+class BM25Index:
+    """A loaded BM25 index; ``search`` is safe to call from many threads at once."""
+
+    def __init__(self, path: Path, retriever, ids: list[str], titles: list[str], texts: list[str], meta: dict):
+        self.path = path
+        self.meta = meta
+        self._bm25 = retriever
+        self._vocab = retriever.vocab_dict
+        self._ids, self._titles, self._texts = ids, titles, texts
+        self._local = threading.local()  # PyStemmer objects are not thread-safe: one per thread
+
+    @classmethod
+    def load(cls, path: str | Path, mmap: bool = False) -> BM25Index:
+        """Load an index folder written by ``build_index`` (``mmap`` maps the score matrix instead of reading it)."""
+        bm25s, _ = _import_bm25s()
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"BM25 index folder {path} does not exist")
+        missing = [name for name in (META_FILE, PASSAGES_FILE, *_BM25S_FILES) if not (path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path} is not an emapg BM25 index: missing {', '.join(missing)} "
+                                    "(build one with emapg.retrieval.bm25.build_index)")
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: unsupported index format version {meta.get('format_version')!r} "
+                             f"(this emapg reads version {FORMAT_VERSION}); rebuild the index")
+        ids, titles, texts = [], [], []
+        with open(path / PASSAGES_FILE, encoding="utf-8") as f:
+            for line in f:
+                p = json.loads(line)
+                ids.append(p["id"])
+                titles.append(p["title"])
+                texts.append(p["text"])
+        retriever = bm25s.BM25.load(path, mmap=mmap, load_corpus=False, show_progress=False)
+        n = int(retriever.scores["num_docs"])
+        if n != len(ids):
+            raise ValueError(f"{path}: the BM25 matrix has {n} documents but {PASSAGES_FILE} has {len(ids)}; "
+                             "rebuild the index")
+        return cls(path, retriever, ids, titles, texts, meta)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __repr__(self) -> str:
+        return f"BM25Index({str(self.path)!r}, documents={len(self)})"
+
+    def _tokens(self, query: str) -> list[str]:
+        """The query's stemmed tokens that occur in the index (stopwords and unknown words dropped)."""
+        bm25s, Stemmer = _import_bm25s()
+        stemmer = getattr(self._local, "stemmer", None)
+        if stemmer is None:
+            stemmer = self._local.stemmer = Stemmer.Stemmer(STEMMER_LANGUAGE)
+        (tokens,) = bm25s.tokenize([query], stopwords=STOPWORDS, stemmer=stemmer, return_ids=False,
+                                   show_progress=False)
+        return [t for t in tokens if t and t in self._vocab]
+
+    def search(self, queries: list[str], topk: int = 3) -> list[list[Passage]]:
+        """The ``topk`` best passages for each query, best first.
+
+        Only passages sharing at least one term with the query are returned, so a query that is empty or
+        made only of stopwords and unknown words gets an empty list.
+        """
+        if isinstance(queries, str):
+            raise TypeError("search takes a list of queries, not a single string")
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
+        n = len(self._ids)
+        results = []
+        for q in queries:
+            if not isinstance(q, str):
+                raise TypeError(f"queries must be strings, got {type(q).__name__}")
+            tokens = self._tokens(q)
+            if not tokens:
+                results.append([])
+                continue
+            # get_scores only reads the (immutable) score matrix and allocates its own output array,
+            # so concurrent calls need no lock.
+            scores = np.asarray(self._bm25.get_scores(tokens))
+            k = min(topk, n)
+            cand = np.argpartition(scores, n - k)[n - k:] if k < n else np.arange(n)
+            cand = cand[np.lexsort((cand, -scores[cand]))]  # best first; ties by index order
+            results.append([Passage(self._ids[i], self._titles[i], self._texts[i], float(scores[i]))
+                            for i in cand.tolist() if scores[i] > 0])
+        return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m emapg.retrieval.bm25 CORPUS OUT``: build an index and print its metadata."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m emapg.retrieval.bm25", description=main.__doc__)
+    ap.add_argument("corpus", help="JSONL/JSON/Parquet corpus with id, title (optional) and text fields")
+    ap.add_argument("out", help="index folder to write")
+    args = ap.parse_args(argv)
+    try:
+        meta = build_index(args.corpus, args.out)
+    except (DataError, FileExistsError) as e:
+        sys.exit(f"error: {e}")
+    print(json.dumps(meta, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""A client for retrieval servers speaking Search-R1's ``POST /retrieve`` API."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
+
+from emapg.retrieval import Passage, RetrieverError
+
+__all__ = ["HTTPRetriever", "parse_contents"]
+
+
+def parse_contents(contents: str) -> tuple[str, str]:
+    """Split Search-R1 ``contents`` (``"Title"`` on the first line, then the text) into ``(title, text)``."""
+    first, sep, rest = contents.partition("\n")
+    if len(first) >= 2 and first.startswith('"') and first.endswith('"'):
+        return first[1:-1], rest
+    return "", contents
+
+
+class HTTPRetriever:
+    """Queries a retrieval server at ``url`` (``http://host:port`` or ``http://host:port/retrieve``).
+
+    Connection errors, timeouts and 5xx answers are retried ``retries`` times with a short exponential
+    backoff; a 4xx answer raises RetrieverError at once with the server's message.
+    """
+
+    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"retrieval server url must be http://host:port[/retrieve], got {url!r}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        base = url.rstrip("/")
+        self.url = base if base.endswith("/retrieve") else base + "/retrieve"
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+
+    def __repr__(self) -> str:
+        return f"HTTPRetriever({self.url!r})"
+
+    def _post(self, payload: dict) -> dict:
+        body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), 8.0))
+            req = urllib.request.Request(self.url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    raw = resp.read()
+            except urllib.error.HTTPError as e:
+                message = _error_message(e)
+                if 400 <= e.code < 500:
+                    raise RetrieverError(f"retrieval server {self.url} rejected the request "
+                                         f"(HTTP {e.code}): {message}") from None
+                last = f"HTTP {e.code}: {message}"
+                continue
+            except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+                reason = e.reason if isinstance(e, urllib.error.URLError) else e
+                last = f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
+                continue
+            try:
+                data = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RetrieverError(f"retrieval server {self.url} answered malformed JSON: {e}") from None
+            if not isinstance(data, dict):
+                raise RetrieverError(f"retrieval server {self.url} answered {type(data).__name__}, not an object")
+            return data
+        raise RetrieverError(f"retrieval server {self.url} failed after {self.retries + 1} attempts: {last}")
+
+    def search(self, queries: list[str], topk: int = 3) -> list[list[Passage]]:
+        """The ``topk`` best passages for each query, best first, as ranked by the server."""
+        if isinstance(queries, str):
+            raise TypeError("search takes a list of queries, not a single string")
+        queries = list(queries)
+        if not queries:
+            return []
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
+        data = self._post({"queries": queries, "topk": topk, "return_scores": True})
+        result = data.get("result")
+        if not isinstance(result, list) or len(result) != len(queries):
+            raise RetrieverError(f"retrieval server {self.url} answered without a 'result' list of "
+                                 f"{len(queries)} entries: {str(data)[:200]}")
+        try:
+            return [[_passage(item) for item in hits] for hits in result]
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
+            raise RetrieverError(f"retrieval server {self.url} answered a malformed result: "
+                                 f"{type(e).__name__}: {e}") from None
+
+
+def _passage(item: dict) -> Passage:
+    """A Passage from ``{"document": {...}, "score": s}`` or a bare ``{"id", "contents"}`` document."""
+    doc, score = (item["document"], float(item.get("score", 0.0))) if "document" in item else (item, 0.0)
+    if "contents" in doc:
+        title, text = parse_contents(doc["contents"])
+    else:  # servers that keep title and text apart
+        title, text = doc.get("title", ""), doc["text"]
+    return Passage(str(doc.get("id", "")), title, text, score)
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    try:
+        raw = e.read()
+    except OSError:
+        return e.reason or ""
+    try:
+        data = json.loads(raw)
+        if isinstance(data, dict) and "error" in data:
+            return str(data["error"])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        pass
+    return raw.decode("utf-8", "replace")[:500] or str(e.reason)

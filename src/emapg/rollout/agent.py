@@ -1,0 +1,218 @@
+"""Multi-turn tool rollouts (the Search-R1 protocol, spec section 6).
+
+The model writes ``<search> query </search>``; the environment retrieves passages and appends
+``<information> ... </information>``; the episode ends at ``<answer> ... </answer>``, at an
+end-of-sequence token, or when a budget runs out. All live samples advance together, one turn
+per batched generation; finished ones drop out.
+
+The response of a sample is everything after its prompt: model turns and retrieved information,
+interleaved. ``response_mask`` is 1 only on tokens the model generated, so the information is
+context for later turns but takes no part in the policy-gradient or KL terms; sampled log-probs,
+entropies and top-k ids are recorded only for model tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.hf import Sampled, eos_ids, format_prompt, pad_left, sample
+from emapg.tasks.base import Example
+
+SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.S)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+INFO_RE = re.compile(r"<information>.*?(</information>|$)", re.S)
+TAG_RE = re.compile(r"</?(search|answer|information|think)>")
+STOPS = ["</search>", "</answer>"]
+
+
+@dataclass
+class AgentConfig:
+    """Budgets of one episode."""
+
+    max_turns: int = 4
+    """At most this many searches; a search request beyond them ends the episode."""
+    topk: int = 3
+    """Passages per search."""
+    max_turn_tokens: int = 128
+    """New model tokens per turn."""
+    max_total_tokens: int = 1024
+    """All response tokens of an episode: model turns plus retrieved information."""
+    max_info_tokens: int = 384
+    """Tokens of one <information> block (longer ones are cut)."""
+
+
+def format_information(passages) -> str:
+    """Search-R1's observation text; tags inside passages are removed so a document cannot end or
+    answer an episode on the model's behalf."""
+    docs = "".join(f"Doc {i + 1}(Title: {TAG_RE.sub('', p.title)}) {TAG_RE.sub('', p.text)}\n"
+                   for i, p in enumerate(passages))
+    return f"\n\n<information>{docs}</information>\n\n"
+
+
+def model_text(completion: str) -> str:
+    """The model's own text of a response: the information blocks removed."""
+    return INFO_RE.sub(" ", completion)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The content of the last <answer>...</answer> the model wrote, or None."""
+    found = ANSWER_RE.findall(model_text(completion))
+    return found[-1].strip() if found else None
+
+
+# A sampler continues B contexts (token lists) by at most ``max_new_tokens`` tokens, stopping each row
+# at a stop string or EOS (later positions are padding), and records the per-token statistics.
+Sampler = Callable[[list[list[int]], int], Sampled]
+
+
+def hf_sampler(model: nn.Module, tokenizer, *, temperature: float = 1.0, top_p: float = 1.0, k: int = 0,
+               greedy: bool = False) -> Sampler:
+    device = next(model.parameters()).device
+
+    def run(contexts: list[list[int]], max_new_tokens: int) -> Sampled:
+        ids, mask = pad_left(contexts, tokenizer.pad_token_id)
+        return sample(model, tokenizer, {"input_ids": ids.to(device), "attention_mask": mask.to(device)},
+                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, k=k, greedy=greedy,
+                      stop_strings=STOPS)
+
+    return run
+
+
+@dataclass
+class _Episode:
+    prompt: list[int]
+    tokens: list[int]
+    mask: list[int]
+    logp: list[float]
+    entropy: list[float]
+    tail: list[float]
+    topk: list[list[int]]
+    searches: int = 0
+    turns: int = 0
+    done: bool = False
+    truncated: bool = False
+
+
+def _cut(tokenizer, ids: list[int], eos: set[int]) -> tuple[int, str]:
+    """Length of a turn: up to and including the first EOS, or the token completing a stop string."""
+    text = ""
+    for i, tok in enumerate(ids):
+        if tok in eos:
+            return i + 1, "eos"
+        text += tokenizer.decode([tok], skip_special_tokens=True)
+        if any(s in text for s in STOPS):
+            return i + 1, "stop"
+    return len(ids), "budget"
+
+
+def agent_rollout(
+    sampler: Sampler,
+    tokenizer,
+    examples: list[Example],
+    retriever,
+    *,
+    n: int = 1,
+    k: int = 0,
+    config: AgentConfig | None = None,
+    eos: list[int] | None = None,
+) -> RolloutBatch:
+    """``n`` episodes per example. ``retriever.search(queries, topk)`` answers the searches.
+
+    Returns a RolloutBatch (rewards not set) whose ``stats`` hold, per response, ``searches`` and
+    ``turns``, and ``info_tokens`` (tokens of retrieved information in the response).
+    """
+    cfg = config or AgentConfig()
+    eos_set = set(eos if eos is not None else [tokenizer.eos_token_id])
+    prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
+    eps = [_Episode(prompt=p, tokens=[], mask=[], logp=[], entropy=[], tail=[], topk=[])
+           for p in prompts for _ in range(n)]
+    while True:
+        live = [e for e in eps if not e.done]
+        if not live:
+            break
+        budget = [min(cfg.max_turn_tokens, cfg.max_total_tokens - len(e.tokens)) for e in live]
+        out = sampler([e.prompt + e.tokens for e in live], max(budget))
+        queries: list[tuple[_Episode, str]] = []
+        for row, e in enumerate(live):
+            new = out.ids[row].tolist()[: budget[row]]
+            length, why = _cut(tokenizer, new, eos_set)
+            e.tokens += new[:length]
+            e.mask += [1] * length
+            e.logp += out.logp[row, :length].tolist()
+            e.entropy += out.entropy[row, :length].tolist()
+            e.tail += out.tail_lost[row, :length].tolist()
+            e.topk += out.topk[row, :length].tolist() if out.topk is not None else [[]] * length
+            e.turns += 1
+            text = tokenizer.decode(new[:length], skip_special_tokens=True)
+            if why == "stop" and ANSWER_RE.search(text):
+                e.done = True
+            elif why == "stop" and (q := SEARCH_RE.findall(text)) and e.searches < cfg.max_turns:
+                queries.append((e, q[-1].strip()))
+            else:  # EOS without an answer, a search past max_turns, or the budget ran out
+                e.done = True
+                e.truncated = why == "budget"
+        if queries:
+            results = retriever.search([q for _, q in queries], cfg.topk)
+            for (e, _), passages in zip(queries, results, strict=True):
+                info = tokenizer(format_information(passages), add_special_tokens=False).input_ids
+                info = info[: min(cfg.max_info_tokens, cfg.max_total_tokens - len(e.tokens))]
+                e.searches += 1
+                e.tokens += info
+                e.mask += [0] * len(info)
+                e.logp += [0.0] * len(info)
+                e.entropy += [0.0] * len(info)
+                e.tail += [0.0] * len(info)
+                e.topk += [[0] * k if k else []] * len(info)
+                if len(e.tokens) >= cfg.max_total_tokens:
+                    e.done, e.truncated = True, True
+    return _to_batch(tokenizer, prompts, eps, n, k)
+
+
+def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, k: int) -> RolloutBatch:
+    pad = tokenizer.pad_token_id
+    prompt_ids, prompt_mask = pad_left(prompts, pad)
+    width = max(1, max(len(e.tokens) for e in eps))
+    b = len(eps)
+
+    def right(rows: list[list], fill, dtype) -> Tensor:
+        t = torch.full((b, width), fill, dtype=dtype)
+        for i, r in enumerate(rows):
+            if r:
+                t[i, : len(r)] = torch.tensor(r, dtype=dtype)
+        return t
+
+    topk = None
+    if k:
+        topk = torch.zeros((b, width, k), dtype=torch.long)
+        for i, e in enumerate(eps):
+            if e.topk:
+                topk[i, : len(e.topk)] = torch.tensor(e.topk, dtype=torch.long)
+    ids = right([e.tokens for e in eps], pad, torch.long)
+    completions = [tokenizer.decode(e.tokens, skip_special_tokens=True) for e in eps]
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids,
+        response_mask=right([e.mask for e in eps], 0, torch.long),
+        samp_logp=right([e.logp for e in eps], 0.0, torch.float32), n=n, samp_topk=topk,
+        tail_lost=right([e.tail for e in eps], 0.0, torch.float32),
+        entropy=right([e.entropy for e in eps], 0.0, torch.float32),
+        truncated=torch.tensor([e.truncated for e in eps]), completions=completions,
+        stats={"searches": torch.tensor([float(e.searches) for e in eps]),
+               "turns": torch.tensor([float(e.turns) for e in eps]),
+               "info_tokens": torch.tensor([float(len(e.mask) - sum(e.mask)) for e in eps])},
+    )
+
+
+def rollout_model(model: nn.Module, tokenizer, examples: list[Example], retriever, *, n: int = 1,
+                  temperature: float = 1.0, top_p: float = 1.0, k: int = 0, greedy: bool = False,
+                  config: AgentConfig | None = None) -> RolloutBatch:
+    """:func:`agent_rollout` with a Hugging Face model as the policy; tensors on the model's device."""
+    sampler = hf_sampler(model, tokenizer, temperature=temperature, top_p=top_p, k=k, greedy=greedy)
+    batch = agent_rollout(sampler, tokenizer, examples, retriever, n=n, k=k, config=config,
+                          eos=eos_ids(model, tokenizer))
+    return batch.to(next(model.parameters()).device)

@@ -1,0 +1,137 @@
+"""Question answering with a search engine (the Search-R1 protocol): multi-turn episodes over a
+retriever, reward = exact match (or F1) of the final <answer> against the gold answers.
+
+Data: ``{id, question, answers}`` rows (NQ, TriviaQA, PopQA, HotpotQA, 2WikiMultiHopQA, Musique,
+Bamboogle in the FlashRAG/Search-R1 format); ``answers`` may be a list or a single string.
+Retriever: a BM25 index folder (``emapg index build``), a running ``emapg serve-retriever`` URL, or
+``synthetic``: a generated two-hop knowledge base indexed on the fly (the offline demo).
+
+Templates: ``search_r1`` (the Search-R1 instruction) and ``fewshot`` (shorter, with one worked
+episode: small models need to see the format once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from emapg.data import load_rows
+from emapg.rewards.qa import qa_em, qa_f1
+from emapg.rollout.agent import AgentConfig, extract_answer
+from emapg.tasks.base import Example
+
+SEARCH_R1 = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
+    "new information. After reasoning, if you find you lack some knowledge, you can call a search engine by "
+    "<search> query </search> and it will return the top searched results between <information> and "
+    "</information>. You can search as many times as your want. If you find no further external knowledge "
+    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed illustrations. "
+    "For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+FEWSHOT = (
+    "Answer the question using a search engine. Write <search> query </search> to search; the results come back "
+    "inside <information> </information>. Search once for each fact you need, then give the answer as "
+    "<answer> answer </answer>.\n"
+    "Example:\nQuestion: In which country was Tomas Verl born?\n"
+    "<search> Tomas Verl </search>\n"
+    "<information>Doc 1(Title: Tomas Verl) Tomas Verl was born in Kadrin.\n</information>\n"
+    "<search> Kadrin </search>\n"
+    "<information>Doc 1(Title: Kadrin) Kadrin is a city in Ostavia.\n</information>\n"
+    "<answer> Ostavia </answer>\n\n"
+    "Question: {question}\n"
+)
+TEMPLATES = {"search_r1": SEARCH_R1, "fewshot": FEWSHOT}
+
+
+def synthetic_index(options: dict[str, Any]) -> tuple[Path, dict[str, list[dict]]]:
+    """The generated knowledge base and its BM25 index, built once into the emapg cache."""
+    from emapg.models import cache_dir
+    from emapg.retrieval.bm25 import build_index
+    from emapg.tasks.multihop_kb import make_kb
+
+    kb = make_kb(**options)
+    key = hashlib.sha256(json.dumps(kb["corpus"], sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_dir() / f"kb-{key}"
+    if not (folder / "index" / "emapg_index.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        corpus = folder / "corpus.jsonl"
+        corpus.write_text("".join(json.dumps(d) + "\n" for d in kb["corpus"]))
+        build_index(corpus, folder / "index")
+    return folder / "index", kb
+
+
+class SearchQATask:
+    """Args:
+        train_file (one file or a list), eval_file: QA rows; question_field, answers_field: their column names.
+        index: a BM25 index folder; retriever_url: a running retriever (one of index, retriever_url,
+            synthetic). synthetic: true or options of :func:`emapg.tasks.multihop_kb.make_kb`.
+        template: search_r1 or fewshot. reward: em or f1.
+        max_turns, topk, max_turn_tokens, max_total_tokens, max_info_tokens: episode budgets.
+    """
+
+    name = "search_qa"
+
+    def __init__(self, train_file: str | list[str] | None = None, eval_file: str | None = None,
+                 index: str | None = None, retriever_url: str | None = None, synthetic: bool | dict | None = None,
+                 question_field: str = "question", answers_field: str = "answers", template: str = "search_r1",
+                 reward: str = "em", max_turns: int = 4, topk: int = 3, max_turn_tokens: int = 128,
+                 max_total_tokens: int = 1024, max_info_tokens: int = 384, eval_size: int = 500):
+        if template not in TEMPLATES:
+            raise ValueError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
+        if reward not in ("em", "f1"):
+            raise ValueError(f"task_args.reward: expected em or f1, got {reward!r}")
+        sources = [x for x in (index, retriever_url, synthetic) if x]
+        if len(sources) != 1:
+            raise ValueError("task_args: the search_qa task needs exactly one of index, retriever_url, synthetic")
+        self.template, self.reward_kind = template, reward
+        self.agent = AgentConfig(max_turns=max_turns, topk=topk, max_turn_tokens=max_turn_tokens,
+                                 max_total_tokens=max_total_tokens, max_info_tokens=max_info_tokens)
+        self._index, self._url, self._retriever = index, retriever_url, None
+        if synthetic:
+            path, kb = synthetic_index(synthetic if isinstance(synthetic, dict) else {})
+            self._index = str(path)
+            train, held = kb["train"], kb["eval"]
+        else:
+            if train_file is None and eval_file is None:
+                raise ValueError("task_args: the search_qa task needs train_file and/or eval_file (or synthetic)")
+            fields = {"question": question_field, "answers": answers_field}
+            files = [train_file] if isinstance(train_file, str) else list(train_file or [])
+            train = [r for f in files for r in load_rows(f, fields, ("question", "answers"))]
+            held = load_rows(eval_file, fields, ("question", "answers")) if eval_file else []
+            if not held:
+                held, train = train[-eval_size:], train[:-eval_size]
+        self._train = [self._example(r, "train") for r in train]
+        self._eval = [self._example(r, "eval") for r in held]
+
+    def _example(self, row: dict, prefix: str) -> Example:
+        answers = row["answers"]
+        answers = [answers] if isinstance(answers, str) else [str(a) for a in answers]
+        prompt = TEMPLATES[self.template].format(question=str(row["question"]).strip())
+        return Example(id=f"{prefix}-{row['id']}", messages=[{"role": "user", "content": prompt}], answer=answers,
+                       meta={"question": row["question"]})
+
+    @property
+    def retriever(self):
+        """The retriever, opened on first use."""
+        if self._retriever is None:
+            from emapg.retrieval import open_retriever
+
+            self._retriever = open_retriever(index=self._index, url=self._url)
+        return self._retriever
+
+    def train_examples(self, rng: random.Random, n: int) -> list[Example]:
+        if not self._train:
+            raise ValueError("task_args.train_file: the search_qa task has no training rows")
+        return [self._train[rng.randrange(len(self._train))] for _ in range(n)]
+
+    def eval_examples(self, size: int) -> list[Example]:
+        return self._eval[:size]
+
+    def reward(self, completion: str, example: Example) -> float:
+        pred = extract_answer(completion)
+        if pred is None:
+            return 0.0
+        return qa_em(pred, example.answer) if self.reward_kind == "em" else qa_f1(pred, example.answer)
