@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from emapg.retrieval import Passage
 
 from emapg.config import load_config
 from emapg.models import byte_tokenizer
+from emapg.retrieval import Passage
 from emapg.rollout.agent import AgentConfig, agent_rollout, extract_answer, format_information
 from emapg.rollout.hf import Sampled
 from emapg.tasks.base import Example
@@ -249,3 +249,30 @@ def test_scripted_agent_over_a_real_bm25_index(tmp_path):
     batch = agent_rollout(sampler, TOK, [example("Who?")], index, n=1, eos=[EOS])
     assert first["title"] in batch.completions[0].split("</information>")[0]
     assert batch.stats["searches"].tolist() == [1.0]
+
+
+def test_a_response_prefix_opens_the_first_turn():
+    """With response_prefix "<search>" the prompt ends with the tag and the model writes the query."""
+    ex = Example(id="p", messages=[{"role": "raw", "content": "Question: QP?\n"},
+                                   {"role": "response_prefix", "content": "<search>"}], answer=["Ostavia"])
+    sampler = ScriptedSampler({"QP?": [" Kadrin </search>", "<answer> Ostavia </answer>"]})
+    ret = FakeRetriever({"Kadrin": "Kadrin is a city in Ostavia."})
+    batch = agent_rollout(sampler, TOK, [ex], ret, n=1, eos=[EOS])
+    assert TOK.decode(batch.prompt_ids[0], skip_special_tokens=True).endswith("Question: QP?\n<search>")
+    assert ret.calls == [["Kadrin"]] and batch.stats["searches"].tolist() == [1.0]
+    assert extract_answer(batch.completions[0]) == "Ostavia"
+
+
+def test_the_format_bonus_is_training_reward_only(tmp_path):
+    from emapg.tasks.search_qa import SearchQATask
+
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"id": "1", "question": "q?", "answers": ["Ostavia"]}\n')
+    task = SearchQATask(eval_file=str(qa), index="x", format_weight=0.1, response_prefix="<search>")
+    ex = task.eval_examples(1)[0]
+    assert ex.messages[-1] == {"role": "response_prefix", "content": "<search>"}
+    assert task.reward("<answer> Kadrin </answer>", ex) == pytest.approx(0.1)
+    assert task.eval_reward("<answer> Kadrin </answer>", ex) == 0.0
+    assert task.reward("<answer> ostavia </answer>", ex) == pytest.approx(1.1)
+    assert task.eval_reward("<answer> ostavia </answer>", ex) == 1.0
+    assert task.reward("no answer", ex) == 0.0

@@ -136,3 +136,18 @@ def test_tiny_model_math_eval_end_to_end(tmp_path):
     assert [r["dataset"] for r in out["rows"]] == ["mini", "mini"]
     assert out["rows"][0]["num"] == 8 and "pass@2" in out["rows"][0]
     assert "| mini | 4 | 2 |" in res.stdout and "| average |" in res.stdout
+
+
+def test_format_reward_adds_to_training_reward_not_to_accuracy(tmp_path):
+    from emapg.tasks.math import MathTask
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "1", "problem": "1+1?", "answer": "2"}\n')
+    task = MathTask(eval_file=str(f), format_weight=0.25)
+    ex = task.eval_examples(1)[0]
+    assert task.reward("so \\boxed{3}", ex) == 0.25  # well formed, wrong
+    assert task.reward("so \\boxed{2}", ex) == 1.25  # well formed, right
+    assert task.reward("it is 2", ex) == 1.0  # right (the last number counts), no box: no bonus
+    assert task.eval_reward("so \\boxed{3}", ex) == 0.0 and task.eval_reward("so \\boxed{2}", ex) == 1.0
+    plain = MathTask(eval_file=str(f))
+    assert plain.reward("so \\boxed{3}", ex) == 0.0

@@ -51,7 +51,7 @@ def evaluate(
         chunk = examples[start : start + batch_size]
         batch = rollout_for_task(model, tokenizer, task, chunk, n=n, temperature=temperature, top_p=top_p,
                                  max_new_tokens=max_new_tokens, greedy=greedy)
-        rewards = score_completions(task, batch.completions, chunk, n)
+        rewards = score_completions(task, batch.completions, chunk, n, evaluation=True)
         total += float(rewards.sum())
         correct += (rewards >= 1.0).view(-1, n).sum(1).tolist()
         length += float(batch.response_mask.sum())

@@ -7,6 +7,8 @@ Built-in names:
   imported), checked against its sha256, dequantised once by transformers and cached as a
   safetensors folder under ``$EMAPG_CACHE`` (default ``~/.cache/emapg``).
 * ``tiny-llama``, ``tiny-qwen2``: small random models built from a config, for tests and smoke runs.
+* ``random-qwen2.5-0.5b``, ``random-qwen2.5-1.5b``: random weights in the shapes of Qwen2.5-0.5B/1.5B
+  (with the tiny byte tokenizer), for speed and memory checks on machines without the real weights.
 
 Nothing is fetched from a hub; ``trust_remote_code`` is off unless the caller asks for it.
 """
@@ -27,7 +29,9 @@ SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 END_TOKEN = "<|im_end|>"
-BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2")
+BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "random-qwen2.5-0.5b", "random-qwen2.5-1.5b")
+# Shapes of the Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate); vocab 151936, tied at 0.5B.
+QWEN25_SHAPES = {"0.5b": (896, 24, 14, 2, 4864, True), "1.5b": (1536, 28, 12, 2, 8960, True)}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,6 +103,18 @@ def tiny_model(kind: str = "llama", vocab_size: int = 512, seed: int = 0) -> nn.
     return Qwen2ForCausalLM(Qwen2Config(**common))
 
 
+def random_qwen25(size: str, seed: int = 0) -> nn.Module:
+    """A Qwen2.5-shaped model with random weights (``size`` 0.5b or 1.5b): real compute and memory cost."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, layers, heads, kv, inter, tied = QWEN25_SHAPES[size]
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=151936, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=32768, tie_word_embeddings=tied,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1))
+
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -141,6 +157,8 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
     if name in ("tiny-llama", "tiny-qwen2"):
         model = tiny_model(name.split("-")[1], vocab_size=259, seed=seed).to(DTYPES[dtype])
         return model, byte_tokenizer()
+    if name.startswith("random-qwen2.5-"):
+        return random_qwen25(name.removeprefix("random-qwen2.5-"), seed).to(DTYPES[dtype]), byte_tokenizer()
     from transformers import AutoModelForCausalLM
 
     if name == "smollm2-135m":

@@ -13,13 +13,20 @@ class RewardError(RuntimeError):
     """A reward function failed or returned a non-number, for a named sample."""
 
 
-def score_completions(task: Task, completions: list[str], examples: list[Example], n: int) -> torch.Tensor:
-    """Rewards [len(completions)] for completions grouped n per example (example i // n)."""
+def score_completions(task: Task, completions: list[str], examples: list[Example], n: int,
+                      evaluation: bool = False) -> torch.Tensor:
+    """Rewards [len(completions)] for completions grouped n per example (example i // n).
+
+    evaluation: score with the task's ``eval_reward`` when it has one (the correctness alone,
+    without shaping terms such as a format bonus), else with its ``reward``.
+    """
+    fn = getattr(task, "eval_reward", None) if evaluation else None
+    fn = fn or task.reward
     out = []
     for i, completion in enumerate(completions):
         ex = examples[i // n]
         try:
-            value = float(task.reward(completion, ex))
+            value = float(fn(completion, ex))
         except Exception as e:  # the user's reward code: report which sample broke it
             raise RewardError(
                 f"reward of task {task.name!r} raised {type(e).__name__}: {e} "

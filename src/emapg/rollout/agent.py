@@ -93,6 +93,7 @@ class _Episode:
     entropy: list[float]
     tail: list[float]
     topk: list[list[int]]
+    lead: str = ""  # text the prompt put at the start of the model's turn (a response prefix)
     searches: int = 0
     turns: int = 0
     done: bool = False
@@ -130,8 +131,9 @@ def agent_rollout(
     cfg = config or AgentConfig()
     eos_set = set(eos if eos is not None else [tokenizer.eos_token_id])
     prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
-    eps = [_Episode(prompt=p, tokens=[], mask=[], logp=[], entropy=[], tail=[], topk=[])
-           for p in prompts for _ in range(n)]
+    leads = [ex.messages[-1]["content"] if ex.messages[-1]["role"] == "response_prefix" else "" for ex in examples]
+    eps = [_Episode(prompt=p, tokens=[], mask=[], logp=[], entropy=[], tail=[], topk=[], lead=lead)
+           for p, lead in zip(prompts, leads, strict=True) for _ in range(n)]
     while True:
         live = [e for e in eps if not e.done]
         if not live:
@@ -149,7 +151,7 @@ def agent_rollout(
             e.tail += out.tail_lost[row, :length].tolist()
             e.topk += out.topk[row, :length].tolist() if out.topk is not None else [[]] * length
             e.turns += 1
-            text = tokenizer.decode(new[:length], skip_special_tokens=True)
+            text = (e.lead if e.turns == 1 else "") + tokenizer.decode(new[:length], skip_special_tokens=True)
             if why == "stop" and ANSWER_RE.search(text):
                 e.done = True
             elif why == "stop" and (q := SEARCH_RE.findall(text)) and e.searches < cfg.max_turns:

@@ -19,14 +19,22 @@ from emapg.tasks.base import Example
 
 def format_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a chat prompt: the tokenizer's chat template when it has one, else plain text.
-    A single message with role ``raw`` is sent as it is (base models)."""
+    A single message with role ``raw`` is sent as it is (base models). A last message with role
+    ``response_prefix`` starts the assistant's turn with its text (part of the prompt, not generated)."""
+    prefix = ""
+    if messages and messages[-1]["role"] == "response_prefix":
+        prefix, messages = messages[-1]["content"], messages[:-1]
+    return tokenizer(_prompt_text(tokenizer, messages) + prefix, add_special_tokens=False).input_ids
+
+
+def _prompt_text(tokenizer, messages: list[dict[str, str]]) -> str:
     if len(messages) == 1 and messages[0]["role"] == "raw":
         text = messages[0]["content"]
     elif getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
         text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return text
 
 
 def pad_left(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:

@@ -67,6 +67,10 @@ class MathTask:
     def eval_examples(self, size: int) -> list[Example]:
         return self._eval[:size]
 
+    def eval_reward(self, completion: str, example: Example) -> float:
+        """Correctness alone (held-out accuracy): no format bonus."""
+        return math_reward(completion, example.answer)
+
     def reward(self, completion: str, example: Example) -> float:
         score = math_reward(completion, example.answer)
         if self.format_weight:

@@ -68,7 +68,9 @@ class SearchQATask:
         train_file (one file or a list), eval_file: QA rows; question_field, answers_field: their column names.
         index: a BM25 index folder; retriever_url: a running retriever (one of index, retriever_url,
             synthetic). synthetic: true or options of :func:`emapg.tasks.multihop_kb.make_kb`.
-        template: search_r1 or fewshot. reward: em or f1.
+        template: search_r1 or fewshot. reward: em or f1. response_prefix: text that opens the model's
+            turn, e.g. "<search>" (it is part of the prompt; the model writes what follows).
+        format_weight: training-reward bonus for a well-formed answer (held-out accuracy ignores it).
         max_turns, topk, max_turn_tokens, max_total_tokens, max_info_tokens: episode budgets.
     """
 
@@ -78,7 +80,8 @@ class SearchQATask:
                  index: str | None = None, retriever_url: str | None = None, synthetic: bool | dict | None = None,
                  question_field: str = "question", answers_field: str = "answers", template: str = "search_r1",
                  reward: str = "em", max_turns: int = 4, topk: int = 3, max_turn_tokens: int = 128,
-                 max_total_tokens: int = 1024, max_info_tokens: int = 384, eval_size: int = 500):
+                 max_total_tokens: int = 1024, max_info_tokens: int = 384, eval_size: int = 500,
+                 response_prefix: str = "", format_weight: float = 0.0):
         if template not in TEMPLATES:
             raise ValueError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
         if reward not in ("em", "f1"):
@@ -86,7 +89,8 @@ class SearchQATask:
         sources = [x for x in (index, retriever_url, synthetic) if x]
         if len(sources) != 1:
             raise ValueError("task_args: the search_qa task needs exactly one of index, retriever_url, synthetic")
-        self.template, self.reward_kind = template, reward
+        self.template, self.reward_kind, self.response_prefix = template, reward, response_prefix
+        self.format_weight = format_weight
         self.agent = AgentConfig(max_turns=max_turns, topk=topk, max_turn_tokens=max_turn_tokens,
                                  max_total_tokens=max_total_tokens, max_info_tokens=max_info_tokens)
         self._index, self._url, self._retriever = index, retriever_url, None
@@ -110,7 +114,10 @@ class SearchQATask:
         answers = row["answers"]
         answers = [answers] if isinstance(answers, str) else [str(a) for a in answers]
         prompt = TEMPLATES[self.template].format(question=str(row["question"]).strip())
-        return Example(id=f"{prefix}-{row['id']}", messages=[{"role": "user", "content": prompt}], answer=answers,
+        messages = [{"role": "user", "content": prompt}]
+        if self.response_prefix:  # the model's turn starts with this text, e.g. "<search>"
+            messages.append({"role": "response_prefix", "content": self.response_prefix})
+        return Example(id=f"{prefix}-{row['id']}", messages=messages, answer=answers,
                        meta={"question": row["question"]})
 
     @property
@@ -130,8 +137,17 @@ class SearchQATask:
     def eval_examples(self, size: int) -> list[Example]:
         return self._eval[:size]
 
-    def reward(self, completion: str, example: Example) -> float:
+    def eval_reward(self, completion: str, example: Example) -> float:
+        """EM (or F1) of the final answer: held-out accuracy, without the format bonus."""
         pred = extract_answer(completion)
         if pred is None:
             return 0.0
         return qa_em(pred, example.answer) if self.reward_kind == "em" else qa_f1(pred, example.answer)
+
+    def reward(self, completion: str, example: Example) -> float:
+        """The training reward: :meth:`eval_reward`, plus ``format_weight`` when the episode ends with
+        a non-empty <answer> (shaping that lets a model which never answers start to learn)."""
+        score = self.eval_reward(completion, example)
+        if self.format_weight and extract_answer(completion):
+            score += self.format_weight
+        return score

@@ -1,0 +1,87 @@
+"""emapg compare: the spec, the per-seed aggregation, the table and figure, and a tiny run end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from emapg.compare import load_spec, markdown, plot, summarize
+from emapg.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_spec(tmp_path, text):
+    p = tmp_path / "spec.yaml"
+    p.write_text(text)
+    return p
+
+
+SPEC = f"""
+base: {ROOT / "recipes" / "smoke.yaml"}
+overrides: [steps=2, export=false]
+seeds: [0, 1]
+quick: {{overrides: [steps=1], seeds: [0], only: [a]}}
+configs:
+  a: {{label: "A", overrides: [algo.eta=1.0, algo.kl=k3]}}
+  b: [algo.eta=0.5]
+groups: {{main: [a, b]}}
+"""
+
+
+def fake_run(folder: Path, accs, rewards, compute=60.0):
+    folder.mkdir(parents=True)
+    rows = [{"step": 0, "eval/policy_accuracy": accs[0]}]
+    for step, r in enumerate(rewards, 1):
+        rows.append({"step": step, "reward_mean": r, "kl": 0.01 * step, "kl_to_init": 0.02 * step, "entropy": 1.0})
+    rows[-1]["eval/policy_accuracy"] = accs[-1]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "eval.json").write_text(json.dumps({"init": {"accuracy": accs[0]}, "policy": {"accuracy": accs[-1]},
+                                                  "anchor": {"accuracy": accs[-1] / 2}}))
+    (folder / "compute.json").write_text(json.dumps({"seconds": compute}))
+
+
+def test_spec_quick_only_and_errors(tmp_path):
+    spec = load_spec(write_spec(tmp_path, SPEC))
+    assert list(spec.configs) == ["a", "b"] and spec.seeds == [0, 1] and spec.labels["a"] == "A"
+    quick = load_spec(write_spec(tmp_path, SPEC), quick=True)
+    assert list(quick.configs) == ["a"] and quick.seeds == [0] and quick.overrides[-1] == "steps=1"
+    with pytest.raises(ConfigError, match="unknown configs"):
+        load_spec(write_spec(tmp_path, SPEC), only=["zzz"])
+    with pytest.raises(ConfigError, match="configs.bad: expected a list"):
+        load_spec(write_spec(tmp_path, SPEC.replace("b: [algo.eta=0.5]", "bad: [nokeyvalue]")))
+    with pytest.raises(ConfigError, match="missing field 'configs'"):
+        load_spec(write_spec(tmp_path, "base: x\n"))
+
+
+def test_mean_and_spread_over_seeds(tmp_path):
+    spec = load_spec(write_spec(tmp_path, SPEC))
+    out = tmp_path / "out"
+    fake_run(out / "a" / "seed0", [0.2, 0.4], [0.1, 0.3], compute=60)
+    fake_run(out / "a" / "seed1", [0.2, 0.6], [0.3, 0.5], compute=180)
+    fake_run(out / "b" / "seed0", [0.2, 0.5], [0.2, 0.2])  # seed 1 of b has not run: left out
+    s = summarize(spec, out)
+    assert s["a"]["seeds"] == 2 and s["b"]["seeds"] == 1
+    assert s["a"]["policy"] == pytest.approx((0.5, 0.1414213562), rel=1e-6)
+    assert s["a"]["minutes"][0] == pytest.approx(2.0)
+    assert s["a"]["curves"]["reward_mean"] == {"steps": [1, 2], "mean": [0.2, 0.4],
+                                              "std": pytest.approx([0.1414213562, 0.1414213562])}
+    md = markdown(spec, s)
+    assert "| A | 2 | 20.0 ± 0.0 | 50.0 ± 14.1 | 25.0 ± 7.1 |" in md and "| b | 1 |" in md
+    assert plot(s, tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_compare_cli_runs_a_tiny_comparison(tmp_path):
+    spec = write_spec(tmp_path, SPEC.replace("seeds: [0, 1]", "seeds: [0]") + "\n")
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "emapg", "compare", "--spec", str(spec), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| A | 1 |" in proc.stdout and "| b | 1 |" in proc.stdout
+    for f in ("results.md", "summary.json", "main.png"):
+        assert (out / f).exists(), f
+    # a second call finds every run done and only reports
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stderr.count("done already") == 2
