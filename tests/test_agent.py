@@ -276,3 +276,16 @@ def test_the_format_bonus_is_training_reward_only(tmp_path):
     assert task.reward("<answer> ostavia </answer>", ex) == pytest.approx(1.1)
     assert task.eval_reward("<answer> ostavia </answer>", ex) == 1.0
     assert task.reward("no answer", ex) == 0.0
+
+
+def test_force_answer_opens_the_turn_after_the_last_search():
+    facts = {"Kadrin": "Kadrin is a city in Ostavia."}
+    sampler = ScriptedSampler({"QF?": ["<search> Kadrin </search>", " Ostavia </answer>"]})
+    batch = agent_rollout(sampler, TOK, [example("QF?")], FakeRetriever(facts), n=1, eos=[EOS],
+                          config=AgentConfig(max_turns=1, topk=1, force_answer=True))
+    info = format_information([Passage(id="Kadrin", title="Kadrin", text=facts["Kadrin"])]) + "<answer>"
+    n1, n_info = len(tokens("<search> Kadrin </search>")), len(tokens(info))
+    assert batch.response_ids[0, n1 : n1 + n_info].tolist() == tokens(info)  # environment text, mask 0
+    assert batch.response_mask[0, n1 : n1 + n_info].sum() == 0
+    assert extract_answer(batch.completions[0]) == "Ostavia"
+    assert batch.stats["turns"].tolist() == [2.0] and not bool(batch.truncated[0])

@@ -92,8 +92,13 @@ class Trainer:
             torch.set_num_threads(max(1, cfg.threads // self.dist.world) if self.dist.device.type == "cpu"
                                   else cfg.threads)
         torch.manual_seed(cfg.seed)
+        # Rank 0 fills the caches first (a converted model, a generated index); the others then read them.
+        if self.dist.enabled and not self.main:
+            distributed.barrier()
         self.model, self.tokenizer = self._build_model()
         self.task = make_task(cfg.task, **cfg.task_args)
+        if self.dist.enabled and self.main:
+            distributed.barrier()
         self.eval_set = self.task.eval_examples(cfg.eval.size) if cfg.eval.size else []
         # Sharded, the anchor's copy is made before sharding and sharded alike; LoRA needs no copy.
         full = cfg.lora.r == 0 and self.dist.enabled

@@ -45,6 +45,9 @@ class AgentConfig:
     """All response tokens of an episode: model turns plus retrieved information."""
     max_info_tokens: int = 384
     """Tokens of one <information> block (longer ones are cut)."""
+    force_answer: bool = False
+    """After the last allowed search, open the model's next turn with "<answer>" (environment text,
+    mask 0): every episode that uses its searches then ends with an answer attempt."""
 
 
 def format_information(passages) -> str:
@@ -93,7 +96,7 @@ class _Episode:
     entropy: list[float]
     tail: list[float]
     topk: list[list[int]]
-    lead: str = ""  # text the prompt put at the start of the model's turn (a response prefix)
+    lead: str = ""  # text the prompt or the environment put at the start of the model's next turn
     searches: int = 0
     turns: int = 0
     done: bool = False
@@ -151,7 +154,8 @@ def agent_rollout(
             e.tail += out.tail_lost[row, :length].tolist()
             e.topk += out.topk[row, :length].tolist() if out.topk is not None else [[]] * length
             e.turns += 1
-            text = (e.lead if e.turns == 1 else "") + tokenizer.decode(new[:length], skip_special_tokens=True)
+            text = e.lead + tokenizer.decode(new[:length], skip_special_tokens=True)
+            e.lead = ""
             if why == "stop" and ANSWER_RE.search(text):
                 e.done = True
             elif why == "stop" and (q := SEARCH_RE.findall(text)) and e.searches < cfg.max_turns:
@@ -165,6 +169,10 @@ def agent_rollout(
                 info = tokenizer(format_information(passages), add_special_tokens=False).input_ids
                 info = info[: min(cfg.max_info_tokens, cfg.max_total_tokens - len(e.tokens))]
                 e.searches += 1
+                e.lead = ""
+                if cfg.force_answer and e.searches == cfg.max_turns:
+                    e.lead = "<answer>"
+                    info += tokenizer(e.lead, add_special_tokens=False).input_ids
                 e.tokens += info
                 e.mask += [0] * len(info)
                 e.logp += [0.0] * len(info)

@@ -71,6 +71,7 @@ class SearchQATask:
         template: search_r1 or fewshot. reward: em or f1. response_prefix: text that opens the model's
             turn, e.g. "<search>" (it is part of the prompt; the model writes what follows).
         format_weight: training-reward bonus for a well-formed answer (held-out accuracy ignores it).
+        force_answer: after the last allowed search the environment opens the next turn with <answer>.
         max_turns, topk, max_turn_tokens, max_total_tokens, max_info_tokens: episode budgets.
     """
 
@@ -81,7 +82,7 @@ class SearchQATask:
                  question_field: str = "question", answers_field: str = "answers", template: str = "search_r1",
                  reward: str = "em", max_turns: int = 4, topk: int = 3, max_turn_tokens: int = 128,
                  max_total_tokens: int = 1024, max_info_tokens: int = 384, eval_size: int = 500,
-                 response_prefix: str = "", format_weight: float = 0.0):
+                 response_prefix: str = "", format_weight: float = 0.0, force_answer: bool = False):
         if template not in TEMPLATES:
             raise ValueError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
         if reward not in ("em", "f1"):
@@ -92,7 +93,8 @@ class SearchQATask:
         self.template, self.reward_kind, self.response_prefix = template, reward, response_prefix
         self.format_weight = format_weight
         self.agent = AgentConfig(max_turns=max_turns, topk=topk, max_turn_tokens=max_turn_tokens,
-                                 max_total_tokens=max_total_tokens, max_info_tokens=max_info_tokens)
+                                 max_total_tokens=max_total_tokens, max_info_tokens=max_info_tokens,
+                                 force_answer=force_answer)
         self._index, self._url, self._retriever = index, retriever_url, None
         if synthetic:
             path, kb = synthetic_index(synthetic if isinstance(synthetic, dict) else {})
