@@ -91,8 +91,8 @@ def run_all(spec: Spec, out: Path, log=print) -> None:
     out.mkdir(parents=True, exist_ok=True)
     total = len(spec.configs) * len(spec.seeds)
     done = 0
-    for name, over in spec.configs.items():
-        for seed in spec.seeds:
+    for seed in spec.seeds:  # seed-major: a comparison stopped early still has every config at its first seeds
+        for name, over in spec.configs.items():
             done += 1
             run = out / name / f"seed{seed}"
             if (run / "eval.json").exists():

@@ -126,6 +126,16 @@ class Trainer:
 
     def _build_model(self):
         cfg = self.cfg
+        model, tokenizer = self._plain_model()
+        model.to(self.dist.device)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.eval()  # no dropout in RL passes; the graph is the same for sampling and training
+        return model, tokenizer
+
+    def _plain_model(self):
+        """The configured model on CPU, unsharded: loaded, and wrapped with PEFT LoRA adapters if asked."""
+        cfg = self.cfg
         model, tokenizer = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
         if cfg.lora.r > 0:
             from peft import LoraConfig, get_peft_model
@@ -133,10 +143,6 @@ class Trainer:
             model = get_peft_model(model, LoraConfig(
                 r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                 target_modules=cfg.lora.target_modules))
-        model.to(self.dist.device)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.eval()  # no dropout in RL passes; the graph is the same for sampling and training
         return model, tokenizer
 
     def _frozen_copy(self) -> torch.nn.Module:
@@ -467,13 +473,7 @@ class Trainer:
         with self.anchor.use(self.model) as m:
             anchor = distributed.model_state(m)
         if self.main:
-            plain, _ = load_model(self.cfg.model, self.cfg.dtype, seed=self.cfg.seed)
-            if self.cfg.lora.r > 0:
-                from peft import LoraConfig, get_peft_model
-
-                c = self.cfg.lora
-                plain = get_peft_model(plain, LoraConfig(r=c.r, lora_alpha=c.alpha, lora_dropout=c.dropout,
-                                                         target_modules=c.target_modules))
+            plain, _ = self._plain_model()
             for name, state in (("policy", policy), ("anchor", anchor)):
                 plain.load_state_dict(state, strict=False)
                 save_hf_folder(plain, self.tokenizer, out / name)
