@@ -81,11 +81,6 @@ def optimizer_state_dict(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Load an index-keyed optimizer state (a bare optimizer, no model) saved by :func:`save_checkpoint`."""
-    optimizer.load_state_dict(optimizer_state_dict(tensors, meta))
-
-
 def save_checkpoint(
     ckpt_dir: Path,
     step: int,
