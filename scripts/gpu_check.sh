@@ -7,8 +7,10 @@
 #      HF rollout backend on CUDA, fp32 master weights + bf16 autocast, EMA anchor + top-k KL;
 #      then the same with gradient checkpointing (prefix sharing off);
 #   4. with 2 or more GPUs: the same 3 steps on 2 GPUs with torchrun + FSDP2 (NCCL);
+#   5. when vllm is installed (pip install 'emapg[vllm]'): the real engine's sampled log-probs and top-k
+#      ids against the policy's own (fp32, two rounds with a weight push between them), then the 3 steps
+#      of 3a with rollout.backend=vllm;
 # and prints, per run, the median step time and generated tokens per second.
-# Not checked here: a vLLM rollout backend (emapg does not ship one yet).
 # Usage: bash scripts/gpu_check.sh   (after scripts/setup.sh, or with EMAPG_TORCH_SPEC=skip on a CUDA torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,5 +57,15 @@ if [ "$NGPU" -ge 2 ]; then
   report "$OUT/fsdp2"
 else
   echo "== 4. skipped: one GPU (FSDP2 over 2 processes is checked on CPU with gloo in the test suite)"
+fi
+if $PY -c "import vllm" 2>/dev/null; then
+  echo "== 5a. vLLM engine vs the policy (tests/test_vllm_backend.py, real engine)"
+  timeout 150 $PY -m pytest -q -x -s -p no:cacheprovider tests/test_vllm_backend.py -k real_engine 2>&1 | \
+    grep -E "round|passed|failed|skipped|Error" | tail -6
+  echo "== 5b. 3 steps, Qwen2.5-0.5B shape, vLLM backend"
+  timeout 200 $PY -m emapg train "${COMMON[@]}" rollout.backend=vllm --out "$OUT/vllm" 2>&1 | tail -2
+  report "$OUT/vllm"
+else
+  echo "== 5. skipped: vllm is not installed (pip install 'emapg[vllm]')"
 fi
 echo "== done: runs in $OUT"

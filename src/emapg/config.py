@@ -70,6 +70,16 @@ class RolloutConfig:
     """Nucleus sampling; < 1 cuts the tail the top-k KL's correction needs (reported as tail_lost)."""
     max_new_tokens: int = 32
     """Response length budget."""
+    backend: str = "hf"
+    """Sampler: ``hf`` (transformers generate) or ``vllm`` (EXPERIMENTAL: extra emapg[vllm], CUDA only)."""
+    vllm_gpu_memory: float = 0.3
+    """vllm: fraction of the GPU's memory the engine may take (weights + KV cache), beside training."""
+    vllm_max_model_len: int | None = None
+    """vllm: the longest prompt + response the engine plans for (None = the model's limit)."""
+    vllm_sleep: bool = False
+    """vllm: free the engine's GPU memory during the update (its weights are pushed again before a rollout)."""
+    vllm_enforce_eager: bool = False
+    """vllm: no CUDA graphs (faster start, slower decoding)."""
 
 
 @dataclass
@@ -287,6 +297,8 @@ def validate(cfg: TrainConfig) -> None:
         (r.temperature > 0, "rollout.temperature", "must be > 0", r.temperature),
         (0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p),
         (r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens),
+        (r.backend in ("hf", "vllm"), "rollout.backend", "expected hf or vllm", r.backend),
+        (0 < r.vllm_gpu_memory < 1, "rollout.vllm_gpu_memory", "must be in (0, 1)", r.vllm_gpu_memory),
         (cfg.steps >= 0, "steps", "must be >= 0", cfg.steps),
         (cfg.prompts_per_step >= 1, "prompts_per_step", "must be >= 1", cfg.prompts_per_step),
         (cfg.micro_batch_prompts >= 1, "micro_batch_prompts", "must be >= 1", cfg.micro_batch_prompts),

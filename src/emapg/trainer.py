@@ -118,6 +118,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.initial_eval: dict[str, Any] | None = None
+        self.engine = self._rollout_engine()
         if resume:
             self._restore()
         elif self.main:
@@ -144,6 +145,23 @@ class Trainer:
                 r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                 target_modules=cfg.lora.target_modules))
         return model, tokenizer
+
+    def _rollout_engine(self):
+        """The vLLM engine of this process (rollout.backend vllm), or None for HF generate."""
+        cfg, r = self.cfg, self.cfg.rollout
+        if r.backend != "vllm":
+            return None
+        if self.dist.device.type != "cuda":
+            raise ConfigError(f"rollout.backend: vllm needs a CUDA device, got device {self.dist.device}")
+        from emapg.rollout.hf import eos_ids
+        from emapg.rollout.vllm_backend import VLLMRollout
+
+        half = cfg.mixed_precision == "bf16" or cfg.dtype == "bfloat16"
+        return VLLMRollout.create(
+            self.model, self.tokenizer, eos_ids(self.model, self.tokenizer), workdir=self.run_dir / "vllm",
+            dtype="bfloat16" if half else "float32", gpu_memory_utilization=r.vllm_gpu_memory,
+            max_model_len=r.vllm_max_model_len, max_logprobs=cfg.algo.k if cfg.algo.kl == "topk_reverse" else 0,
+            seed=cfg.seed + self.dist.rank, sleep=r.vllm_sleep, enforce_eager=r.vllm_enforce_eager)
 
     def _frozen_copy(self) -> torch.nn.Module:
         m = copy.deepcopy(self.model)
@@ -212,9 +230,18 @@ class Trainer:
                             self.dist.world, self.dist.rank)
         examples = [examples[i] for i in mine]
         need_q = cfg.algo.kl == "topk_reverse" and cfg.algo.k > 0
-        with gathered(self.model) as model, self._autocast():
-            batch = rollout_for_task(model, self.tokenizer, self.task, examples, n=r.n, temperature=r.temperature,
-                                     top_p=r.top_p, max_new_tokens=r.max_new_tokens, k=cfg.algo.k if need_q else 0)
+        kw = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                  k=cfg.algo.k if need_q else 0)
+        if self.engine is not None:
+            # the engine samples with the weights of the policy after self.step updates
+            self.engine.sync(self.model, version=self.step)
+            seed = (self._step_seed(step) + RANK_SEED_STRIDE * self.dist.rank) % 2**31
+            batch = rollout_for_task(self.model, self.tokenizer, self.task, examples, engine=self.engine, seed=seed,
+                                     **kw)
+            self.engine.after_rollout()
+        else:
+            with gathered(self.model) as model, self._autocast():
+                batch = rollout_for_task(model, self.tokenizer, self.task, examples, **kw)
         batch.rewards = score_completions(self.task, batch.completions, examples, r.n).to(self.dist.device)
         batch.advantages = group_advantages(batch.rewards, r.n, cfg.algo.advantage)
         if cfg.algo.mask_truncated:
@@ -365,7 +392,8 @@ class Trainer:
         local = {"rewards": batch.rewards.tolist(), "lengths": mask.sum(1).tolist(),
                  "stats": {k: v.tolist() for k, v in batch.stats.items()},
                  "truncated": batch.truncated.tolist(), "mask": float(mask.sum()),
-                 "entropy": float((batch.entropy * mask).sum()), "tail_lost": float((batch.tail_lost * mask).sum())}
+                 "entropy": float((batch.entropy * mask).sum()),
+                 "tail_lost": None if batch.tail_lost is None else float((batch.tail_lost * mask).sum())}
         parts = distributed.all_gather_objects(local)
         rewards = torch.tensor([x for p in parts for x in p["rewards"]], dtype=torch.float32)
         lengths = torch.tensor([x for p in parts for x in p["lengths"]], dtype=torch.float32)
@@ -386,13 +414,14 @@ class Trainer:
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "response_length": float(lengths.mean()),
             "truncated_frac": float(truncated.mean()),
-            "tail_lost": sum(p["tail_lost"] for p in parts) / positions,
             "lr": self.scheduler.get_last_lr()[0],
             "ema_updated": int(ema_updated),
             "skipped_updates": skipped,
             "skipped_total": self.skipped_steps,
             "anchor_seconds": t_anchor,
         }
+        if all(p["tail_lost"] is not None for p in parts):  # the vLLM backend does not measure it
+            row["tail_lost"] = sum(p["tail_lost"] for p in parts) / positions
         for key in batch.stats:  # rollout diagnostics, e.g. searches per episode
             values = [x for p in parts for x in p["stats"][key]]
             row[f"{key}_mean"] = sum(values) / max(len(values), 1)

@@ -8,12 +8,16 @@ from emapg.rollout.batch import RolloutBatch
 from emapg.tasks.base import Example
 
 
-def rollout_for_task(model: nn.Module, tokenizer, task, examples: list[Example], **kwargs) -> RolloutBatch:
+def rollout_for_task(model: nn.Module, tokenizer, task, examples: list[Example], engine=None, seed: int | None = None,
+                     **kwargs) -> RolloutBatch:
     """A task with an ``agent`` budget (and a ``retriever``) gets multi-turn episodes; others one turn.
 
     kwargs: n, temperature, top_p, k, greedy, and max_new_tokens (single-turn only: an episode's
-    budgets are the task's).
+    budgets are the task's). ``engine``: a :class:`~emapg.rollout.vllm_backend.VLLMRollout` holding
+    the model's weights samples instead of ``model`` (``seed`` seeds its requests); None = HF generate.
     """
+    if engine is not None:
+        return _engine_rollout(engine, model, tokenizer, task, examples, seed, **kwargs)
     if getattr(task, "agent", None) is not None:
         from emapg.rollout.agent import rollout_model
 
@@ -22,3 +26,18 @@ def rollout_for_task(model: nn.Module, tokenizer, task, examples: list[Example],
     from emapg.rollout.hf import generate
 
     return generate(model, tokenizer, examples, **kwargs)
+
+
+def _engine_rollout(engine, model: nn.Module, tokenizer, task, examples: list[Example], seed: int | None,
+                    **kwargs) -> RolloutBatch:
+    device = next(model.parameters()).device
+    if getattr(task, "agent", None) is not None:
+        from emapg.rollout.agent import STOPS, agent_rollout
+
+        kwargs.pop("max_new_tokens", None)
+        n, k = kwargs.pop("n", 1), kwargs.get("k", 0)
+        sampler = engine.sampler(stop=STOPS, seed=seed, **kwargs)
+        batch = agent_rollout(sampler, tokenizer, examples, task.retriever, n=n, k=k, config=task.agent,
+                              eos=engine.eos)
+        return batch.to(device)
+    return engine.generate(examples, seed=seed, device=device, **kwargs)

@@ -13,6 +13,7 @@ entropies and top-k ids are recorded only for model tokens.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,7 +71,8 @@ def extract_answer(completion: str) -> str | None:
 
 
 # A sampler continues B contexts (token lists) by at most ``max_new_tokens`` tokens, stopping each row
-# at a stop string or EOS (later positions are padding), and records the per-token statistics.
+# at a stop string or EOS (later positions are padding), and records the per-token statistics
+# (tail_lost may be None: the batch then has none). hf_sampler here; VLLMRollout.sampler for vLLM.
 Sampler = Callable[[list[list[int]], int], Sampled]
 
 
@@ -151,7 +153,7 @@ def agent_rollout(
             e.mask += [1] * length
             e.logp += out.logp[row, :length].tolist()
             e.entropy += out.entropy[row, :length].tolist()
-            e.tail += out.tail_lost[row, :length].tolist()
+            e.tail += out.tail_lost[row, :length].tolist() if out.tail_lost is not None else [float("nan")] * length
             e.topk += out.topk[row, :length].tolist() if out.topk is not None else [[]] * length
             e.turns += 1
             text = e.lead + tokenizer.decode(new[:length], skip_special_tokens=True)
@@ -209,7 +211,8 @@ def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, 
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids,
         response_mask=right([e.mask for e in eps], 0, torch.long),
         samp_logp=right([e.logp for e in eps], 0.0, torch.float32), n=n, samp_topk=topk,
-        tail_lost=right([e.tail for e in eps], 0.0, torch.float32),
+        tail_lost=None if any(math.isnan(x) for e in eps for x in e.tail) else right([e.tail for e in eps], 0.0,
+                                                                                    torch.float32),
         entropy=right([e.entropy for e in eps], 0.0, torch.float32),
         truncated=torch.tensor([e.truncated for e in eps]), completions=completions,
         stats={"searches": torch.tensor([float(e.searches) for e in eps]),

@@ -1,0 +1,284 @@
+"""Rollouts with vLLM (the optional extra ``emapg[vllm]``). EXPERIMENTAL: not yet run on a GPU.
+
+One engine per training process, colocated on that process's GPU. Under torchrun every rank gets
+its own engine (vLLM's ``external_launcher`` executor, tensor parallel 1) and samples its own share
+of the prompts, exactly as the HF backend does, so nothing else in the step changes. The engine
+starts from the policy's config and tokenizer with dummy weights and receives the policy's weights
+before the first rollout and after every optimizer step (:func:`policy_weights`): full tensors,
+gathered from FSDP2 shards one parameter at a time, with LoRA adapters merged on the fly (the
+policy itself is never touched).
+
+Log-probs are vLLM's ``processed_logprobs``: after temperature and top-p, i.e. of the sampling
+distribution pi_samp, which is what the importance weight and the top-k reverse KL's head set q
+need (spec section 5). vLLM computes them with its own kernels, so they differ from the trainer's
+recomputation by rounding; the importance weight s = pi_theta / pi_samp accounts for exactly that.
+
+What vLLM does not return, and what this backend reports instead:
+
+* entropy: the sampled token's surprisal -log pi_samp(y_t). Its mean over tokens is an unbiased
+  estimate of the mean entropy (the HF backend reports the exact entropy).
+* tail_lost (mass outside top-p): not available; None, so the metric is not logged.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from emapg.rollout.batch import RolloutBatch, response_mask_from_ids
+from emapg.rollout.hf import Sampled, format_prompt, pad_left
+from emapg.tasks.base import Example
+
+INSTALL_HINT = "install the optional extra: pip install 'emapg[vllm]' (a CUDA machine is required)"
+
+
+def available() -> str | None:
+    """None when a vLLM engine can run here, else the reason it cannot."""
+    if not torch.cuda.is_available():
+        return "the vLLM backend needs a CUDA GPU"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return f"vllm is not installed; {INSTALL_HINT}"
+    return None
+
+
+# ---- pure parts (tested on CPU) ---------------------------------------------------------------------
+
+
+def sampling_kwargs(*, n: int, temperature: float, top_p: float, max_new_tokens: int, k: int, greedy: bool,
+                    stop_token_ids: Sequence[int], stop: Sequence[str] | None = None,
+                    seed: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` that sample from pi at the temperature and
+    nothing else: every other logits processor (penalties, min_p, top_k) is neutral, and the
+    model's generation_config is ignored by the engine (``generation_config="vllm"``).
+
+    ``logprobs=k`` returns the top-k of the processed distribution plus the sampled token (k = 0:
+    the sampled token only).
+    """
+    if greedy and n > 1:
+        raise ValueError("greedy decoding gives one response per prompt: use n = 1 or sampling")
+    kw: dict[str, Any] = dict(
+        n=n, max_tokens=max_new_tokens, logprobs=k, stop_token_ids=list(stop_token_ids),
+        temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0, min_p=0.0,
+        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, ignore_eos=False,
+        skip_special_tokens=True, detokenize=bool(stop), seed=seed,
+    )
+    if stop:
+        kw.update(stop=list(stop), include_stop_str_in_output=True)
+    return kw
+
+
+def to_sampled(completions: Sequence[Any], k: int, pad_id: int, width: int | None = None) -> Sampled:
+    """Per-token statistics of vLLM completions (``CompletionOutput``-like: ``token_ids`` and
+    ``logprobs``, one ``{token_id: Logprob(logprob, rank)}`` per position), right-padded to
+    [B, T] (T = ``width`` or the longest). The top-k ids come in rank order."""
+    rows = len(completions)
+    width = width if width is not None else max((len(c.token_ids) for c in completions), default=0)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    logp = torch.zeros((rows, width), dtype=torch.float32)
+    topk = torch.zeros((rows, width, k), dtype=torch.long) if k > 0 else None
+    for i, c in enumerate(completions):
+        toks = list(c.token_ids)
+        if len(toks) > width:
+            raise ValueError(f"completion {i} has {len(toks)} tokens, more than the budget {width}")
+        if c.logprobs is None or len(c.logprobs) < len(toks):
+            raise ValueError(f"completion {i}: vLLM returned no log-prob for some tokens (logprobs not requested?)")
+        ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        for t, tok in enumerate(toks):
+            pos = c.logprobs[t]
+            logp[i, t] = float(pos[tok].logprob)
+            if topk is not None:
+                head = sorted((lp.rank, tid) for tid, lp in pos.items() if lp.rank is not None and lp.rank <= k)
+                if len(head) != k:
+                    raise ValueError(f"completion {i}, token {t}: vLLM returned {len(head)} of the top-{k} ids "
+                                     f"(is the engine's max_logprobs below k?)")
+                topk[i, t] = torch.tensor([tid for _, tid in head], dtype=torch.long)
+    # unbiased per-token entropy estimate: E[-log pi_samp(y)] = H(pi_samp); 0 on padding
+    entropy = -logp
+    return Sampled(ids=ids, logp=logp, entropy=entropy, tail_lost=None, topk=topk)
+
+
+def vllm_name(name: str) -> str:
+    """A policy parameter's name as the Hugging Face checkpoint (and vLLM's loader) spells it."""
+    name = name.removeprefix("base_model.model.")
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name.replace(".base_layer.", ".")
+
+
+def _whole(t: Tensor) -> Tensor:
+    """The full tensor of an FSDP2 (DTensor) parameter (an all-gather), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def policy_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The policy's weights as (checkpoint name, full tensor), one at a time, for a plain, FSDP2-sharded
+    or PEFT LoRA model. LoRA layers yield base + scaling * B @ A (no adapter tensors); the model
+    is not modified. Every rank must iterate it whole (each FSDP2 tensor is an all-gather)."""
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name:
+            continue
+        full = _whole(param.detach())
+        if name.endswith(".base_layer.weight"):
+            layer = modules[name.removesuffix(".base_layer.weight")]
+            for adapter in getattr(layer, "active_adapters", []):
+                if adapter not in layer.lora_A:
+                    continue
+                a = _whole(layer.lora_A[adapter].weight.detach())
+                b = _whole(layer.lora_B[adapter].weight.detach())
+                delta = (b.float() @ a.float()) * layer.scaling[adapter]
+                if getattr(layer, "fan_in_fan_out", False):
+                    delta = delta.T
+                full = (full.float() + delta).to(full.dtype)
+        yield vllm_name(name), full
+
+
+# ---- the engine --------------------------------------------------------------------------------------
+
+
+class VLLMRollout:
+    """Sampling through a vLLM ``LLM`` (or anything with its ``generate``/``collective_rpc``/
+    ``reset_prefix_cache`` methods), plus the weight push. Build a real one with :meth:`create`."""
+
+    def __init__(self, llm: Any, tokenizer, eos: list[int], sampling_params_cls: Any = None, sleep: bool = False):
+        self.llm, self.tokenizer, self.eos, self.sleep = llm, tokenizer, eos, sleep
+        if sampling_params_cls is None:
+            from vllm import SamplingParams
+
+            sampling_params_cls = SamplingParams
+        self.params_cls = sampling_params_cls
+        self.synced_version: int | None = None
+        self.asleep = False
+
+    @classmethod
+    def create(cls, model: nn.Module, tokenizer, eos: list[int], *, workdir: str | Path, dtype: str,
+               gpu_memory_utilization: float, max_model_len: int | None, max_logprobs: int, seed: int,
+               sleep: bool, enforce_eager: bool) -> VLLMRollout:
+        """A colocated engine on this process's GPU with dummy weights; :meth:`sync` fills them."""
+        reason = available()
+        if reason:
+            raise RuntimeError(f"rollout.backend: vllm: {reason}")
+        from vllm import LLM
+
+        folder = Path(workdir) / f"vllm-model-rank{os.environ.get('RANK', '0')}"
+        folder.mkdir(parents=True, exist_ok=True)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.config.save_pretrained(folder)  # config only: the weights are pushed, never written
+        tokenizer.save_pretrained(folder)
+        # vLLM joins torchrun's processes through these variables; a single process needs them too.
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        llm = LLM(
+            model=str(folder), tokenizer=str(folder), load_format="dummy", dtype=dtype,
+            tensor_parallel_size=1, distributed_executor_backend="external_launcher", seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            max_logprobs=max(max_logprobs, 1), logprobs_mode="processed_logprobs", generation_config="vllm",
+            enable_prefix_caching=True, enable_sleep_mode=sleep, enforce_eager=enforce_eager,
+        )
+        engine = cls(llm, tokenizer, eos, sleep=sleep)
+        if sleep:
+            engine._sleep()
+        return engine
+
+    # -- weights
+
+    def sync(self, model: nn.Module, version: int) -> bool:
+        """Push the policy's weights if the engine holds an older version; True if it pushed.
+        Collective under FSDP2: every rank calls it at the same point."""
+        if self.synced_version == version:
+            return False
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=policy_weights(model),
+                                                               is_checkpoint_format=True))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # cached keys/values were computed by the old weights
+        self.synced_version = version
+        return True
+
+    def _sleep(self) -> None:
+        """Free the engine's GPU memory (weights and KV cache) for the update; the next sync refills it."""
+        self.llm.sleep(level=2)
+        self.asleep = True
+        self.synced_version = None
+
+    def after_rollout(self) -> None:
+        if self.sleep:
+            self._sleep()
+
+    # -- sampling
+
+    def sample(self, contexts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
+               top_p: float = 1.0, k: int = 0, greedy: bool = False, stop: list[str] | None = None,
+               seed: int | None = None) -> Sampled:
+        """One continuation of each context (the agent's sampler contract, rollout/agent.py)."""
+        kw = dict(n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, k=k, greedy=greedy,
+                  stop=stop, seed=seed)
+        outs = self._generate_many([(c, kw) for c in contexts])
+        return to_sampled([o.outputs[0] for o in outs], k, self.tokenizer.pad_token_id)
+
+    def sampler(self, *, temperature: float = 1.0, top_p: float = 1.0, k: int = 0, greedy: bool = False,
+                stop: list[str] | None = None, seed: int | None = None):
+        """A ``Sampler`` for multi-turn episodes (rollout/agent.py)."""
+        calls = iter(range(1 << 30))
+
+        def run(contexts: list[list[int]], max_new_tokens: int) -> Sampled:
+            turn_seed = None if seed is None else seed + next(calls) * 1_000_003
+            return self.sample(contexts, max_new_tokens, temperature=temperature, top_p=top_p, k=k, greedy=greedy,
+                               stop=stop, seed=turn_seed)
+
+        return run
+
+    def generate(self, examples: list[Example], *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int = 32, k: int = 0, greedy: bool = False, seed: int | None = None,
+                 device: torch.device | str = "cpu") -> RolloutBatch:
+        """The HF backend's :func:`emapg.rollout.hf.generate`, sampled by vLLM: ``n`` responses per
+        example, adjacent; prompt i's samples use seeds seed + i * n + j."""
+        prompts = [format_prompt(self.tokenizer, ex.messages) for ex in examples]
+        requests = [(p, dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, k=k,
+                             greedy=greedy, seed=None if seed is None else seed + i * n))
+                    for i, p in enumerate(prompts)]  # one request per prompt, each with its own seed range
+        results = self._generate_many(requests)
+        completions = [c for r in results for c in sorted(r.outputs, key=lambda c: c.index)]
+        out = to_sampled(completions, k, self.tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = pad_left(prompts, self.tokenizer.pad_token_id)
+        resp = out.ids if out.ids.shape[1] else torch.full((len(completions), 1), self.tokenizer.pad_token_id)
+        logp = out.logp if out.ids.shape[1] else torch.zeros(resp.shape)
+        mask, truncated = response_mask_from_ids(resp, self.eos)
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=mask,
+            samp_logp=logp * mask, n=n, samp_topk=out.topk, tail_lost=None, entropy=-logp * mask,
+            truncated=truncated,
+            completions=self.tokenizer.batch_decode(resp.masked_fill(mask == 0, self.tokenizer.pad_token_id),
+                                                    skip_special_tokens=True),
+        )
+        return batch.to(device)
+
+    def _generate_many(self, requests: list[tuple[list[int], dict]]) -> list[Any]:
+        """One ``generate`` call for all requests (vLLM batches them), each with its own params."""
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep: sync the policy's weights before sampling")
+        params = [self.params_cls(**sampling_kwargs(stop_token_ids=self.eos, **kw)) for _, kw in requests]
+        prompts = [{"prompt_token_ids": list(p)} for p, _ in requests]
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

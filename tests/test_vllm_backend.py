@@ -1,0 +1,209 @@
+"""The vLLM rollout backend (rollout/vllm_backend.py).
+
+On CPU: the pure parts (sampling parameters, vLLM outputs -> tensors, the weight stream with FSDP
+names and merged LoRA adapters) and the trainer's use of the engine, through a test double of
+vllm.LLM's surface that samples with a Hugging Face copy of the policy. The real engine is tested
+only where vLLM and a GPU are present (scripts/gpu_check.sh); elsewhere that test skips and says why.
+"""
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from emapg.config import load_config
+from emapg.models import load_model
+from emapg.rollout import vllm_backend as vb
+from emapg.rollout.hf import eos_ids
+from emapg.trainer import Trainer
+
+SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
+
+
+def lp(logprob, rank):
+    return SimpleNamespace(logprob=logprob, rank=rank)
+
+
+def test_sampling_kwargs_sample_pi_at_the_temperature_and_nothing_else():
+    kw = vb.sampling_kwargs(n=4, temperature=0.7, top_p=1.0, max_new_tokens=16, k=32, greedy=False,
+                            stop_token_ids=[2, 5])
+    assert kw["n"] == 4 and kw["temperature"] == 0.7 and kw["max_tokens"] == 16 and kw["logprobs"] == 32
+    assert kw["stop_token_ids"] == [2, 5] and kw["top_k"] == 0 and kw["min_p"] == 0.0
+    assert kw["repetition_penalty"] == 1.0 and kw["presence_penalty"] == 0.0 and kw["frequency_penalty"] == 0.0
+    assert kw["detokenize"] is False and "stop" not in kw
+    greedy = vb.sampling_kwargs(n=1, temperature=0.7, top_p=0.9, max_new_tokens=8, k=0, greedy=True,
+                                stop_token_ids=[2], stop=["</search>"], seed=3)
+    assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0 and greedy["seed"] == 3
+    assert greedy["stop"] == ["</search>"] and greedy["detokenize"] and greedy["include_stop_str_in_output"]
+    with pytest.raises(ValueError, match="greedy"):
+        vb.sampling_kwargs(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, k=0, greedy=True, stop_token_ids=[])
+
+
+def test_to_sampled_reads_the_sampled_log_prob_and_the_top_k_in_rank_order():
+    # position 0: sampled token 7 is outside the top-2; position 1: the sampled token is the top-1
+    a = SimpleNamespace(token_ids=[7, 3], logprobs=[{9: lp(-0.5, 2), 4: lp(-0.2, 1), 7: lp(-3.0, 6)},
+                                                    {3: lp(-0.1, 1), 8: lp(-2.5, 2)}])
+    b = SimpleNamespace(token_ids=[5], logprobs=[{5: lp(-1.5, 2), 6: lp(-0.4, 1)}])
+    out = vb.to_sampled([a, b], k=2, pad_id=0)
+    assert out.ids.tolist() == [[7, 3], [5, 0]]
+    assert torch.allclose(out.logp, torch.tensor([[-3.0, -0.1], [-1.5, 0.0]]))
+    assert out.topk.tolist() == [[[4, 9], [3, 8]], [[6, 5], [0, 0]]]
+    assert torch.equal(out.entropy, -out.logp) and out.tail_lost is None
+    assert vb.to_sampled([a, b], k=0, pad_id=0).topk is None
+    with pytest.raises(ValueError, match="top-3"):
+        vb.to_sampled([a], k=3, pad_id=0)
+    with pytest.raises(ValueError, match="no log-prob"):
+        vb.to_sampled([SimpleNamespace(token_ids=[1], logprobs=None)], k=0, pad_id=0)
+
+
+def test_vllm_names_drop_wrappers():
+    assert vb.vllm_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    assert vb.vllm_name("model.layers.1._checkpoint_wrapped_module.mlp.up_proj.weight") == \
+        "model.layers.1.mlp.up_proj.weight"
+    assert vb.vllm_name("_orig_mod.lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_policy_weights_load_into_a_plain_model_that_computes_the_same_function(lora):
+    model, _ = load_model("tiny-llama", "float32", seed=0)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+        with torch.no_grad():  # non-zero adapters, so a merge that ignored them would be caught
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = dict(vb.policy_weights(model))
+    assert not any("lora" in n or "base_layer" in n or n.startswith("base_model") for n in weights)
+    plain, _ = load_model("tiny-llama", "float32", seed=1)
+    missing, unexpected = plain.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ids = torch.randint(0, plain.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, model(ids).logits, atol=1e-5)
+    for n, p in model.named_parameters():  # the policy itself is untouched
+        assert torch.equal(p, before[n]), n
+
+
+# ---- the trainer with an engine: a test double of vllm.LLM ---------------------------------------------
+
+
+class FakeLLM:
+    """vllm.LLM's generate / collective_rpc("reload_weights") / reset_prefix_cache, with
+    processed_logprobs semantics, sampling token by token from its own copy of the model."""
+
+    def __init__(self, model):
+        self.model = copy.deepcopy(model).eval()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.zero_()  # "dummy" weights: only a weight push makes it sample like the policy
+        self.pushes, self.resets = 0, 0
+
+    def collective_rpc(self, method, kwargs):
+        assert method == "reload_weights" and kwargs["is_checkpoint_format"]
+        missing, unexpected = self.model.load_state_dict(dict(kwargs["weights_iterator"]), strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        self.pushes += 1
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    @torch.no_grad()
+    def generate(self, prompts, params, use_tqdm=False):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        return [SimpleNamespace(outputs=[self._one(p["prompt_token_ids"], sp, j) for j in range(sp.n)])
+                for p, sp in zip(prompts, params, strict=True)]
+
+    def _one(self, prompt, sp, j):
+        gen = torch.Generator().manual_seed(sp.seed + j)
+        ids, logprobs = list(prompt), []
+        for _ in range(sp.max_tokens):
+            logits = self.model(torch.tensor([ids])).logits[0, -1].float()
+            logp = torch.log_softmax(logits / (sp.temperature or 1.0), -1)
+            tok = int(logits.argmax()) if sp.temperature == 0 else int(torch.multinomial(logp.exp(), 1, generator=gen))
+            order = logp.argsort(descending=True)
+            pos = {int(t): lp(float(logp[t]), r + 1) for r, t in enumerate(order[: sp.logprobs])}
+            pos[tok] = lp(float(logp[tok]), int((logp > logp[tok]).sum()) + 1)
+            ids.append(tok)
+            logprobs.append(pos)
+            if tok in sp.stop_token_ids:
+                break
+        return SimpleNamespace(index=j, token_ids=ids[len(prompt):], logprobs=logprobs)
+
+
+def with_engine(tr):
+    tr.engine = vb.VLLMRollout(FakeLLM(tr.model), tr.tokenizer, eos_ids(tr.model, tr.tokenizer),
+                               sampling_params_cls=SimpleNamespace)
+    return tr.engine
+
+
+def test_trainer_samples_through_the_engine_with_the_current_policy_weights(tmp_path):
+    cfg = load_config(SMOKE, ["export=false", "eval.size=0", "algo.kl=topk_reverse", "algo.k=4", "steps=3",
+                              "rollout.temperature=0.8"])
+    tr = Trainer(cfg, tmp_path, progress=False)
+    engine = with_engine(tr)
+    batch = tr.rollout(1)
+    assert engine.llm.pushes == 1 and engine.llm.resets == 1
+    # on-policy: the engine's log-probs and top-k are the policy's own at the temperature
+    valid = batch.response_mask.bool()
+    pol = tr._logprobs(tr.model, batch.micro_batch(slice(0, batch.num_prompts)), k_self=4)
+    assert torch.allclose(pol.logp_tok, batch.samp_logp[valid], atol=1e-4)
+    assert torch.equal(pol.topk_ids, batch.samp_topk[valid])
+    assert batch.tail_lost is None and torch.equal(batch.entropy, -batch.samp_logp)
+    assert len(batch.completions) == cfg.prompts_per_step * cfg.rollout.n
+    tr.rollout(1)
+    assert engine.llm.pushes == 1  # same policy version: no second push
+    tr.train()
+    assert engine.llm.pushes == 3  # one per step: after each update the engine gets the new weights
+    # the last push came before the last update; a sync for the current version brings the engine level
+    assert any(not torch.equal(p, q) for p, q in zip(tr.model.parameters(), engine.llm.model.parameters(),
+                                                      strict=True))
+    engine.sync(tr.model, version=tr.step)
+    for p, q in zip(tr.model.parameters(), engine.llm.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_trainer_with_engine_logs_no_tail_lost_and_resumes(tmp_path):
+    cfg = load_config(SMOKE, ["export=false", "eval.size=0", "steps=2", "save_every=1"])
+    tr = Trainer(cfg, tmp_path, progress=False)
+    with_engine(tr)
+    tr.train()
+    from emapg.metrics import read_metrics
+
+    rows = [r for r in read_metrics(tmp_path) if "reward_mean" in r]
+    assert len(rows) == 2 and all("tail_lost" not in r and r["entropy"] > 0 for r in rows)
+
+
+# ---- the real engine (GPU + vllm only) --------------------------------------------------------------
+
+
+@pytest.mark.skipif(vb.available() is not None, reason=f"real vLLM engine: {vb.available()}")
+def test_real_engine_matches_the_policy_and_follows_weight_pushes(tmp_path):
+    model, tok = load_model("tiny-qwen2", "float32", seed=0)
+    model.to("cuda")
+    engine = vb.VLLMRollout.create(model, tok, eos_ids(model, tok), workdir=tmp_path, dtype="float32",
+                                   gpu_memory_utilization=0.2, max_model_len=256, max_logprobs=8, seed=0,
+                                   sleep=False, enforce_eager=True)
+    from emapg.forward import response_logprobs as policy_logprobs
+    from emapg.tasks import make_task
+
+    examples = make_task("addition").eval_examples(8)
+    for round_ in range(2):
+        engine.sync(model, version=round_)
+        batch = engine.generate(examples, n=2, temperature=1.0, max_new_tokens=16, k=8, seed=1, device="cuda")
+        valid = batch.response_mask.bool()
+        with torch.no_grad():
+            pol = policy_logprobs(model, batch, k_self=8, temperature=1.0)
+        err = (pol.logp_tok - batch.samp_logp[valid]).abs()
+        print(f"round {round_}: |log pi_hf - log pi_vllm| mean {err.mean():.2e} max {err.max():.2e}")
+        assert err.mean() < 1e-3
+        overlap = (pol.topk_ids.sort(-1).values == batch.samp_topk[valid].sort(-1).values).float().mean()
+        assert overlap > 0.99
+        with torch.no_grad():  # a new policy: the next round must sample from it
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
