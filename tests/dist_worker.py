@@ -5,7 +5,8 @@
     python tests/dist_worker.py resave RUN                   resume RUN and save again, without training
 
 ``update`` writes, from rank 0, OUT/result.safetensors (the gradients of the first optimizer step,
-the parameters and the anchor after the update) and OUT/row.json (the metrics row).
+the parameters and the anchor after the update, and the weights the vLLM backend would push) and
+OUT/row.json (the metrics row).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from emapg import distributed
 from emapg.config import load_config
 from emapg.objective import group_advantages
 from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.vllm_backend import policy_weights
 from emapg.trainer import Trainer, rank_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +76,10 @@ def cmd_update(out: Path, overrides: list[str]) -> None:
     row = tr.update(mine)
     params = {f"param.{k}": v.clone() for k, v in distributed.model_state(tr.model).items()}
     anchor = {f"anchor.{k}": v for k, v in tr.anchor.state_dict().items() if k.startswith("average.")}
+    # what the vLLM backend would push: gathered from shards, LoRA merged (collective on every rank)
+    pushed = {f"vllm.{k}": v.detach().clone() for k, v in policy_weights(tr.model)}
     if tr.dist.is_main:
-        save_file({**grads, **params, **anchor}, out / "result.safetensors")
+        save_file({**grads, **params, **anchor, **pushed}, out / "result.safetensors")
         (out / "row.json").write_text(json.dumps({k: v for k, v in row.items() if not k.endswith("_seconds")}))
 
 

@@ -37,6 +37,7 @@ def test_two_processes_equal_one_process(tmp_path, overrides):
     a, b = load_file(one / "result.safetensors"), load_file(two / "result.safetensors")
     assert set(a) == set(b)
     assert any(k.startswith("grad.") for k in a) and any(k.startswith("anchor.") for k in a)
+    assert any(k.startswith("vllm.") for k in a)  # the vLLM weight push gathers shards (and merges LoRA) alike
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
     grads = [a[k] for k in a if k.startswith("grad.")]

@@ -97,8 +97,8 @@ class FakeLLM:
     """vllm.LLM's generate / collective_rpc("reload_weights") / reset_prefix_cache, with
     processed_logprobs semantics, sampling token by token from its own copy of the model."""
 
-    def __init__(self, model):
-        self.model = copy.deepcopy(model).eval()
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = copy.deepcopy(model).eval(), tokenizer
         with torch.no_grad():
             for p in self.model.parameters():
                 p.zero_()  # "dummy" weights: only a weight push makes it sample like the policy
@@ -133,11 +133,15 @@ class FakeLLM:
             logprobs.append(pos)
             if tok in sp.stop_token_ids:
                 break
+            stops = getattr(sp, "stop", None) or []
+            text = self.tokenizer.decode(ids[len(prompt):], skip_special_tokens=True) if stops else ""
+            if any(stop in text for stop in stops):
+                break
         return SimpleNamespace(index=j, token_ids=ids[len(prompt):], logprobs=logprobs)
 
 
 def with_engine(tr):
-    tr.engine = vb.VLLMRollout(FakeLLM(tr.model), tr.tokenizer, eos_ids(tr.model, tr.tokenizer),
+    tr.engine = vb.VLLMRollout(FakeLLM(tr.model, tr.tokenizer), tr.tokenizer, eos_ids(tr.model, tr.tokenizer),
                                sampling_params_cls=SimpleNamespace)
     return tr.engine
 
@@ -168,7 +172,7 @@ def test_trainer_samples_through_the_engine_with_the_current_policy_weights(tmp_
         assert torch.equal(p, q)
 
 
-def test_trainer_with_engine_logs_no_tail_lost_and_resumes(tmp_path):
+def test_trainer_with_engine_trains_and_logs_no_tail_lost(tmp_path):
     cfg = load_config(SMOKE, ["export=false", "eval.size=0", "steps=2", "save_every=1"])
     tr = Trainer(cfg, tmp_path, progress=False)
     with_engine(tr)
@@ -177,6 +181,21 @@ def test_trainer_with_engine_logs_no_tail_lost_and_resumes(tmp_path):
 
     rows = [r for r in read_metrics(tmp_path) if "reward_mean" in r]
     assert len(rows) == 2 and all("tail_lost" not in r and r["entropy"] > 0 for r in rows)
+
+
+def test_search_agent_episodes_sample_through_the_engine(tmp_path):
+    cfg = load_config(SMOKE, [
+        "task=search_qa", "export=false", "eval.size=0", "prompts_per_step=2", "micro_batch_prompts=1",
+        "task_args={synthetic: {seed: 0, people: 20, cities: 6, countries: 3, books: 10}, template: fewshot, "
+        "max_turn_tokens: 12, max_total_tokens: 200, max_turns: 2}"])
+    tr = Trainer(cfg, tmp_path, progress=False)
+    with_engine(tr)
+    batch = tr.rollout(1)
+    assert {"searches", "turns", "info_tokens"} <= set(batch.stats) and batch.tail_lost is None
+    valid = batch.response_mask.bool()
+    pol = tr._logprobs(tr.model, batch.micro_batch(slice(0, batch.num_prompts)))
+    assert torch.allclose(pol.logp_tok, batch.samp_logp[valid], atol=1e-4)  # on-policy, every model turn
+    assert tr.update(batch)["kl"] >= 0
 
 
 # ---- the real engine (GPU + vllm only) --------------------------------------------------------------
