@@ -203,7 +203,7 @@ def test_search_agent_episodes_sample_through_the_engine(tmp_path):
 
 @pytest.mark.skipif(vb.available() is not None, reason=f"real vLLM engine: {vb.available()}")
 def test_real_engine_matches_the_policy_and_follows_weight_pushes(tmp_path):
-    model, tok = load_model("tiny-qwen2", "float32", seed=0)
+    model, tok = load_model("random-qwen2.5-0.5b", "float32", seed=0)  # head size 64, as vLLM's kernels expect
     model.to("cuda")
     engine = vb.VLLMRollout.create(model, tok, eos_ids(model, tok), workdir=tmp_path, dtype="float32",
                                    gpu_memory_utilization=0.2, max_model_len=256, max_logprobs=8, seed=0,
@@ -211,7 +211,7 @@ def test_real_engine_matches_the_policy_and_follows_weight_pushes(tmp_path):
     from emapg.forward import response_logprobs as policy_logprobs
     from emapg.tasks import make_task
 
-    examples = make_task("addition").eval_examples(8)
+    examples = make_task("arithmetic", digits=2).eval_examples(8)
     for round_ in range(2):
         engine.sync(model, version=round_)
         batch = engine.generate(examples, n=2, temperature=1.0, max_new_tokens=16, k=8, seed=1, device="cuda")
@@ -221,8 +221,9 @@ def test_real_engine_matches_the_policy_and_follows_weight_pushes(tmp_path):
         err = (pol.logp_tok - batch.samp_logp[valid]).abs()
         print(f"round {round_}: |log pi_hf - log pi_vllm| mean {err.mean():.2e} max {err.max():.2e}")
         assert err.mean() < 1e-3
-        overlap = (pol.topk_ids.sort(-1).values == batch.samp_topk[valid].sort(-1).values).float().mean()
-        assert overlap > 0.99
+        same = (pol.topk_ids.sort(-1).values == batch.samp_topk[valid].sort(-1).values).all(-1).float().mean()
+        print(f"round {round_}: same top-8 set at {same:.1%} of positions")
+        assert same > 0.95  # near-ties of a random model's logits may swap the 8th id
         with torch.no_grad():  # a new policy: the next round must sample from it
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
