@@ -1,6 +1,7 @@
 """emapg compare: the spec, the per-seed aggregation, the table and figure, and a tiny run end to end."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,10 +74,11 @@ def test_mean_and_spread_over_seeds(tmp_path):
     assert plot(s, tmp_path / "f.png").stat().st_size > 1000
 
 
-def test_compare_cli_runs_a_tiny_comparison(tmp_path):
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_compare_cli_runs_a_tiny_comparison(tmp_path, jobs):
     spec = write_spec(tmp_path, SPEC.replace("seeds: [0, 1]", "seeds: [0]") + "\n")
     out = tmp_path / "cmp"
-    cmd = [sys.executable, "-m", "emapg", "compare", "--spec", str(spec), "--out", str(out)]
+    cmd = [sys.executable, "-m", "emapg", "compare", "--spec", str(spec), "--out", str(out), "--jobs", str(jobs)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| A | 1 |" in proc.stdout and "| b | 1 |" in proc.stdout
@@ -85,3 +87,6 @@ def test_compare_cli_runs_a_tiny_comparison(tmp_path):
     # a second call finds every run done and only reports
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stderr.count("done already") == 2
+    if jobs > 1:  # runs at once share the cores
+        threads = max(1, (os.cpu_count() or 1) // jobs)
+        assert f"threads: {threads}" in (out / "a" / "seed0" / "config.yaml").read_text()

@@ -5,7 +5,7 @@
     emapg index build --corpus FILE --out DIR          BM25 index of a {id, title, text} JSONL corpus
     emapg serve-retriever --index DIR [--host H] [--port P]   Search-R1 /retrieve over HTTP
     emapg kb make --out DIR [--seed S]                  the generated two-hop knowledge base as files
-    emapg compare --spec FILE --out DIR [--quick] [--only NAME ...] [--report-only]
+    emapg compare --spec FILE --out DIR [--quick] [--only NAME ...] [--jobs N] [--report-only]
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, quick=args.quick, only=args.only)
     out = Path(args.out)
     if not args.report_only:
-        run_all(spec, out, log=lambda m: print(f"emapg compare: {m}", file=sys.stderr, flush=True))
+        run_all(spec, out, log=lambda m: print(f"emapg compare: {m}", file=sys.stderr, flush=True), jobs=args.jobs)
     print(report(spec, out))
     return 0
 
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quick", action="store_true", help="the spec's quick variant (fewer steps and seeds)")
     c.add_argument("--only", nargs="+", help="run only these configurations")
     c.add_argument("--report-only", action="store_true", help="summarise finished runs, start none")
+    c.add_argument("--jobs", type=int, default=1,
+                   help="runs at once, each with CPU cores / jobs torch threads (default 1)")
     c.set_defaults(func=cmd_compare)
     return p
 

@@ -86,10 +86,18 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
                 groups={g: names for g, names in groups.items() if names})
 
 
-def run_all(spec: Spec, out: Path, log=print) -> None:
-    """Run every (config, seed) not yet finished, one process each, and record its wall time."""
+def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
+    """Run every (config, seed) not yet finished, one process each, and record its wall time.
+
+    jobs > 1 runs that many at once, each with threads = CPU cores // jobs (torch's threads; a
+    run's numbers can differ in the last bits with the thread count, so compare runs made alike).
+    """
+    if jobs < 1:
+        raise ConfigError(f"--jobs: must be >= 1, got {jobs}")
     out.mkdir(parents=True, exist_ok=True)
     total = len(spec.configs) * len(spec.seeds)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    pending: list[tuple[Path, list[str], str]] = []
     done = 0
     for seed in spec.seeds:  # seed-major: a comparison stopped early still has every config at its first seeds
         for name, over in spec.configs.items():
@@ -99,18 +107,39 @@ def run_all(spec: Spec, out: Path, log=print) -> None:
                 log(f"[{done}/{total}] {name} seed {seed}: done already")
                 continue
             cmd = [sys.executable, "-m", "emapg", "train", "--config", str(spec.base), "--out", str(run),
-                   *spec.overrides, *over, f"seed={seed}"]
+                   *spec.overrides, *over, f"seed={seed}", *([f"threads={threads}"] if jobs > 1 else [])]
             if (run / "checkpoints" / "latest").exists():
                 cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run)]
-            log(f"[{done}/{total}] {name} seed {seed}: {' '.join(cmd[3:])}")
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"run {run} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-            seconds = time.perf_counter() - t0
-            prev = json.loads((run / "compute.json").read_text())["seconds"] if (run / "compute.json").exists() else 0
-            (run / "compute.json").write_text(json.dumps({"seconds": prev + seconds}))
+            pending.append((run, cmd, f"[{done}/{total}] {name} seed {seed}: {' '.join(cmd[3:])}"))
+    running: list[tuple[Path, subprocess.Popen, float, Any]] = []
+    try:
+        while pending or running:
+            while pending and len(running) < max(1, jobs):
+                run, cmd, line = pending.pop(0)
+                log(line)
+                run.mkdir(parents=True, exist_ok=True)
+                err = open(run / "compare_stderr.log", "w")  # closed by _finish
+                proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                                        stderr=err)
+                running.append((run, proc, time.perf_counter(), err))
+            time.sleep(0.2)
+            for item in [r for r in running if r[1].poll() is not None]:
+                running.remove(item)
+                _finish(*item)
+    finally:
+        for _, proc, _, err in running:  # interrupted: stop the runs; their checkpoints let the next call resume
+            proc.terminate()
+            err.close()
+
+
+def _finish(run: Path, proc: subprocess.Popen, t0: float, err) -> None:
+    seconds = time.perf_counter() - t0
+    err.close()
+    if proc.returncode != 0:
+        tail = (run / "compare_stderr.log").read_text()[-3000:]
+        raise RuntimeError(f"run {run} failed (exit {proc.returncode}):\n{tail}")
+    prev = json.loads((run / "compute.json").read_text())["seconds"] if (run / "compute.json").exists() else 0
+    (run / "compute.json").write_text(json.dumps({"seconds": prev + seconds}))
 
 
 def _curve(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
