@@ -192,6 +192,9 @@ def test_search_agent_episodes_sample_through_the_engine(tmp_path):
     with_engine(tr)
     batch = tr.rollout(1)
     assert {"searches", "turns", "info_tokens"} <= set(batch.stats) and batch.tail_lost is None
+    n = cfg.rollout.n
+    for p in range(batch.num_prompts):  # a prompt's episodes start alike but are sampled apart
+        assert len(set(batch.completions[p * n:(p + 1) * n])) > 1
     valid = batch.response_mask.bool()
     pol = tr._logprobs(tr.model, batch.micro_batch(slice(0, batch.num_prompts)))
     assert torch.allclose(pol.logp_tok, batch.samp_logp[valid], atol=1e-4)  # on-policy, every model turn

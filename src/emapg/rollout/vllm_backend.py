@@ -226,10 +226,12 @@ class VLLMRollout:
     def sample(self, contexts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
                top_p: float = 1.0, k: int = 0, greedy: bool = False, stop: list[str] | None = None,
                seed: int | None = None) -> Sampled:
-        """One continuation of each context (the agent's sampler contract, rollout/agent.py)."""
+        """One continuation of each context (the agent's sampler contract, rollout/agent.py); context i
+        samples with seed + i (episodes of one prompt start from the same context and must differ)."""
         kw = dict(n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, k=k, greedy=greedy,
-                  stop=stop, seed=seed)
-        outs = self._generate_many([(c, kw) for c in contexts])
+                  stop=stop)
+        outs = self._generate_many([(c, {**kw, "seed": None if seed is None else seed + i})
+                                    for i, c in enumerate(contexts)])
         return to_sampled([o.outputs[0] for o in outs], k, self.tokenizer.pad_token_id)
 
     def sampler(self, *, temperature: float = 1.0, top_p: float = 1.0, k: int = 0, greedy: bool = False,
