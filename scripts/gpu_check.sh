@@ -63,7 +63,7 @@ if $PY -c "import vllm" 2>/dev/null; then
   timeout 150 $PY -m pytest -q -x -s -p no:cacheprovider tests/test_vllm_backend.py -k real_engine 2>&1 | \
     grep -E "round|passed|failed|skipped|Error" | tail -6
   echo "== 5b. 3 steps, Qwen2.5-0.5B shape, vLLM backend"
-  timeout 200 $PY -m emapg train "${COMMON[@]}" rollout.backend=vllm --out "$OUT/vllm" 2>&1 | tail -2
+  timeout 200 $PY -m emapg train "${COMMON[@]}" rollout.backend=vllm rollout.vllm_max_model_len=1024 --out "$OUT/vllm" 2>&1 | tail -2
   report "$OUT/vllm"
 else
   echo "== 5. skipped: vllm is not installed (pip install 'emapg[vllm]')"

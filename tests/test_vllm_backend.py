@@ -90,6 +90,42 @@ def test_policy_weights_load_into_a_plain_model_that_computes_the_same_function(
         assert torch.equal(p, before[n]), n
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_engine_folder_names_the_causal_lm_class_and_holds_no_weights(tmp_path, lora):
+    from transformers import AutoConfig, AutoTokenizer
+
+    model, tok = load_model("tiny-qwen2", "float32", seed=0)
+    assert not model.config.architectures  # built from a config: vLLM would read it as an embedding model
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    folder = vb.engine_folder(model, tok, tmp_path / "engine")
+    assert AutoConfig.from_pretrained(folder).architectures == ["Qwen2ForCausalLM"]
+    assert AutoTokenizer.from_pretrained(folder).encode("12+3") == tok.encode("12+3")
+    assert not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin"))
+
+
+def test_vllm_backend_temperature_range(tmp_path):
+    from emapg.config import ConfigError
+
+    for t in (0.005, 2.5):
+        with pytest.raises(ConfigError, match="rollout.temperature"):
+            load_config(SMOKE, ["rollout.backend=vllm", f"rollout.temperature={t}"])
+    load_config(SMOKE, ["rollout.temperature=2.5"])  # the HF backend has no such limit
+    with pytest.raises(ConfigError, match="rollout.backend"):
+        load_config(SMOKE, ["rollout.backend=sglang"])
+
+
+def test_trainer_refuses_the_vllm_backend_without_cuda(tmp_path):
+    if vb.available() is None:
+        pytest.skip("a GPU and vLLM are here")
+    from emapg.config import ConfigError
+
+    with pytest.raises((ConfigError, RuntimeError), match="rollout.backend: vllm"):
+        Trainer(load_config(SMOKE, ["rollout.backend=vllm", "export=false"]), tmp_path, progress=False)
+
+
 # ---- the trainer with an engine: a test double of vllm.LLM ---------------------------------------------
 
 

@@ -75,7 +75,8 @@ class RolloutConfig:
     vllm_gpu_memory: float = 0.3
     """vllm: fraction of the GPU's memory the engine may take (weights + KV cache), beside training."""
     vllm_max_model_len: int | None = None
-    """vllm: the longest prompt + response the engine plans for (None = the model's limit)."""
+    """vllm: the longest prompt + response the engine plans for (None = the model's limit, e.g. 32768
+    for Qwen2.5: the engine must hold the KV cache of one such sequence)."""
     vllm_sleep: bool = False
     """vllm: free the engine's GPU memory during the update (its weights are pushed again before a rollout)."""
     vllm_enforce_eager: bool = False
@@ -319,6 +320,9 @@ def validate(cfg: TrainConfig) -> None:
     for ok, name, msg, value in checks:
         if not ok:
             raise ConfigError(f"{name}: {msg}, got {value!r}")
+    if r.backend == "vllm" and not 0.01 <= r.temperature <= 2.0:
+        # vLLM refuses T > 2 and silently raises T < 0.01 to 0.01 (the loss would then use another T)
+        raise ConfigError(f"rollout.temperature: the vllm backend samples at 0.01 <= T <= 2, got {r.temperature}")
     if a.advantage == "rloo" and r.n < 2:
         raise ConfigError("rollout.n: rloo advantages need n >= 2")
     mini = cfg.mini_batch_prompts or cfg.prompts_per_step

@@ -168,9 +168,14 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
 # ---- reductions --------------------------------------------------------------------------------
 
 
+def _multi() -> bool:
+    """More than one process (a vLLM engine may have made a 1-process group on its own)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     """Sum (or max) a list of numbers over ranks."""
-    if not dist.is_initialized() or not values:
+    if not _multi() or not values:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
     if dist.get_backend() == "nccl":
@@ -181,7 +186,7 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
 
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (a one-item list with one process)."""
-    if not dist.is_initialized():
+    if not _multi():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -189,12 +194,12 @@ def all_gather_objects(obj: Any) -> list[Any]:
 
 
 def barrier() -> None:
-    if dist.is_initialized():
+    if _multi():
         dist.barrier()
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if not dist.is_initialized():
+    if not _multi():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)

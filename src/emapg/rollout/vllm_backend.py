@@ -22,6 +22,7 @@ What vLLM does not return, and what this backend reports instead:
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 from collections.abc import Iterator, Sequence
@@ -143,6 +144,19 @@ def policy_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield vllm_name(name), full
 
 
+def engine_folder(model: nn.Module, tokenizer, folder: Path) -> Path:
+    """A model folder for the engine: the policy's config and tokenizer, no weights (they are pushed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = copy.deepcopy(base.config)
+    if not config.architectures:  # a model built from a config names no class, and vLLM would take
+        # the headless base model (an embedding model); FSDP2 renames the class to FSDP<name>
+        config.architectures = [type(base).__name__.removeprefix("FSDP")]
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 # ---- the engine --------------------------------------------------------------------------------------
 
 
@@ -170,11 +184,7 @@ class VLLMRollout:
             raise RuntimeError(f"rollout.backend: vllm: {reason}")
         from vllm import LLM
 
-        folder = Path(workdir) / f"vllm-model-rank{os.environ.get('RANK', '0')}"
-        folder.mkdir(parents=True, exist_ok=True)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.config.save_pretrained(folder)  # config only: the weights are pushed, never written
-        tokenizer.save_pretrained(folder)
+        folder = engine_folder(model, tokenizer, Path(workdir) / f"vllm-model-rank{os.environ.get('RANK', '0')}")
         # vLLM joins torchrun's processes through these variables; a single process needs them too.
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
