@@ -76,7 +76,9 @@ def test_mean_and_spread_over_seeds(tmp_path):
 
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_compare_cli_runs_a_tiny_comparison(tmp_path, jobs):
-    spec = write_spec(tmp_path, SPEC.replace("seeds: [0, 1]", "seeds: [0]") + "\n")
+    prune = jobs > 1  # one variant keeps the runs' checkpoints, the other prunes them
+    text = SPEC.replace("seeds: [0, 1]", "seeds: [0]") + f"prune_checkpoints: {str(prune).lower()}\n"
+    spec = write_spec(tmp_path, text)
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-m", "emapg", "compare", "--spec", str(spec), "--out", str(out), "--jobs", str(jobs)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -87,6 +89,8 @@ def test_compare_cli_runs_a_tiny_comparison(tmp_path, jobs):
     # a second call finds every run done and only reports
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stderr.count("done already") == 2
+    for name in ("a", "b"):
+        assert (out / name / "seed0" / "checkpoints").exists() != prune, name
     if jobs > 1:  # runs at once share the cores
         threads = max(1, (os.cpu_count() or 1) // jobs)
         assert f"threads: {threads}" in (out / "a" / "seed0" / "config.yaml").read_text()

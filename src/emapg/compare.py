@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,7 @@ class Spec:
     configs: dict[str, list[str]]
     labels: dict[str, str] = field(default_factory=dict)
     groups: dict[str, list[str]] = field(default_factory=dict)
+    prune_checkpoints: bool = False
 
 
 def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None) -> Spec:
@@ -82,7 +84,11 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
     if not base.exists():
         raise ConfigError(f"{path}: base: {base} does not exist")
     groups = {g: [n for n in names if n in configs] for g, names in (raw.get("groups") or {}).items()}
+    prune = raw.get("prune_checkpoints", False)
+    if not isinstance(prune, bool):
+        raise ConfigError(f"{path}: prune_checkpoints: expected true or false, got {prune!r}")
     return Spec(base=base, overrides=overrides, seeds=[int(s) for s in seeds], configs=configs, labels=labels,
+                prune_checkpoints=prune,
                 groups={g: names for g, names in groups.items() if names})
 
 
@@ -126,6 +132,8 @@ def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
             for item in [r for r in running if r[1].poll() is not None]:
                 running.remove(item)
                 _finish(*item)
+                if spec.prune_checkpoints:  # finished: its metrics and eval stay, its ~2 GB of checkpoints go
+                    shutil.rmtree(item[0] / "checkpoints", ignore_errors=True)
     finally:
         for _, proc, _, err in running:  # interrupted: stop the runs; their checkpoints let the next call resume
             proc.terminate()
