@@ -72,6 +72,9 @@ def test_mean_and_spread_over_seeds(tmp_path):
     md = markdown(spec, s)
     assert "| A | 2 | 20.0 ± 0.0 | 50.0 ± 14.1 | 25.0 ± 7.1 |" in md and "| b | 1 |" in md
     assert plot(s, tmp_path / "f.png").stat().st_size > 1000
+    # paired with the group's first config, seed by seed, only over seeds both finished
+    assert "Paired with A (same seed)" in md
+    assert "| b | +10.0 ± 0.0 | s0 +10.0 | +5.0 ± 0.0 | s0 +5.0 |" in md
 
 
 @pytest.mark.parametrize("jobs", [1, 2])

@@ -164,7 +164,8 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
     """Per config: mean/std curves over seeds, final numbers, compute. Runs not finished are left out."""
     summary: dict[str, Any] = {}
     for name in spec.configs:
-        runs = [out / name / f"seed{s}" for s in spec.seeds if (out / name / f"seed{s}" / "eval.json").exists()]
+        done = [s for s in spec.seeds if (out / name / f"seed{s}" / "eval.json").exists()]
+        runs = [out / name / f"seed{s}" for s in done]
         if not runs:
             continue
         metrics = [read_metrics(r) for r in runs]
@@ -193,6 +194,8 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
             "kl_to_init": _mean_std([x["kl_to_init"] for x in last if "kl_to_init" in x]),
             "entropy": _mean_std([x["entropy"] for x in last if "entropy" in x]),
             "minutes": _mean_std([c / 60 for c in compute]),
+            "per_seed": {str(seed): {w: (f.get(w) or {}).get("accuracy") for w in ("policy", "anchor")}
+                         for seed, f in zip(done, finals, strict=True)},
         }
     return summary
 
@@ -225,7 +228,30 @@ def markdown(spec: Spec, summary: dict[str, Any]) -> str:
                      _pm(s["minutes"], 1, 1)]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        lines += _paired(summary, rows)
     return "\n".join(lines)
+
+
+def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
+    """Final accuracy minus the first config's, seed by seed (the same prompts and samples up to the
+    first difference), in points: seed-to-seed spread cancels, which unpaired mean ± std cannot show."""
+    if len(rows) < 2:
+        return []
+    ref = summary[rows[0]]
+    lines = [f"Paired with {ref['label']} (same seed), final accuracy difference in points:", "",
+             "| config | policy: mean ± std | policy: per seed | anchor: mean ± std | anchor: per seed |",
+             "|" + "---|" * 5]
+    for n in rows[1:]:
+        cells = [summary[n]["label"]]
+        for which in ("policy", "anchor"):
+            seeds = [k for k, v in summary[n]["per_seed"].items()
+                     if v.get(which) is not None and ref["per_seed"].get(k, {}).get(which) is not None]
+            diffs = [summary[n]["per_seed"][k][which] - ref["per_seed"][k][which] for k in seeds]
+            mean, std = _mean_std(diffs)
+            cells += [f"{round(100 * mean, 1) + 0.0:+.1f} ± {100 * std:.1f}" if diffs else "n/a",
+                      ", ".join(f"s{k} {100 * d:+.1f}" for k, d in zip(seeds, diffs, strict=True)) or "n/a"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) -> Path:
