@@ -13,7 +13,6 @@ entropies and top-k ids are recorded only for model tokens.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -139,12 +138,14 @@ def agent_rollout(
     leads = [ex.messages[-1]["content"] if ex.messages[-1]["role"] == "response_prefix" else "" for ex in examples]
     eps = [_Episode(prompt=p, tokens=[], mask=[], logp=[], entropy=[], tail=[], topk=[], lead=lead)
            for p, lead in zip(prompts, leads, strict=True) for _ in range(n)]
+    has_tail = True  # False once a sampler gives no tail_lost (vLLM): the batch then has none
     while True:
         live = [e for e in eps if not e.done]
         if not live:
             break
         budget = [min(cfg.max_turn_tokens, cfg.max_total_tokens - len(e.tokens)) for e in live]
         out = sampler([e.prompt + e.tokens for e in live], max(budget))
+        has_tail = has_tail and out.tail_lost is not None
         queries: list[tuple[_Episode, str]] = []
         for row, e in enumerate(live):
             new = out.ids[row].tolist()[: budget[row]]
@@ -153,7 +154,7 @@ def agent_rollout(
             e.mask += [1] * length
             e.logp += out.logp[row, :length].tolist()
             e.entropy += out.entropy[row, :length].tolist()
-            e.tail += out.tail_lost[row, :length].tolist() if out.tail_lost is not None else [float("nan")] * length
+            e.tail += out.tail_lost[row, :length].tolist() if has_tail else [0.0] * length
             e.topk += out.topk[row, :length].tolist() if out.topk is not None else [[]] * length
             e.turns += 1
             text = e.lead + tokenizer.decode(new[:length], skip_special_tokens=True)
@@ -183,10 +184,11 @@ def agent_rollout(
                 e.topk += [[0] * k if k else []] * len(info)
                 if len(e.tokens) >= cfg.max_total_tokens:
                     e.done, e.truncated = True, True
-    return _to_batch(tokenizer, prompts, eps, n, k)
+    return _to_batch(tokenizer, prompts, eps, n, k, has_tail)
 
 
-def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, k: int) -> RolloutBatch:
+def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, k: int,
+              has_tail: bool = True) -> RolloutBatch:
     pad = tokenizer.pad_token_id
     prompt_ids, prompt_mask = pad_left(prompts, pad)
     width = max(1, max(len(e.tokens) for e in eps))
@@ -211,8 +213,7 @@ def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, 
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids,
         response_mask=right([e.mask for e in eps], 0, torch.long),
         samp_logp=right([e.logp for e in eps], 0.0, torch.float32), n=n, samp_topk=topk,
-        tail_lost=None if any(math.isnan(x) for e in eps for x in e.tail) else right([e.tail for e in eps], 0.0,
-                                                                                    torch.float32),
+        tail_lost=right([e.tail for e in eps], 0.0, torch.float32) if has_tail else None,
         entropy=right([e.entropy for e in eps], 0.0, torch.float32),
         truncated=torch.tensor([e.truncated for e in eps]), completions=completions,
         stats={"searches": torch.tensor([float(e.searches) for e in eps]),

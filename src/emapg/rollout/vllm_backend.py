@@ -76,19 +76,17 @@ def sampling_kwargs(*, n: int, temperature: float, top_p: float, max_new_tokens:
     return kw
 
 
-def to_sampled(completions: Sequence[Any], k: int, pad_id: int, width: int | None = None) -> Sampled:
+def to_sampled(completions: Sequence[Any], k: int, pad_id: int) -> Sampled:
     """Per-token statistics of vLLM completions (``CompletionOutput``-like: ``token_ids`` and
     ``logprobs``, one ``{token_id: Logprob(logprob, rank)}`` per position), right-padded to
-    [B, T] (T = ``width`` or the longest). The top-k ids come in rank order."""
+    [B, T] (T = the longest). The top-k ids come in rank order."""
     rows = len(completions)
-    width = width if width is not None else max((len(c.token_ids) for c in completions), default=0)
+    width = max((len(c.token_ids) for c in completions), default=0)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     logp = torch.zeros((rows, width), dtype=torch.float32)
     topk = torch.zeros((rows, width, k), dtype=torch.long) if k > 0 else None
     for i, c in enumerate(completions):
         toks = list(c.token_ids)
-        if len(toks) > width:
-            raise ValueError(f"completion {i} has {len(toks)} tokens, more than the budget {width}")
         if c.logprobs is None or len(c.logprobs) < len(toks):
             raise ValueError(f"completion {i}: vLLM returned no log-prob for some tokens (logprobs not requested?)")
         ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
