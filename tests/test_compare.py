@@ -10,6 +10,7 @@ import pytest
 
 from emapg.compare import load_spec, markdown, plot, summarize
 from emapg.config import ConfigError
+from emapg.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,9 +84,13 @@ def test_compare_cli_runs_a_tiny_comparison(tmp_path, jobs):
     text = SPEC.replace("seeds: [0, 1]", "seeds: [0]") + f"prune_checkpoints: {str(prune).lower()}\n"
     spec = write_spec(tmp_path, text)
     out = tmp_path / "cmp"
+    stale = out / "b" / "seed0"  # a run stopped before its first checkpoint: started again from scratch
+    stale.mkdir(parents=True)
+    (stale / "metrics.jsonl").write_text('{"step": 7, "reward_mean": 9.0}\n')
     cmd = [sys.executable, "-m", "emapg", "compare", "--spec", str(spec), "--out", str(out), "--jobs", str(jobs)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(stale)] == [0, 1, 2]
     assert "| A | 1 |" in proc.stdout and "| b | 1 |" in proc.stdout
     for f in ("results.md", "summary.json", "main.png"):
         assert (out / f).exists(), f

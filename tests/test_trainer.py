@@ -67,6 +67,25 @@ def test_frozen_anchor_is_the_initial_model(tmp_path):
     assert torch.equal(tr.anchor.module.model.layers[0].mlp.up_proj.weight, w0)
 
 
+def test_frozen_anchor_reuses_the_initial_policy(tmp_path):
+    """eta = 1: no second frozen copy for kl_to_init and no second evaluation of the initial model;
+    both reuse the anchor's numbers, which must equal what the separate passes would give."""
+    tr = Trainer(cfg("algo.eta=1.0", "algo.kl=k3", "log_kl_to_init=true", "steps=2"), tmp_path, progress=False)
+    assert tr.init_anchor is None
+    table = tr.train()
+    rows = read_metrics(tmp_path)
+    assert all(r["kl_to_init"] == pytest.approx(r["kl"], rel=1e-6) for r in rows[1:])  # same k3, same anchor
+    assert table["anchor"]["accuracy"] == table["init"]["accuracy"]
+    assert tr.evaluate("anchor") == tr.initial_eval  # what the skipped evaluation would have returned
+    # with eta < 1 the initial policy keeps its own frozen copy
+    assert Trainer(cfg("algo.eta=0.9", "log_kl_to_init=true"), tmp_path / "b", progress=False).init_anchor is not None
+
+
+def test_save_every_zero_writes_no_checkpoint(tmp_path):
+    Trainer(cfg("steps=2", "save_every=0"), tmp_path, progress=False).train()
+    assert not (tmp_path / "checkpoints").exists() and (tmp_path / "eval.json").exists()
+
+
 def test_resume_equals_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     Trainer(cfg("steps=4", "save_every=2"), full, progress=False).train()
@@ -199,6 +218,11 @@ def test_cli_train_and_resume(tmp_path):
     assert res.returncode == 0, res.stderr
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
     assert json.loads((out / "checkpoints" / "latest").read_text())["step"] == 3
+    # a fresh start into a folder that holds a run refuses, and changes nothing
+    before = (out / "metrics.jsonl").read_text()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 2 and f"--out {out}: already holds a run" in res.stderr and "--resume" in res.stderr
+    assert (out / "metrics.jsonl").read_text() == before
     res = subprocess.run([sys.executable, "-m", "emapg", "train", "--config", str(SMOKE), "algo.eta=2"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 2 and "algo.eta: must be in (0, 1]" in res.stderr

@@ -58,6 +58,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config or _recipe_path(DEFAULT_RECIPE), args.overrides)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
+        if not launched or os.environ.get("RANK", "0") == "0":  # rank 0 alone: the others may see its files
+            held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
+            if held:
+                raise ConfigError(f"--out {run_dir}: already holds a run ({', '.join(held)}); continue it with "
+                                  f"--resume {run_dir}, or pick another --out (nothing was changed)")
     if args.nproc > 1 and not launched:
         return _launch(args, run_dir)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume))

@@ -116,6 +116,8 @@ def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
                    *spec.overrides, *over, f"seed={seed}", *([f"threads={threads}"] if jobs > 1 else [])]
             if (run / "checkpoints" / "latest").exists():
                 cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run)]
+            elif run.exists():  # stopped before its first checkpoint: nothing to resume, start it again
+                shutil.rmtree(run)
             pending.append((run, cmd, f"[{done}/{total}] {name} seed {seed}: {' '.join(cmd[3:])}"))
     running: list[tuple[Path, subprocess.Popen, float, Any]] = []
     try:

@@ -158,7 +158,8 @@ class TrainConfig:
     threads: int | None = None
     """torch CPU threads (None = torch's default)."""
     save_every: int = 20
-    """Write a checkpoint every this many steps (and at the end)."""
+    """Write a checkpoint every this many steps (and at the end); 0 = never (the run cannot be
+    resumed: for short runs whose checkpoints nobody needs)."""
     keep_checkpoints: int = 2
     """How many recent checkpoints to keep."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -310,7 +311,7 @@ def validate(cfg: TrainConfig) -> None:
          "expected auto, cpu, cuda or cuda:N", cfg.device),
         (not (cfg.gradient_checkpointing and cfg.prefix_sharing), "gradient_checkpointing",
          "needs prefix_sharing: false (checkpointed layers keep no key/value cache to share)", True),
-        (cfg.save_every >= 1, "save_every", "must be >= 1", cfg.save_every),
+        (cfg.save_every >= 0, "save_every", "must be >= 0 (0 = no checkpoints)", cfg.save_every),
         (cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1", cfg.keep_checkpoints),
         (cfg.eval.every >= 0, "eval.every", "must be >= 0", cfg.eval.every),
         (cfg.eval.size >= 0, "eval.size", "must be >= 0", cfg.eval.size),

@@ -103,14 +103,16 @@ class Trainer:
         # Sharded, the anchor's copy is made before sharding and sharded alike; LoRA needs no copy.
         full = cfg.lora.r == 0 and self.dist.enabled
         anchor_copy = self._frozen_copy() if full else None
-        init_copy = self._frozen_copy() if full and cfg.log_kl_to_init else None
+        # eta = 1: the anchor never moves from the initial policy, so it serves for kl_to_init too.
+        own_init = cfg.log_kl_to_init and cfg.algo.eta < 1.0
+        init_copy = self._frozen_copy() if full and own_init else None
         if self.dist.enabled:
             for m in (self.model, anchor_copy, init_copy):
                 if m is not None:
                     distributed.shard(m, cfg.mixed_precision)
         self.anchor = EMAAnchor(self.model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=anchor_copy)
         # The initial policy, frozen (a full copy, or the initial adapters with LoRA): for kl_to_init.
-        self.init_anchor = EMAAnchor(self.model, eta=1.0, module=init_copy) if cfg.log_kl_to_init else None
+        self.init_anchor = EMAAnchor(self.model, eta=1.0, module=init_copy) if own_init else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -290,6 +292,8 @@ class Trainer:
         if self.init_anchor is not None:
             with self.init_anchor.use(self.model) as init_model:
                 init = self._logprobs(init_model, mb).logp_tok
+        elif self.cfg.log_kl_to_init:  # eta = 1: the anchor is the initial policy
+            init = st.logp_tok
         return AnchorStats(logp_tok=st.logp_tok, logp_q=logp_q, q_ids=q_ids, old_logp=old, init_logp_tok=init)
 
     def micro_loss(self, mb: RolloutBatch, anc: AnchorStats, counts: dict[str, Any]) -> tuple[Tensor, dict]:
@@ -467,11 +471,12 @@ class Trainer:
                 res = self.evaluate("policy")
                 row.update(_eval_row("policy", res))
             if step == cfg.steps and self.eval_set:
-                for which in ("policy", "anchor"):
-                    res = self.evaluate(which)
-                    row.update(_eval_row(which, res))
+                row.update(_eval_row("policy", self.evaluate("policy")))
+                # eta = 1: the anchor is the initial policy, evaluated at step 0 with the same seed
+                frozen = cfg.algo.eta == 1.0 and self.initial_eval is not None
+                row.update(_eval_row("anchor", self.initial_eval if frozen else self.evaluate("anchor")))
             self._write(row)
-            if step % cfg.save_every == 0 or step == cfg.steps:
+            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                 self.save()
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", kl=f"{row['kl']:.2e}", s=f"{row['step_seconds']:.1f}")
             bar.update(1)
