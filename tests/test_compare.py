@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from emapg.compare import load_spec, markdown, plot, summarize
+from emapg.compare import load_spec, markdown, plot, run_all, summarize
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
 
@@ -71,11 +71,26 @@ def test_mean_and_spread_over_seeds(tmp_path):
     assert s["a"]["curves"]["reward_mean"] == {"steps": [1, 2], "mean": [0.2, 0.4],
                                               "std": pytest.approx([0.1414213562, 0.1414213562])}
     md = markdown(spec, s)
-    assert "| A | 2 | 20.0 ± 0.0 | 50.0 ± 14.1 | 25.0 ± 7.1 |" in md and "| b | 1 |" in md
+    assert "| A | 2 | 20.0 ± 0.0 | 50.0 ± 14.1 | 25.0 ± 7.1 |" in md
+    assert "| b | 1 | 20.0 | 50.0 | 25.0 | 50.0 |" in md  # one seed: no spread to show
     assert plot(s, tmp_path / "f.png").stat().st_size > 1000
     # paired with the group's first config, seed by seed, only over seeds both finished
     assert "Paired with A (same seed)" in md
-    assert "| b | +10.0 ± 0.0 | s0 +10.0 | +5.0 ± 0.0 | s0 +5.0 |" in md
+    assert "| b | +10.0 | s0 +10.0 | +5.0 | s0 +5.0 |" in md
+
+
+def test_one_compare_at_a_time_per_output_folder(tmp_path):
+    """A second compare into the same folder would restart the first one's live runs: it refuses."""
+    import fcntl
+
+    spec = load_spec(write_spec(tmp_path, SPEC))
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".compare.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ConfigError, match="another emapg compare is running into it"):
+            run_all(spec, out, log=lambda m: None)
+    assert not (out / "a").exists()  # nothing started
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
@@ -91,6 +106,7 @@ def test_compare_cli_runs_a_tiny_comparison(tmp_path, jobs):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(stale)] == [0, 1, 2]
+    assert "reward_mean" in (out / "b" / "seed0.stale" / "metrics.jsonl").read_text()  # set aside, not deleted
     assert "| A | 1 |" in proc.stdout and "| b | 1 |" in proc.stdout
     for f in ("results.md", "summary.json", "main.png"):
         assert (out / f).exists(), f

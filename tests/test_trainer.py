@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from emapg.checkpoint import latest_checkpoint, load_checkpoint
+from emapg.checkpoint import has_checkpoint, latest_checkpoint, load_checkpoint
 from emapg.config import load_config
 from emapg.metrics import read_metrics
 from emapg.trainer import Trainer
@@ -79,6 +79,58 @@ def test_frozen_anchor_reuses_the_initial_policy(tmp_path):
     assert tr.evaluate("anchor") == tr.initial_eval  # what the skipped evaluation would have returned
     # with eta < 1 the initial policy keeps its own frozen copy
     assert Trainer(cfg("algo.eta=0.9", "log_kl_to_init=true"), tmp_path / "b", progress=False).init_anchor is not None
+
+
+def _anchor_evaluations(tr, monkeypatch):
+    calls = []
+    real = tr.evaluate
+    monkeypatch.setattr(tr, "evaluate", lambda which="policy": calls.append(which) or real(which))
+    return calls
+
+
+def test_resumed_frozen_anchor_is_reused_only_if_it_is_still_the_initial_policy(tmp_path, monkeypatch):
+    """The checkpoint says whether the anchor has been the initial policy since step 0: a run resumed
+    at eta = 1 after steps at eta < 1, or with other evaluation settings, measures for real."""
+    base = ("log_kl_to_init=true", "save_every=2", "eval.size=4", "eval.every=0")
+    moved, frozen, other = tmp_path / "moved", tmp_path / "frozen", tmp_path / "other"
+    Trainer(cfg(*base, "steps=2", "algo.eta=0.5"), moved, progress=False).train()
+    tr = Trainer(load_config(moved / "config.yaml", ["steps=3", "algo.eta=1.0"]), moved, resume=True, progress=False)
+    assert not tr.anchor_is_initial and tr.init_anchor is not None
+    calls = _anchor_evaluations(tr, monkeypatch)
+    tr.train()
+    assert calls == ["policy", "anchor"]
+    row = read_metrics(moved)[-1]
+    assert row["kl_to_init"] != pytest.approx(row["kl"], rel=1e-3)  # the moved anchor is not the initial policy
+    assert not load_checkpoint(latest_checkpoint(moved))["state"]["anchor_is_initial"]
+    for run, extra in ((frozen, []), (other, ["eval.size=6"])):
+        Trainer(cfg(*base, "steps=2", "algo.eta=1.0"), run, progress=False).train()
+        tr = Trainer(load_config(run / "config.yaml", ["steps=3", *extra]), run, resume=True, progress=False)
+        assert tr.anchor_is_initial and tr.init_anchor is None
+        calls = _anchor_evaluations(tr, monkeypatch)
+        tr.train()
+        assert calls == (["policy"] if not extra else ["policy", "anchor"]), run
+
+
+def test_kl_to_init_is_per_token_whatever_the_ppo_epochs(tmp_path):
+    """lr ~ 0: every epoch sees the same policy, so one epoch and two report the same KL to init."""
+    vals = []
+    for epochs in (1, 2):
+        tr = Trainer(cfg("steps=1", "eval.size=0", "lr=1e-20", "algo.eta=0.9", "log_kl_to_init=true",
+                         f"algo.ppo_epochs={epochs}"), tmp_path / str(epochs), progress=False)
+        torch.manual_seed(0)
+        with torch.no_grad():  # move the policy away from its initial copy
+            for p in tr.params:
+                p.add_(0.05 * torch.randn_like(p))
+        vals.append(tr.train_step(1)["kl_to_init"])
+    assert vals[0] > 1e-4 and vals[1] == pytest.approx(vals[0], rel=1e-5)
+
+
+def test_first_checkpoint_without_latest_still_resumes(tmp_path):
+    """A kill between a first checkpoint's rename and writing ``latest`` leaves a complete step folder."""
+    Trainer(cfg("steps=2", "save_every=1", "eval.size=0"), tmp_path, progress=False).train()
+    (tmp_path / "checkpoints" / "latest").unlink()
+    assert latest_checkpoint(tmp_path).name == "step_000002" and has_checkpoint(tmp_path)
+    assert not has_checkpoint(tmp_path / "nothing")
 
 
 def test_save_every_zero_writes_no_checkpoint(tmp_path):
@@ -223,6 +275,11 @@ def test_cli_train_and_resume(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 2 and f"--out {out}: already holds a run" in res.stderr and "--resume" in res.stderr
     assert (out / "metrics.jsonl").read_text() == before
+    bare = tmp_path / "bare"  # metrics but no checkpoint (save_every=0): --resume could not help
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text("{}\n")
+    res = subprocess.run([*cmd[:7], str(bare), *cmd[8:]], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 2 and "no checkpoint to resume" in res.stderr and "--resume" not in res.stderr
     res = subprocess.run([sys.executable, "-m", "emapg", "train", "--config", str(SMOKE), "algo.eta=2"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 2 and "algo.eta: must be in (0, 1]" in res.stderr

@@ -8,7 +8,9 @@ Layout of ``RUN/checkpoints``::
 
 A checkpoint is written into a temporary folder, flushed to disk, then renamed into place (an
 atomic operation on POSIX); only then is ``latest`` replaced, also by an atomic rename. A kill at
-any moment leaves either the previous checkpoint or the new one as ``latest``, never a broken one.
+any moment leaves either the previous checkpoint or the new one as ``latest``, never a broken one;
+a kill between the two renames leaves a complete first checkpoint and no ``latest`` yet, which
+``latest_checkpoint`` then finds by itself.
 """
 
 from __future__ import annotations
@@ -144,17 +146,44 @@ def _prune(ckpt_dir: Path, keep: int, current: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def _complete(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoint folders (state.json is written last, before the atomic rename), oldest first."""
+    return sorted((p for p in ckpt_dir.glob("step_*") if (p / "state.json").exists()), key=_step_of)
+
+
 def latest_checkpoint(run_dir: Path) -> Path:
-    """The newest complete checkpoint of a run folder; raise FileNotFoundError naming what is missing."""
+    """The newest complete checkpoint of a run folder; raise FileNotFoundError naming what is missing.
+
+    ``latest`` decides; without it (a kill between a first checkpoint's rename and ``latest``), the
+    newest complete step folder."""
     ckpt_dir = Path(run_dir) / "checkpoints"
     pointer = ckpt_dir / LATEST
     if not pointer.exists():
+        found = _complete(ckpt_dir) if ckpt_dir.is_dir() else []
+        if found:
+            return found[-1]
         raise FileNotFoundError(f"--resume {run_dir}: no checkpoint found ({pointer} does not exist)")
     name = json.loads(pointer.read_text())["checkpoint"]
     path = ckpt_dir / name
     if not (path / "state.json").exists():
         raise FileNotFoundError(f"--resume {run_dir}: {pointer} names {name}, which is incomplete or missing")
     return path
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``latest_checkpoint`` would find one to resume."""
+    try:
+        latest_checkpoint(run_dir)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def checkpoint_state(path: Path) -> dict[str, Any]:
+    """The JSON state of a checkpoint folder alone (step, counters, flags), without its tensors."""
+    state = json.loads((path / "state.json").read_text())
+    state.pop("optimizer", None)
+    return state
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

@@ -44,6 +44,7 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from emapg import distributed
+    from emapg.checkpoint import has_checkpoint
     from emapg.trainer import Trainer
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -61,8 +62,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not launched or os.environ.get("RANK", "0") == "0":  # rank 0 alone: the others may see its files
             held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
             if held:
-                raise ConfigError(f"--out {run_dir}: already holds a run ({', '.join(held)}); continue it with "
-                                  f"--resume {run_dir}, or pick another --out (nothing was changed)")
+                how = (f"continue it with --resume {run_dir}" if has_checkpoint(run_dir) else
+                       "it has no checkpoint to resume: delete the folder to start again")
+                raise ConfigError(f"--out {run_dir}: already holds a run ({', '.join(held)}); {how}, or pick "
+                                  "another --out (nothing was changed)")
     if args.nproc > 1 and not launched:
         return _launch(args, run_dir)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume))

@@ -3,7 +3,9 @@
 A comparison spec (YAML) names a base recipe, overrides shared by every run, the seeds, and the
 configurations (each a list of overrides); ``quick`` may shrink all of it. Each run is a plain
 ``emapg train`` in its own process and folder (``OUT/<config>/seed<k>``); a finished run (its
-eval.json exists) is not run again, so an interrupted comparison continues where it stopped.
+eval.json exists) is not run again, so an interrupted comparison continues where it stopped: an
+unfinished run resumes from its checkpoint, or, with none, starts again (its old folder moved to
+``seed<k>.stale``). One ``emapg compare`` at a time may run into an output folder (a lock says so).
 
 The summary reads the runs' metrics.jsonl: mean and spread over seeds of held-out accuracy, reward,
 KL to the anchor, KL to the initial policy and entropy, as one PNG figure and a markdown table.
@@ -11,6 +13,7 @@ KL to the anchor, KL to the initial policy and entropy, as one PNG figure and a 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -25,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from emapg.checkpoint import has_checkpoint
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
 
@@ -101,6 +105,15 @@ def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
     if jobs < 1:
         raise ConfigError(f"--jobs: must be >= 1, got {jobs}")
     out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".compare.lock", "w") as lock:  # a second compare would restart this one's live runs
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"--out {out}: another emapg compare is running into it") from None
+        _run_locked(spec, out, log, jobs)
+
+
+def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
     total = len(spec.configs) * len(spec.seeds)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     pending: list[tuple[Path, list[str], str]] = []
@@ -114,10 +127,12 @@ def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
                 continue
             cmd = [sys.executable, "-m", "emapg", "train", "--config", str(spec.base), "--out", str(run),
                    *spec.overrides, *over, f"seed={seed}", *([f"threads={threads}"] if jobs > 1 else [])]
-            if (run / "checkpoints" / "latest").exists():
+            if has_checkpoint(run):
                 cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run)]
-            elif run.exists():  # stopped before its first checkpoint: nothing to resume, start it again
-                shutil.rmtree(run)
+            elif run.exists():  # stopped before its first checkpoint: start it again, its leftovers set aside
+                stale = run.with_name(run.name + ".stale")  # (the last failure's log stays readable there)
+                shutil.rmtree(stale, ignore_errors=True)
+                run.rename(stale)
             pending.append((run, cmd, f"[{done}/{total}] {name} seed {seed}: {' '.join(cmd[3:])}"))
     running: list[tuple[Path, subprocess.Popen, float, Any]] = []
     try:
@@ -202,11 +217,12 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
     return summary
 
 
-def _pm(ms: tuple[float, float], scale: float = 100.0, digits: int = 1) -> str:
+def _pm(ms: tuple[float, float], scale: float = 100.0, digits: int = 1, spread: bool = True) -> str:
+    """mean ± std; the mean alone when there is no spread to show (one seed)."""
     m, s = ms
     if math.isnan(m):
         return "n/a"
-    return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}"
+    return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}" if spread else f"{scale * m:.{digits}f}"
 
 
 def markdown(spec: Spec, summary: dict[str, Any]) -> str:
@@ -225,9 +241,10 @@ def markdown(spec: Spec, summary: dict[str, Any]) -> str:
         lines += [head, sep]
         for n in rows:
             s = summary[n]
-            cells = [s["label"], str(s["seeds"]), _pm(s["init"]), _pm(s["policy"]), _pm(s["anchor"]), _pm(s["peak"]),
-                     _pm(s["reward_last5"], 1, 3), _pm(s["kl_to_init"], 1, 4), _pm(s["entropy"], 1, 3),
-                     _pm(s["minutes"], 1, 1)]
+            many = s["seeds"] > 1
+            fmt = [("init", 100, 1), ("policy", 100, 1), ("anchor", 100, 1), ("peak", 100, 1), ("reward_last5", 1, 3),
+                   ("kl_to_init", 1, 4), ("entropy", 1, 3), ("minutes", 1, 1)]
+            cells = [s["label"], str(s["seeds"])] + [_pm(s[k], x, d, spread=many) for k, x, d in fmt]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += _paired(summary, rows)
@@ -250,7 +267,8 @@ def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
                      if v.get(which) is not None and ref["per_seed"].get(k, {}).get(which) is not None]
             diffs = [summary[n]["per_seed"][k][which] - ref["per_seed"][k][which] for k in seeds]
             mean, std = _mean_std(diffs)
-            cells += [f"{round(100 * mean, 1) + 0.0:+.1f} ± {100 * std:.1f}" if diffs else "n/a",
+            pm = f"{round(100 * mean, 1) + 0.0:+.1f}" + (f" ± {100 * std:.1f}" if len(diffs) > 1 else "")
+            cells += [pm if diffs else "n/a",
                       ", ".join(f"s{k} {100 * d:+.1f}" for k, d in zip(seeds, diffs, strict=True)) or "n/a"]
         lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]

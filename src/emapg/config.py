@@ -152,7 +152,8 @@ class TrainConfig:
     prefix_sharing: bool = True
     """Run each prompt once per group in the training passes and share its key/value cache."""
     log_kl_to_init: bool = False
-    """Also measure the KL to the initial policy (keeps a frozen copy; one extra no-grad pass)."""
+    """Also measure the KL to the initial policy: a frozen copy (initial adapters with LoRA) and one extra
+    no-grad pass, except when eta = 1 since step 0, where the anchor is the initial policy and serves."""
     export: bool = True
     """At the end, export the policy and the anchor as Hugging Face model folders."""
     threads: int | None = None

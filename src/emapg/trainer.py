@@ -27,7 +27,7 @@ from torch import Tensor
 from emapg import distributed
 from emapg import kl as klmod
 from emapg.anchor import EMAAnchor
-from emapg.checkpoint import latest_checkpoint, load_checkpoint, optimizer_state_dict, save_checkpoint
+from emapg.checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, optimizer_state_dict, save_checkpoint
 from emapg.config import ConfigError, TrainConfig, save_config
 from emapg.distributed import gathered, logprobs
 from emapg.evaluate import evaluate
@@ -103,8 +103,14 @@ class Trainer:
         # Sharded, the anchor's copy is made before sharding and sharded alike; LoRA needs no copy.
         full = cfg.lora.r == 0 and self.dist.enabled
         anchor_copy = self._frozen_copy() if full else None
-        # eta = 1: the anchor never moves from the initial policy, so it serves for kl_to_init too.
-        own_init = cfg.log_kl_to_init and cfg.algo.eta < 1.0
+        # eta = 1 since step 0: the anchor is the initial policy, so it serves for kl_to_init too (and its
+        # final evaluation is the step-0 one). A resumed run asks its checkpoint whether that still holds
+        # (a run resumed with eta = 1 after steps at eta < 1 has an anchor that moved).
+        since_start = True
+        if resume:
+            since_start = checkpoint_state(latest_checkpoint(self.run_dir)).get("anchor_is_initial", False)
+        self.anchor_is_initial = cfg.algo.eta == 1.0 and since_start
+        own_init = cfg.log_kl_to_init and not self.anchor_is_initial
         init_copy = self._frozen_copy() if full and own_init else None
         if self.dist.enabled:
             for m in (self.model, anchor_copy, init_copy):
@@ -120,6 +126,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.initial_eval: dict[str, Any] | None = None
+        self.initial_eval_settings: dict[str, Any] | None = None  # what initial_eval was measured with
         self.engine = self._rollout_engine()
         if resume:
             self._restore()
@@ -195,6 +202,7 @@ class Trainer:
         self.step, self.skipped_steps = st["step"], st["skipped_steps"]
         self.scheduler.load_state_dict(st["scheduler"])
         self.initial_eval = st.get("initial_eval")
+        self.initial_eval_settings = st.get("initial_eval_settings")
 
     def _tied_names(self) -> set[str]:
         seen, tied = {}, set()
@@ -208,7 +216,8 @@ class Trainer:
         """Write a checkpoint of whole tensors (any number of processes can resume it). Collective:
         every rank gathers, rank 0 writes."""
         state = {"skipped_steps": self.skipped_steps, "scheduler": self.scheduler.state_dict(),
-                 "initial_eval": self.initial_eval, "seed": self.cfg.seed, "world": self.dist.world}
+                 "initial_eval": self.initial_eval, "initial_eval_settings": self.initial_eval_settings,
+                 "anchor_is_initial": self.anchor_is_initial, "seed": self.cfg.seed, "world": self.dist.world}
         policy = distributed.model_state(self.model)
         anchor = self.anchor.state_dict()
         opt = distributed.optimizer_state(self.model, self.optimizer)
@@ -292,7 +301,7 @@ class Trainer:
         if self.init_anchor is not None:
             with self.init_anchor.use(self.model) as init_model:
                 init = self._logprobs(init_model, mb).logp_tok
-        elif self.cfg.log_kl_to_init:  # eta = 1: the anchor is the initial policy
+        elif self.cfg.log_kl_to_init:  # the anchor is the initial policy (eta = 1 since step 0)
             init = st.logp_tok
         return AnchorStats(logp_tok=st.logp_tok, logp_q=logp_q, q_ids=q_ids, old_logp=old, init_logp_tok=init)
 
@@ -430,10 +439,18 @@ class Trainer:
             values = [x for p in parts for x in p["stats"][key]]
             row[f"{key}_mean"] = sum(values) / max(len(values), 1)
         if "kl_to_init" in acc:
-            row["kl_to_init"] = acc["kl_to_init"] / tokens / a.ppo_epochs
+            row["kl_to_init"] = acc["kl_to_init"] / tokens  # both summed over the epochs
         return row
 
     # ---- evaluation and the run ----------------------------------------------------------------
+
+    def _eval_settings(self) -> dict[str, Any]:
+        """What an evaluation's numbers depend on besides the weights (a resume may change them)."""
+        e, r = self.cfg.eval, self.cfg.rollout
+        return {"size": e.size, "max_new_tokens": e.max_new_tokens or r.max_new_tokens, "greedy": e.greedy,
+                "temperature": r.temperature, "top_p": r.top_p, "mixed_precision": self.cfg.mixed_precision,
+                "dtype": self.cfg.dtype, "seed": self.cfg.seed, "world": self.dist.world,
+                "device": self.dist.device.type}
 
     def evaluate(self, which: str = "policy") -> dict[str, Any]:
         """Held-out accuracy of the policy or the anchor; each rank evaluates its share of the set."""
@@ -458,8 +475,9 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        if self.initial_eval is None and self.eval_set:
+        if self.initial_eval is None and self.eval_set and self.step == 0:  # later, the policy has moved
             self.initial_eval = self.evaluate("policy")
+            self.initial_eval_settings = self._eval_settings()
             self._write({"step": 0, **_eval_row("policy", self.initial_eval)})
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.main), desc="emapg",
                    unit="step")
@@ -472,9 +490,10 @@ class Trainer:
                 row.update(_eval_row("policy", res))
             if step == cfg.steps and self.eval_set:
                 row.update(_eval_row("policy", self.evaluate("policy")))
-                # eta = 1: the anchor is the initial policy, evaluated at step 0 with the same seed
-                frozen = cfg.algo.eta == 1.0 and self.initial_eval is not None
-                row.update(_eval_row("anchor", self.initial_eval if frozen else self.evaluate("anchor")))
+                # the anchor is the initial policy, evaluated at step 0 alike: that evaluation is this one
+                same = (self.anchor_is_initial and self.initial_eval is not None
+                        and self.initial_eval_settings == self._eval_settings())
+                row.update(_eval_row("anchor", self.initial_eval if same else self.evaluate("anchor")))
             self._write(row)
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                 self.save()
