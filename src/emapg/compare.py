@@ -225,6 +225,11 @@ def _pm(ms: tuple[float, float], scale: float = 100.0, digits: int = 1, spread: 
     return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}" if spread else f"{scale * m:.{digits}f}"
 
 
+# The table's numeric columns after config and seeds: summary key, scale, decimals.
+COLUMNS = (("init", 100, 1), ("policy", 100, 1), ("anchor", 100, 1), ("peak", 100, 1), ("reward_last5", 1, 3),
+           ("kl_to_init", 1, 4), ("entropy", 1, 3), ("minutes", 1, 1))
+
+
 def markdown(spec: Spec, summary: dict[str, Any]) -> str:
     """One table per group (or one table), mean ± std over seeds."""
     head = ("| config | seeds | initial acc % | final policy acc % | final anchor acc % | peak policy acc % | "
@@ -241,10 +246,7 @@ def markdown(spec: Spec, summary: dict[str, Any]) -> str:
         lines += [head, sep]
         for n in rows:
             s = summary[n]
-            many = s["seeds"] > 1
-            fmt = [("init", 100, 1), ("policy", 100, 1), ("anchor", 100, 1), ("peak", 100, 1), ("reward_last5", 1, 3),
-                   ("kl_to_init", 1, 4), ("entropy", 1, 3), ("minutes", 1, 1)]
-            cells = [s["label"], str(s["seeds"])] + [_pm(s[k], x, d, spread=many) for k, x, d in fmt]
+            cells = [s["label"], str(s["seeds"])] + [_pm(s[k], x, d, spread=s["seeds"] > 1) for k, x, d in COLUMNS]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += _paired(summary, rows)

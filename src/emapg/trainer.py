@@ -106,9 +106,8 @@ class Trainer:
         # eta = 1 since step 0: the anchor is the initial policy, so it serves for kl_to_init too (and its
         # final evaluation is the step-0 one). A resumed run asks its checkpoint whether that still holds
         # (a run resumed with eta = 1 after steps at eta < 1 has an anchor that moved).
-        since_start = True
-        if resume:
-            since_start = checkpoint_state(latest_checkpoint(self.run_dir)).get("anchor_is_initial", False)
+        resume_from = latest_checkpoint(self.run_dir) if resume else None
+        since_start = checkpoint_state(resume_from).get("anchor_is_initial", False) if resume_from else True
         self.anchor_is_initial = cfg.algo.eta == 1.0 and since_start
         own_init = cfg.log_kl_to_init and not self.anchor_is_initial
         init_copy = self._frozen_copy() if full and own_init else None
@@ -128,8 +127,8 @@ class Trainer:
         self.initial_eval: dict[str, Any] | None = None
         self.initial_eval_settings: dict[str, Any] | None = None  # what initial_eval was measured with
         self.engine = self._rollout_engine()
-        if resume:
-            self._restore()
+        if resume_from:
+            self._restore(resume_from)
         elif self.main:
             save_config(cfg, self.run_dir / "config.yaml")
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None) if self.main else None
@@ -187,8 +186,8 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
-    def _restore(self) -> None:
-        ckpt = load_checkpoint(latest_checkpoint(self.run_dir))
+    def _restore(self, path: Path) -> None:
+        ckpt = load_checkpoint(path)
         if self.dist.enabled:
             distributed.load_model_state(self.model, ckpt["policy"])
         else:

@@ -188,7 +188,7 @@ def agent_rollout(
 
 
 def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, k: int,
-              has_tail: bool = True) -> RolloutBatch:
+              has_tail: bool) -> RolloutBatch:
     pad = tokenizer.pad_token_id
     prompt_ids, prompt_mask = pad_left(prompts, pad)
     width = max(1, max(len(e.tokens) for e in eps))
