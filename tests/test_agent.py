@@ -11,7 +11,7 @@ from emapg.config import load_config
 from emapg.models import byte_tokenizer
 from emapg.retrieval import Passage
 from emapg.rollout.agent import AgentConfig, agent_rollout, extract_answer, format_information
-from emapg.rollout.hf import Sampled
+from emapg.rollout.sampling import Sampled
 from emapg.tasks.base import Example
 
 ROOT = Path(__file__).resolve().parents[1]

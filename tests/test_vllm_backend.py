@@ -16,7 +16,7 @@ import torch
 from emapg.config import load_config
 from emapg.models import load_model
 from emapg.rollout import vllm_backend as vb
-from emapg.rollout.hf import eos_ids
+from emapg.rollout.sampling import eos_ids
 from emapg.trainer import Trainer
 
 SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"

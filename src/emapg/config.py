@@ -150,7 +150,8 @@ class TrainConfig:
     chunk_size: int = 1024
     """Positions per chunk when computing log-probs from hidden states."""
     prefix_sharing: bool = True
-    """Run each prompt once per group in the training passes and share its key/value cache."""
+    """Run each prompt once per group, in generation and in the training passes, and share its key/value
+    cache with its n responses."""
     log_kl_to_init: bool = False
     """Also measure the KL to the initial policy: a frozen copy (initial adapters with LoRA) and one extra
     no-grad pass, except when eta = 1 since step 0, where the anchor is the initial policy and serves."""

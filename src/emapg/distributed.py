@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from emapg.lm import decoder_and_head
 from emapg.logprobs import TokenLogprobs
 
 LOGPROBS_METHOD = "emapg_logprobs"
@@ -99,8 +100,6 @@ def shard(model: nn.Module, mixed_precision: str | None = None) -> nn.Module:
     fp32 masters); None computes in the parameters' dtype.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
-    from emapg.forward import decoder_and_head
 
     mp = None
     if mixed_precision == "bf16":

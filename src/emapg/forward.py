@@ -14,25 +14,12 @@ positions go to :func:`emapg.logprobs.token_logprobs`, which works chunk by chun
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import Tensor, nn
 
+from emapg.lm import cache_kwarg, decoder_and_head
 from emapg.logprobs import TokenLogprobs, token_logprobs
 from emapg.rollout.batch import RolloutBatch
-
-
-def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The transformer body (returns final, normed hidden states) and the output projection."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings()
-
-
-def cache_kwarg(decoder: nn.Module) -> str:
-    # transformers 5.x renamed past_key_values to cache (the old name is deprecated, then removed).
-    params = inspect.signature(decoder.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _positions(mask: Tensor) -> Tensor:

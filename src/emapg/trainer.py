@@ -161,7 +161,7 @@ class Trainer:
             return None
         if self.dist.device.type != "cuda":
             raise ConfigError(f"rollout.backend: vllm needs a CUDA device, got device {self.dist.device}")
-        from emapg.rollout.hf import eos_ids
+        from emapg.rollout.sampling import eos_ids
         from emapg.rollout.vllm_backend import VLLMRollout
 
         half = cfg.mixed_precision == "bf16" or cfg.dtype == "bfloat16"
@@ -241,7 +241,7 @@ class Trainer:
         examples = [examples[i] for i in mine]
         need_q = cfg.algo.kl == "topk_reverse" and cfg.algo.k > 0
         kw = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                  k=cfg.algo.k if need_q else 0)
+                  k=cfg.algo.k if need_q else 0, prefix_sharing=cfg.prefix_sharing)
         if self.engine is not None:
             # the engine samples with the weights of the policy after self.step updates
             self.engine.sync(self.model, version=self.step)

@@ -12,7 +12,7 @@ def rollout_for_task(model: nn.Module, tokenizer, task, examples: list[Example],
                      **kwargs) -> RolloutBatch:
     """A task with an ``agent`` budget (and a ``retriever``) gets multi-turn episodes; others one turn.
 
-    kwargs: n, temperature, top_p, k, greedy, and max_new_tokens (single-turn only: an episode's
+    kwargs: n, temperature, top_p, k, greedy, prefix_sharing, and max_new_tokens (single-turn only: an episode's
     budgets are the task's). ``engine``: a :class:`~emapg.rollout.vllm_backend.VLLMRollout` holding
     the model's weights samples instead of ``model`` (``seed`` seeds its requests); None = HF generate.
     """
@@ -31,6 +31,7 @@ def rollout_for_task(model: nn.Module, tokenizer, task, examples: list[Example],
 def _engine_rollout(engine, model: nn.Module, tokenizer, task, examples: list[Example], seed: int | None,
                     **kwargs) -> RolloutBatch:
     device = next(model.parameters()).device
+    kwargs.pop("prefix_sharing", None)  # the engine shares prefixes by itself (prefix caching)
     if getattr(task, "agent", None) is not None:
         from emapg.rollout.agent import STOPS, agent_rollout
 

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from emapg.rollout.batch import RolloutBatch
-from emapg.rollout.hf import Sampled, eos_ids, format_prompt, pad_left, sample
+from emapg.rollout.hf import HFSampler
+from emapg.rollout.sampling import Sampled, eos_ids, format_prompt, pad_left
 from emapg.tasks.base import Example
 
 SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.S)
@@ -71,21 +72,9 @@ def extract_answer(completion: str) -> str | None:
 
 # A sampler continues B contexts (token lists) by at most ``max_new_tokens`` tokens, stopping each row
 # at a stop string or EOS (later positions are padding), and records the per-token statistics
-# (tail_lost may be None: the batch then has none). hf_sampler here; VLLMRollout.sampler for vLLM.
+# (tail_lost may be None: the batch then has none). HFSampler (which keeps each episode's key/value
+# cache from one turn to the next) or VLLMRollout.sampler.
 Sampler = Callable[[list[list[int]], int], Sampled]
-
-
-def hf_sampler(model: nn.Module, tokenizer, *, temperature: float = 1.0, top_p: float = 1.0, k: int = 0,
-               greedy: bool = False) -> Sampler:
-    device = next(model.parameters()).device
-
-    def run(contexts: list[list[int]], max_new_tokens: int) -> Sampled:
-        ids, mask = pad_left(contexts, tokenizer.pad_token_id)
-        return sample(model, tokenizer, {"input_ids": ids.to(device), "attention_mask": mask.to(device)},
-                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, k=k, greedy=greedy,
-                      stop_strings=STOPS)
-
-    return run
 
 
 @dataclass
@@ -148,7 +137,9 @@ def agent_rollout(
         has_tail = has_tail and out.tail_lost is not None
         queries: list[tuple[_Episode, str]] = []
         for row, e in enumerate(live):
-            new = out.ids[row].tolist()[: budget[row]]
+            # a row's own length when the sampler reports it: with pad = EOS, padding is not an EOS
+            end = budget[row] if out.length is None else min(budget[row], int(out.length[row]))
+            new = out.ids[row].tolist()[:end]
             length, why = _cut(tokenizer, new, eos_set)
             e.tokens += new[:length]
             e.mask += [1] * length
@@ -224,9 +215,13 @@ def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, 
 
 def rollout_model(model: nn.Module, tokenizer, examples: list[Example], retriever, *, n: int = 1,
                   temperature: float = 1.0, top_p: float = 1.0, k: int = 0, greedy: bool = False,
-                  config: AgentConfig | None = None) -> RolloutBatch:
-    """:func:`agent_rollout` with a Hugging Face model as the policy; tensors on the model's device."""
-    sampler = hf_sampler(model, tokenizer, temperature=temperature, top_p=top_p, k=k, greedy=greedy)
+                  config: AgentConfig | None = None, prefix_sharing: bool = True,
+                  reuse_cache: bool = True) -> RolloutBatch:
+    """:func:`agent_rollout` with a Hugging Face model as the policy; tensors on the model's device.
+    reuse_cache: each turn feeds only its new tokens on top of the episode's key/value cache
+    (False: every turn re-reads the whole context, the reference path)."""
+    sampler = HFSampler(model, tokenizer, temperature=temperature, top_p=top_p, k=k, greedy=greedy,
+                        stop_strings=STOPS, reuse_cache=reuse_cache, prefix_sharing=prefix_sharing)
     batch = agent_rollout(sampler, tokenizer, examples, retriever, n=n, k=k, config=config,
                           eos=eos_ids(model, tokenizer))
     return batch.to(next(model.parameters()).device)

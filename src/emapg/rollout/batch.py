@@ -91,3 +91,15 @@ def response_mask_from_ids(ids: Tensor, eos_id: int | list[int]) -> tuple[Tensor
     is_eos = torch.isin(ids, eos_ids)
     before = (is_eos.long().cumsum(1) - is_eos.long()) == 0
     return before.long(), ~is_eos.any(1)
+
+
+def response_mask_from_lengths(ids: Tensor, lengths: Tensor, eos_id: list[int]) -> tuple[Tensor, Tensor]:
+    """Mask [B, L] of each row's first ``lengths`` [B] generated tokens, and truncated [B]: the row's
+    last generated token is not an end-of-sequence token (it ran out of budget). Unlike
+    :func:`response_mask_from_ids` it is right when the pad token is the EOS token and a row stops
+    without one."""
+    cols = torch.arange(ids.shape[1], device=ids.device)
+    mask = (cols[None, :] < lengths[:, None]).long()
+    last = ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    eos = torch.tensor(eos_id, device=ids.device)
+    return mask, ~torch.isin(last, eos) | (lengths == 0)

@@ -1,158 +1,106 @@
-"""Rollouts with Hugging Face ``generate``: batched, left-padded, n samples per prompt.
+"""Rollouts with a Hugging Face model through our decode loop (:mod:`emapg.rollout.decode`):
+batched, left-padded, n samples per prompt.
 
-From the generation scores (the logits after temperature and top-p, which are exactly the
-sampling distribution) it records, per generated token, the sampled token's log-prob and that
-distribution's top-k ids, with no extra forward pass (spec section 5).
+Per generated token it records, as the token is produced, the sampled token's log-prob under the
+sampling distribution (after temperature and top-p), that distribution's top-k ids, its entropy and
+the tail mass top-p removed: no extra forward pass (spec section 5), and only one step's
+``[rows, vocab]`` alive at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
 
-import torch
 from torch import Tensor, nn
-from transformers import StoppingCriteria, StoppingCriteriaList
 
-from emapg.rollout.batch import RolloutBatch, response_mask_from_ids
+from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
+from emapg.rollout.decode import KVState, decode, prefill
+from emapg.rollout.sampling import Sampled, eos_ids, format_prompt, pad_left
 from emapg.tasks.base import Example
 
 
-def format_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat prompt: the tokenizer's chat template when it has one, else plain text.
-    A single message with role ``raw`` is sent as it is (base models). A last message with role
-    ``response_prefix`` starts the assistant's turn with its text (part of the prompt, not generated)."""
-    prefix = ""
-    if messages and messages[-1]["role"] == "response_prefix":
-        prefix, messages = messages[-1]["content"], messages[:-1]
-    return tokenizer(_prompt_text(tokenizer, messages) + prefix, add_special_tokens=False).input_ids
-
-
-def _prompt_text(tokenizer, messages: list[dict[str, str]]) -> str:
-    if len(messages) == 1 and messages[0]["role"] == "raw":
-        text = messages[0]["content"]
-    elif getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
-    return text
-
-
-def pad_left(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-pad token lists to [P, Lp] ids and mask."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r)
-            mask[i, width - len(r) :] = 1
-    return ids, mask
-
-
-def eos_ids(model: nn.Module, tokenizer) -> list[int]:
-    """End-of-sequence ids: the tokenizer's and the model's generation config's."""
-    ids = {tokenizer.eos_token_id}
-    cfg = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(cfg if isinstance(cfg, list) else [cfg])
-    return sorted(i for i in ids if i is not None)
-
-
-def _shared_prefix_inputs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, n: int) -> dict:
-    """generate() inputs for P*n rows whose cache of the first Lp-1 prompt tokens was computed once per
-    prompt. generate() then feeds only the last prompt token and continues decoding."""
-    head_ids, head_mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
-    pos = (head_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=head_ids, attention_mask=head_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = getattr(out, "cache", None) or out.past_key_values
-    cache.batch_repeat_interleave(n)
-    from emapg.forward import cache_kwarg, decoder_and_head
-
-    return {"input_ids": prompt_ids.repeat_interleave(n, 0), "attention_mask": prompt_mask.repeat_interleave(n, 0),
-            cache_kwarg(decoder_and_head(model)[0]): cache, "num_return_sequences": 1}
-
-
-@dataclass
-class Sampled:
-    """What a sampler returns for B rows: new tokens [B, T] (padded after each row's end) and, per
-    token, the sampling distribution's log-prob of it, entropy, tail mass outside top-p, top-k ids."""
-
-    ids: Tensor
-    logp: Tensor
-    entropy: Tensor
-    tail_lost: Tensor
-    topk: Tensor | None
-
-
-class StopOnStrings(StoppingCriteria):
-    """Per-row stop once the generated text (not the prompt) contains one of ``stops``."""
-
-    def __init__(self, tokenizer, stops: list[str], prompt_len: int):
-        self.tokenizer, self.stops, self.prompt_len = tokenizer, stops, prompt_len
-        self.window = max(len(s) for s in stops) + 1  # every token covers at least one character
-
-    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
-        start = max(self.prompt_len, input_ids.shape[1] - self.window)
-        tails = self.tokenizer.batch_decode(input_ids[:, start:], skip_special_tokens=True)
-        return torch.tensor([any(s in t for s in self.stops) for t in tails], device=input_ids.device)
-
-
-def _sampling_kwargs(greedy: bool, temperature: float, top_p: float) -> dict:
-    sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    if not greedy:
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    # Neutralise any other logits processor a model's generation_config may ship (repetition penalty,
-    # min_p, suppressed tokens...): the recorded log-probs must be those of pi_theta at the temperature.
-    sampling.update(repetition_penalty=1.0, no_repeat_ngram_size=0, min_p=None, typical_p=1.0, min_length=0,
-                    min_new_tokens=None, suppress_tokens=None, begin_suppress_tokens=None, bad_words_ids=None)
-    return sampling
-
-
-@torch.no_grad()
-def sample(
-    model: nn.Module,
-    tokenizer,
-    inputs: dict,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    k: int = 0,
-    greedy: bool = False,
-    stop_strings: list[str] | None = None,
-) -> Sampled:
-    """``model.generate`` on prepared inputs (input_ids, attention_mask, ...), recording from the
-    scores, per new token, its log-prob under the sampling distribution, the entropy, the tail mass
-    lost to top-p and the top-k ids; no extra forward pass."""
-    prompt_len = inputs["input_ids"].shape[1]
-    extra = {}
-    if stop_strings:
-        extra["stopping_criteria"] = StoppingCriteriaList([StopOnStrings(tokenizer, stop_strings, prompt_len)])
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    """Sampling runs without dropout, whatever mode training keeps the model in."""
     was_training = model.training
     model.eval()
-    out = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, eos_token_id=eos_ids(model, tokenizer),
-        pad_token_id=tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True,
-        output_logits=top_p < 1.0 and not greedy, **_sampling_kwargs(greedy, temperature, top_p), **extra,
-    )
-    model.train(was_training)
-    resp = out.sequences[:, prompt_len:]
-    device = resp.device
-    samp_logp = torch.zeros(resp.shape, dtype=torch.float32, device=device)
-    tail_lost = torch.zeros(resp.shape, dtype=torch.float32, device=device)
-    entropy = torch.zeros(resp.shape, dtype=torch.float32, device=device)
-    topk = torch.zeros((*resp.shape, k), dtype=torch.long, device=device) if k > 0 else None
-    for t, scores in enumerate(out.scores):
-        scores = scores.float() if not greedy else scores.float() / temperature
-        logp = torch.log_softmax(scores, -1)
-        samp_logp[:, t] = logp.gather(-1, resp[:, t : t + 1]).squeeze(-1)
-        entropy[:, t] = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
-        if out.logits is not None:
-            # mass outside the nucleus, under the tempered but untruncated distribution
-            full = torch.softmax(out.logits[t].float() / temperature, -1)
-            tail_lost[:, t] = (full * torch.isinf(scores)).sum(-1)
-        if topk is not None:
-            topk[:, t] = logp.topk(min(k, logp.shape[-1]), -1).indices
-    return Sampled(ids=resp, logp=samp_logp, entropy=entropy, tail_lost=tail_lost, topk=topk)
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _repeat_runs(rows: list[list[int]]) -> int:
+    """r when ``rows`` is runs of r identical rows (the n samples of each prompt), else 1."""
+    r = 1
+    while r < len(rows) and rows[r] == rows[0]:
+        r += 1
+    if r == 1 or len(rows) % r:
+        return 1
+    return r if all(rows[i] == rows[i - i % r] for i in range(len(rows))) else 1
+
+
+def _fresh_inputs(contexts: list[list[int]], pad_id: int, model: nn.Module, share: bool,
+                  device) -> tuple[Tensor, Tensor, KVState | None]:
+    """Inputs for rows with no cache yet. With ``share``, runs of identical contexts (a prompt's n
+    samples) prefill all but their last token once, and the cache is repeated for the run."""
+    r = _repeat_runs(contexts) if share else 1
+    if r > 1 and min(len(c) for c in contexts) > 1:
+        ids, mask = pad_left(contexts[::r], pad_id)
+        ids, mask = ids.to(device), mask.to(device)
+        state = prefill(model, ids[:, :-1], mask[:, :-1], repeat=r)
+        return ids[:, -1:].repeat_interleave(r, 0), mask[:, -1:].repeat_interleave(r, 0), state
+    ids, mask = pad_left(contexts, pad_id)
+    return ids.to(device), mask.to(device), None
+
+
+class HFSampler:
+    """A sampler (see :data:`emapg.rollout.agent.Sampler`) over our decode loop.
+
+    ``reuse_cache``: a call whose contexts each extend, in order, a row of the previous call (a
+    multi-turn episode: its last turn, then retrieved information) feeds only the new tokens on top
+    of that row's cache; rows of the previous call that are not continued are dropped. Any other call
+    starts afresh. ``prefix_sharing``: a fresh call runs each prompt of a run of identical contexts once.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, *, temperature: float = 1.0, top_p: float = 1.0, k: int = 0,
+                 greedy: bool = False, stop_strings: list[str] | None = None, reuse_cache: bool = True,
+                 prefix_sharing: bool = True):
+        self.model, self.tokenizer = model, tokenizer
+        self.kw = dict(temperature=temperature, top_p=top_p, k=k, greedy=greedy, tokenizer=tokenizer,
+                       stop_strings=stop_strings, eos=eos_ids(model, tokenizer), pad_id=tokenizer.pad_token_id)
+        self.reuse_cache, self.prefix_sharing = reuse_cache, prefix_sharing
+        self.device = next(model.parameters()).device
+        self.state: KVState | None = None
+
+    def _continued_rows(self, contexts: list[list[int]]) -> list[int] | None:
+        """The previous rows that ``contexts`` extend, one each and in order, or None."""
+        if not (self.reuse_cache and self.state is not None and self.state.reusable):
+            return None
+        held, rows, j = self.state.tokens, [], 0
+        for c in contexts:
+            while j < len(held) and not (len(c) > len(held[j]) and c[: len(held[j])] == held[j]):
+                j += 1
+            if j == len(held):
+                return None
+            rows.append(j)
+            j += 1
+        return rows
+
+    def __call__(self, contexts: list[list[int]], max_new_tokens: int) -> Sampled:
+        rows = self._continued_rows(contexts)
+        pad = self.tokenizer.pad_token_id
+        if rows is not None:
+            state = self.state.select(rows)
+            ids, mask = pad_left([c[len(h) :] for c, h in zip(contexts, state.tokens, strict=True)], pad)
+            ids, mask = ids.to(self.device), mask.to(self.device)
+        else:
+            self.state = None  # free the old cache before the new prefill
+            ids, mask, state = _fresh_inputs(contexts, pad, self.model, self.prefix_sharing, self.device)
+        with _eval_mode(self.model):
+            out, self.state = decode(self.model, ids, mask, state, max_new_tokens=max_new_tokens,
+                                     keep_state=self.reuse_cache, **self.kw)
+        return out
 
 
 def generate(
@@ -172,26 +120,23 @@ def generate(
 
     k: how many top-k ids of the sampling distribution to record per token (0 = none).
     greedy: argmax decoding (evaluation); then samp_logp is the tempered log-prob of the argmax.
-    prefix_sharing: run each prompt once (all but its last token) and hand ``generate`` the key/value
-        cache repeated n times, instead of letting it run every prompt n times.
+    prefix_sharing: run each prompt once (all but its last token) and repeat its key/value cache
+        for its n samples, instead of running every prompt n times.
     """
     if greedy and n > 1:
         raise ValueError("greedy decoding gives one response per prompt: use n = 1 or sampling")
     device = next(model.parameters()).device
     prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
     prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    inputs = dict(input_ids=prompt_ids, attention_mask=prompt_mask, num_return_sequences=n)
-    if prefix_sharing and n > 1 and prompt_ids.shape[1] > 1:
-        with torch.no_grad():
-            inputs = _shared_prefix_inputs(model, prompt_ids, prompt_mask, n)
-    out = sample(model, tokenizer, inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                 k=k, greedy=greedy)
-    resp = out.ids
-    mask, truncated = response_mask_from_ids(resp, eos_ids(model, tokenizer))
+    sampler = HFSampler(model, tokenizer, temperature=temperature, top_p=top_p, k=k, greedy=greedy,
+                        reuse_cache=False, prefix_sharing=prefix_sharing)
+    out = sampler([p for p in prompts for _ in range(n)], max_new_tokens)
+    mask, truncated = response_mask_from_lengths(out.ids, out.length, eos_ids(model, tokenizer))
     return RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=mask, samp_logp=out.logp,
-        n=n, samp_topk=out.topk, tail_lost=out.tail_lost, entropy=out.entropy, truncated=truncated,
-        completions=tokenizer.batch_decode(resp.masked_fill(mask == 0, tokenizer.pad_token_id),
+        prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device), response_ids=out.ids,
+        response_mask=mask, samp_logp=out.logp, n=n, samp_topk=out.topk,
+        tail_lost=out.tail_lost if out.tail_lost is not None else out.logp.new_zeros(out.logp.shape),
+        entropy=out.entropy, truncated=truncated,
+        completions=tokenizer.batch_decode(out.ids.masked_fill(mask == 0, tokenizer.pad_token_id),
                                            skip_special_tokens=True),
     )

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from emapg.rollout.batch import RolloutBatch, response_mask_from_ids
-from emapg.rollout.hf import Sampled, format_prompt, pad_left
+from emapg.rollout.sampling import Sampled, format_prompt, pad_left
 from emapg.tasks.base import Example
 
 INSTALL_HINT = "install the optional extra: pip install 'emapg[vllm]' (a CUDA machine is required)"

@@ -1,0 +1,237 @@
+"""Our decode loop over a Hugging Face causal LM's forward and its key/value cache.
+
+Why our own loop rather than ``generate``: it records each token's statistics as the token is
+produced (``generate`` can only hand back every step's ``[rows, vocab]`` scores at the end, 0.6 TB
+for the paper's 128 x 8 rows at 8k tokens), and it keeps the cache of a row alive between calls, so
+a multi-turn episode feeds only its new tokens each turn. Token for token it draws what
+``generate`` draws (same forward inputs, same softmax and ``torch.multinomial`` calls, finished rows
+padded alike): a test checks it, and ``bench/generation.py`` measures both.
+
+A :class:`KVState` is the cache of B rows plus, per row, the real tokens it holds (columns a row
+wrote after its end are masked out and never attended).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from emapg.lm import cache_kwarg, decoder_and_head
+from emapg.rollout.sampling import Sampled, draw, step_stats, warp
+
+
+class _ReservedLayer(DynamicLayer):
+    """A full-attention cache layer that writes new columns into a buffer reserved ahead (``spare``
+    columns beyond what it holds), where ``DynamicLayer`` concatenates: appending a token then costs
+    one column, not a copy of the whole cache (a quadratic cost over a long generation)."""
+
+    def __init__(self, spare: int = 0):
+        super().__init__()
+        self.spare, self.length = spare, 0
+        self.kbuf = self.vbuf = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if self.kbuf is None or end > self.kbuf.shape[-2]:
+            self.kbuf, self.vbuf = (self._grown(buf, new, end + self.spare)
+                                    for buf, new in ((self.kbuf, key_states), (self.vbuf, value_states)))
+        self.kbuf[..., self.length : end, :].copy_(key_states)
+        self.vbuf[..., self.length : end, :].copy_(value_states)
+        self.length = end
+        self.keys, self.values = self.kbuf[..., :end, :], self.vbuf[..., :end, :]
+        return self.keys, self.values
+
+    def _grown(self, buf: Tensor | None, new: Tensor, capacity: int) -> Tensor:
+        out = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
+        if buf is not None:
+            out[..., : self.length, :].copy_(buf[..., : self.length, :])
+        return out
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.kbuf is not None:
+            self.kbuf, self.vbuf = self.kbuf.repeat_interleave(repeats, 0), self.vbuf.repeat_interleave(repeats, 0)
+            self.keys, self.values = self.kbuf[..., : self.length, :], self.vbuf[..., : self.length, :]
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.kbuf is not None:
+            self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
+            self.keys, self.values = self.kbuf[..., : self.length, :], self.vbuf[..., : self.length, :]
+
+
+def new_cache(model: nn.Module, spare: int = 0) -> Cache:
+    """An empty cache for ``model``: reserved full-attention layers when every layer attends to the whole
+    context, else the model's own ``DynamicCache`` (sliding-window or linear-attention layers)."""
+    cfg = getattr(model, "config", None)
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    if types == {"full_attention"} and not sliding:
+        return Cache(layer_class_to_replicate=functools.partial(_ReservedLayer, spare))
+    return DynamicCache(config=cfg)
+
+
+def _reserve(cache, spare: int) -> None:
+    for layer in getattr(cache, "layers", []):
+        if isinstance(layer, _ReservedLayer):
+            layer.spare = spare
+
+
+COMPACT_BELOW = 0.875
+
+
+def _positions(mask: Tensor) -> Tensor:
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+@dataclass
+class KVState:
+    """The key/value cache of B rows. mask: [B, C] 1 on the cache columns holding a row's real tokens;
+    tokens: the real tokens each row's cache holds, in order (what a continuation must start with)."""
+
+    cache: Cache
+    mask: Tensor
+    tokens: list[list[int]]
+
+    def select(self, rows: list[int]) -> KVState:
+        """The state of some rows (in this order); the others' cache is freed."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        self.cache.batch_select_indices(idx)
+        return KVState(cache=self.cache, mask=self.mask[idx], tokens=[self.tokens[r] for r in rows])
+
+    @property
+    def reusable(self) -> bool:
+        """False for caches that forget columns (sliding-window or linear-attention layers)."""
+        return not (any(getattr(self.cache, "is_sliding", [])) or any(getattr(self.cache, "is_linear", [])))
+
+
+def _forward(model: nn.Module, ids: Tensor, mask: Tensor, cache) -> Tensor:
+    """One forward of new columns ``ids`` [B, T], appended to ``cache``; ``mask`` [B, C + T] covers the
+    cache's columns and these. Returns the fp32 logits at the last column [B, V]."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)[:, -ids.shape[1] :],
+                use_cache=True, logits_to_keep=1, **{cache_kwarg(decoder_and_head(model)[0]): cache})
+    return out.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+
+@torch.no_grad()
+def prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeat: int = 1) -> KVState:
+    """The cache of left-padded rows ``ids`` / ``mask`` [P, L], repeated ``repeat`` times per row
+    (prefix sharing: n samples of a prompt share its cache)."""
+    cache = new_cache(model)
+    _forward(model, ids, mask, cache)
+    rows = [r[m.bool()].tolist() for r, m in zip(ids.cpu(), mask.cpu(), strict=True)]
+    if repeat > 1:
+        cache.batch_repeat_interleave(repeat)
+        mask = mask.repeat_interleave(repeat, 0)
+        rows = [r for r in rows for _ in range(repeat)]
+    return KVState(cache=cache, mask=mask, tokens=rows)
+
+
+def _stop_hits(tokenizer, generated: Tensor, stops: list[str], window: int) -> Tensor:
+    """[B] whether the last ``window`` generated tokens of a row contain one of ``stops``."""
+    tails = tokenizer.batch_decode(generated[:, -window:], skip_special_tokens=True)
+    return torch.tensor([any(s in t for s in stops) for t in tails], device=generated.device)
+
+
+@torch.no_grad()
+def decode(
+    model: nn.Module,
+    new_ids: Tensor,
+    new_mask: Tensor,
+    state: KVState | None,
+    *,
+    max_new_tokens: int,
+    eos: list[int],
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    k: int = 0,
+    greedy: bool = False,
+    tokenizer=None,
+    stop_strings: list[str] | None = None,
+    keep_state: bool = True,
+) -> tuple[Sampled, KVState | None]:
+    """Continue B rows: feed ``new_ids`` / ``new_mask`` [B, T] (left-padded columns not yet in the
+    cache of ``state``; None = no cache) and sample up to ``max_new_tokens`` tokens per row.
+
+    A row ends at an EOS id or when its generated text contains a stop string (needs ``tokenizer``);
+    later positions hold ``pad_id``. Per token it records the sampling distribution's (after
+    temperature and top-p) log-prob of the token, entropy, tail mass and top-k ids; greedy decoding
+    takes the argmax and records the tempered distribution. Only one step's ``[B, vocab]`` is alive.
+    Tokens are drawn by :func:`emapg.rollout.sampling.draw` (a test swaps in ``torch.multinomial``,
+    ``generate``'s draw, and gets ``generate``'s tokens for the same seed), which needs one uniform
+    number per row: rows leaving the batch do not change what the others draw.
+
+    Returns the :class:`Sampled` tokens and the state whose cache holds every row's real tokens but
+    the last one generated (not yet fed). ``keep_state=False`` returns no state, and lets rows leave
+    the batch once they finish (when fewer than ``COMPACT_BELOW`` of the computed rows still generate).
+    """
+    device = new_ids.device
+    b = new_ids.shape[0]
+    mask = new_mask if state is None else torch.cat([state.mask, new_mask], 1)
+    cache = new_cache(model, spare=max_new_tokens) if state is None else state.cache
+    _reserve(cache, new_ids.shape[1] + max_new_tokens)
+    logits = _forward(model, new_ids, mask, cache)
+    out_ids = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logp = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
+    entropy = torch.zeros_like(logp)
+    tail = torch.zeros_like(logp) if top_p < 1.0 and not greedy else None
+    topk = torch.zeros((b, max_new_tokens, k), dtype=torch.long, device=device) if k > 0 else None
+    unfinished = torch.ones(b, dtype=torch.long, device=device)
+    length = torch.zeros(b, dtype=torch.long, device=device)
+    eos_t = torch.tensor(eos, device=device)
+    window = max((len(s) for s in stop_strings), default=0) + 1 if stop_strings else 0
+    rows = torch.arange(b, device=device)  # the rows the cache and the logits hold (all, unless compacted)
+    steps = 0
+    for t in range(max_new_tokens):
+        if greedy:
+            scores, lost = logits / temperature, None
+            tok = torch.argmax(logits, -1)
+        else:
+            scores, lost = warp(logits, temperature, top_p)
+            # one uniform per row of the whole batch at every step: the same draws whether or not
+            # finished rows have left the batch
+            u = torch.rand((b, 1), dtype=torch.float64, device=device)
+            tok = draw(torch.softmax(scores, -1), u[rows])
+        st = step_stats(scores, tok, k)
+        live = unfinished[rows]
+        tok = tok * live + pad_id * (1 - live)
+        out_ids[rows, t], logp[rows, t], entropy[rows, t] = tok, st.logp, st.entropy
+        if tail is not None:
+            tail[rows, t] = lost
+        if topk is not None:
+            topk[rows, t] = st.topk
+        length[rows] += live
+        done = torch.isin(tok, eos_t)
+        if stop_strings:
+            done |= _stop_hits(tokenizer, out_ids[rows, : t + 1], stop_strings, window)
+        live = live & ~done
+        unfinished[rows] = live
+        steps = t + 1
+        if not live.any() or t + 1 == max_new_tokens:
+            break
+        if not keep_state and live.sum() < COMPACT_BELOW * len(rows):
+            # finished rows leave the batch: later steps compute only the rows still generating
+            keep = live.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, mask, tok = rows[keep], mask[keep], tok[keep]
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)
+        logits = _forward(model, tok[:, None], mask, cache)
+    sampled = Sampled(ids=out_ids[:, :steps], logp=logp[:, :steps], entropy=entropy[:, :steps],
+                      tail_lost=None if tail is None else tail[:, :steps],
+                      topk=None if topk is None else topk[:, :steps], length=length)
+    if not keep_state:
+        return sampled, None
+    # Cache columns of the fed tokens; those a row fed after its end are masked out.
+    fed = steps - 1
+    keep = (torch.arange(fed, device=device)[None, :] < (length - 1)[:, None]).to(mask.dtype)
+    mask = torch.cat([mask[:, : mask.shape[1] - fed], keep], 1)
+    prev = state.tokens if state is not None else [[] for _ in range(b)]
+    gen = out_ids[:, :steps].tolist()
+    news = [r[m.bool()].tolist() for r, m in zip(new_ids.cpu(), new_mask.cpu(), strict=True)]
+    tokens = [p + nw + g[: int(n) - 1] for p, nw, g, n in zip(prev, news, gen, length.tolist(), strict=True)]
+    return sampled, KVState(cache=cache, mask=mask, tokens=tokens)

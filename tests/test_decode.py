@@ -1,0 +1,219 @@
+"""Our decode loop: the same tokens as Hugging Face ``generate``, per-token statistics equal to those
+of generate's full scores, to the training pass and (under top-p) to the untruncated policy; and
+multi-turn episodes that keep their cache equal to ones that re-read the whole context."""
+
+import random
+import re
+
+import pytest
+import torch
+
+from emapg.forward import response_logprobs
+from emapg.models import load_model
+from emapg.retrieval import Passage
+from emapg.rollout.agent import AgentConfig, rollout_model
+import emapg.rollout.decode as decode_mod
+from emapg.rollout.hf import HFSampler, generate
+from emapg.rollout.sampling import draw, eos_ids, format_prompt, pad_left
+from emapg.tasks import make_task
+
+
+def _examples(n=3):
+    examples = make_task("arithmetic", digits=2, terms=3, ops="+-").train_examples(random.Random(0), n)
+    examples[1].messages[0]["content"] += " Think about it."  # prompts of different lengths: left padding
+    return examples
+
+
+def _reference_generate(model, tok, examples, n, temperature, top_p, max_new_tokens, k, greedy):
+    """What the HF backend did before our loop: ``generate`` with output_scores (and output_logits
+    under top-p), every step's [rows, vocab] kept, statistics computed at the end."""
+    prompts = [format_prompt(tok, ex.messages) for ex in examples]
+    ids, mask = pad_left(prompts, tok.pad_token_id)
+    sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None) if greedy else dict(
+        do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, num_return_sequences=n, max_new_tokens=max_new_tokens,
+                         eos_token_id=eos_ids(model, tok), pad_token_id=tok.pad_token_id, output_scores=True,
+                         output_logits=True, return_dict_in_generate=True, **sampling)
+    resp = out.sequences[:, ids.shape[1]:]
+    logp, ent, tail, topk = [], [], [], []
+    for t, scores in enumerate(out.scores):
+        scores = scores.float() / temperature if greedy else scores.float()
+        lp = torch.log_softmax(scores, -1)
+        logp.append(lp.gather(-1, resp[:, t : t + 1]).squeeze(-1))
+        ent.append(-(lp.exp() * lp.masked_fill(torch.isinf(lp), 0.0)).sum(-1))
+        full = torch.softmax(out.logits[t].float() / temperature, -1)
+        tail.append((full * torch.isinf(scores)).sum(-1))
+        topk.append(lp.topk(k, -1).indices)
+    return resp, torch.stack(logp, 1), torch.stack(ent, 1), torch.stack(tail, 1), torch.stack(topk, 1)
+
+
+@pytest.mark.parametrize("kind", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("greedy,temperature,top_p", [(False, 1.0, 1.0), (False, 0.7, 0.9), (True, 0.6, 1.0)])
+def test_decode_loop_draws_what_generate_draws_and_records_its_statistics(kind, greedy, temperature, top_p,
+                                                                         monkeypatch):
+    """With generate's own draw (torch.multinomial) the loop yields generate's tokens for the same seed."""
+    model, tok = load_model(kind, seed=2)
+    monkeypatch.setattr(decode_mod, "draw", lambda probs, u: torch.multinomial(probs, 1).squeeze(1))
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.zeros(a[0], dtype=torch.float64))  # no RNG use
+    monkeypatch.setattr(decode_mod, "COMPACT_BELOW", 0.0)  # every row drawn at every step, as generate does
+    examples, n = _examples(), 1 if greedy else 3
+    torch.manual_seed(0)
+    ref = _reference_generate(model, tok, examples, n, temperature, top_p, 12, 5, greedy)
+    torch.manual_seed(0)
+    ours = generate(model, tok, examples, n=n, temperature=temperature, top_p=top_p, max_new_tokens=12, k=5,
+                    greedy=greedy, prefix_sharing=False)
+    assert torch.equal(ours.response_ids, ref[0])
+    valid = ours.response_mask.bool()
+    for got, want in ((ours.samp_logp, ref[1]), (ours.entropy, ref[2]), (ours.tail_lost, ref[3])):
+        torch.testing.assert_close(got[valid], want[valid], atol=1e-6, rtol=1e-6)
+    assert torch.equal(ours.samp_topk[valid], ref[4][valid])
+    if top_p < 1.0:
+        assert float(ours.tail_lost[valid].max()) > 0.01  # top-p did cut mass here
+
+
+def test_finished_rows_leaving_the_batch_change_nothing(monkeypatch):
+    model, tok = load_model("tiny-qwen2", seed=3)
+    model.generation_config.eos_token_id = list(range(1, 40))  # rows end at many different steps
+    out = []
+    for compact in (0.0, 1.0):  # never / as soon as one row finishes
+        monkeypatch.setattr(decode_mod, "COMPACT_BELOW", compact)
+        torch.manual_seed(0)
+        out.append(generate(model, tok, _examples(4), n=3, temperature=1.3, top_p=0.95, max_new_tokens=40, k=3))
+    assert out[0].response_mask.sum(1).unique().numel() > 3  # rows did end at different steps
+    for name in ("response_ids", "response_mask"):
+        assert torch.equal(getattr(out[0], name), getattr(out[1], name))
+    valid = out[0].response_mask.bool()  # what a finished row records after its end is not kept
+    assert torch.equal(out[0].samp_topk[valid], out[1].samp_topk[valid])
+    for name in ("samp_logp", "entropy", "tail_lost"):
+        torch.testing.assert_close(getattr(out[0], name)[valid], getattr(out[1], name)[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_recorded_statistics_equal_the_training_pass_and_the_untruncated_policy_under_top_p():
+    model, tok = load_model("tiny-llama", seed=4)
+    torch.manual_seed(1)
+    batch = generate(model, tok, _examples(), n=4, temperature=0.8, top_p=0.85, max_new_tokens=10, k=6)
+    valid = batch.response_mask.bool()
+    st = response_logprobs(model, batch, temperature=0.8, k_self=6)
+    # the nucleus renormalises: log pi_samp(y) = log pi(y) - log(1 - tail) for every sampled token
+    tail = batch.tail_lost[valid]
+    assert float(tail.max()) > 0.01
+    torch.testing.assert_close(batch.samp_logp[valid], st.logp_tok - torch.log1p(-tail), atol=1e-5, rtol=1e-5)
+    # the nucleus keeps the most likely tokens, so the sampler's top-k are the policy's top-k where the
+    # nucleus holds at least k tokens (-inf elsewhere make the remaining ids arbitrary)
+    full = (batch.samp_topk[valid] == st.topk_ids).all(-1)
+    assert full.float().mean() > 0.5
+    torch.manual_seed(1)
+    plain = generate(model, tok, _examples(), n=4, temperature=0.8, max_new_tokens=10, k=6)
+    valid = plain.response_mask.bool()
+    st = response_logprobs(model, plain, temperature=0.8, k_self=6)
+    torch.testing.assert_close(plain.samp_logp[valid], st.logp_tok, atol=1e-5, rtol=1e-5)
+    assert torch.equal(plain.samp_topk[valid], st.topk_ids)
+    assert float(plain.tail_lost.abs().max()) == 0.0
+
+
+def test_a_row_that_stops_without_eos_is_not_ended_by_padding_when_pad_is_eos():
+    model, tok = load_model("tiny-llama", seed=0)
+    assert tok.pad_token_id in eos_ids(model, tok)
+    torch.manual_seed(0)
+    batch = generate(model, tok, _examples(2), n=2, max_new_tokens=6)
+    for row in range(batch.response_ids.shape[0]):
+        ids, mask = batch.response_ids[row], batch.response_mask[row]
+        if batch.truncated[row]:
+            assert int(mask.sum()) == 6 and not bool(torch.isin(ids, torch.tensor(eos_ids(model, tok))).any())
+        else:  # ended by its own EOS, which counts
+            assert int(ids[int(mask.sum()) - 1]) in eos_ids(model, tok)
+
+
+class _Retriever:
+    def search(self, queries, topk=1):
+        return [[Passage(id=str(i), title=f"T{len(q)}", text=f"fact {i} about {q[:12]}", score=1.0)][:topk]
+                for i, q in enumerate(queries)]
+
+
+def _search_examples(tok):
+    from emapg.tasks.base import Example
+
+    qs = ["Who wrote the book?", "Where was Ann born, in which city?", "What is 2 + 2?"]
+    return [Example(id=str(i), messages=[{"role": "raw", "content": f"Question: {q}\n"},
+                                         {"role": "response_prefix", "content": "<search>"}], answer=["x"])
+            for i, q in enumerate(qs)]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_multi_turn_cache_equals_re_reading_the_context(greedy, monkeypatch):
+    """Every turn after the first feeds only its new tokens, and the episodes (tokens, masks, recorded
+    log-probs, entropies, top-k) equal those of the path that re-reads the whole context each turn."""
+    model, tok = load_model("tiny-llama", seed=5)
+    import emapg.rollout.agent as agent_mod
+
+    # A random model never writes the tags: every printable character is a stop string and every
+    # stopped turn a search, so episodes run several turns of different lengths.
+    monkeypatch.setattr(agent_mod, "STOPS", [chr(c) for c in range(33, 127)])
+    monkeypatch.setattr(agent_mod, "SEARCH_RE", re.compile(r"(.+)", re.S))
+    cfg = AgentConfig(max_turns=3, topk=1, max_turn_tokens=8, max_total_tokens=90, max_info_tokens=20)
+    fed: list[int] = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        fed.append(int(kwargs["input_ids"].numel()))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    runs = {}
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        fed.clear()
+        runs[reuse] = (rollout_model(model, tok, _search_examples(tok), _Retriever(), n=1 if greedy else 2, k=4,
+                                     greedy=greedy, config=cfg, reuse_cache=reuse), sum(fed))
+    (plain, fed_plain), (cached, fed_cached) = runs[False], runs[True]
+    assert float(plain.stats["searches"].mean()) >= 1.5  # episodes really ran several turns
+    assert torch.equal(plain.response_ids, cached.response_ids)
+    assert torch.equal(plain.response_mask, cached.response_mask)
+    assert torch.equal(plain.samp_topk, cached.samp_topk)
+    for name in ("samp_logp", "entropy"):
+        torch.testing.assert_close(getattr(cached, name), getattr(plain, name), atol=1e-5, rtol=1e-5)
+    assert fed_cached < 0.6 * fed_plain  # later turns fed only their new tokens
+
+
+def test_sampler_feeds_only_new_tokens_and_drops_rows_that_are_not_continued():
+    model, tok = load_model("tiny-llama", seed=6)
+    sampler = HFSampler(model, tok, k=3, greedy=True)
+    ctx = [tok("Alpha beta", add_special_tokens=False).input_ids, tok("Gamma", add_special_tokens=False).input_ids,
+           tok("Delta epsilon zeta", add_special_tokens=False).input_ids]
+    first = sampler(ctx, 5)
+    rows = [c + first.ids[i, : int(first.length[i])].tolist() + [7, 8, 9] for i, c in enumerate(ctx)]
+    second = sampler([rows[0], rows[2]], 4)  # row 1 finished: dropped from the cache
+    assert sampler.state.mask.shape[0] == 2
+    fresh = HFSampler(model, tok, k=3, greedy=True)([rows[0], rows[2]], 4)
+    assert torch.equal(second.ids, fresh.ids) and torch.equal(second.topk, fresh.topk)
+    torch.testing.assert_close(second.logp, fresh.logp, atol=1e-5, rtol=1e-5)
+    # a call that does not continue the held rows starts afresh
+    other = sampler([ctx[1]], 3)
+    alone = HFSampler(model, tok, k=3, greedy=True)([ctx[1]], 3)
+    assert torch.equal(other.ids, alone.ids)
+
+
+def test_draw_inverts_the_cdf_exactly_and_never_draws_a_token_without_mass():
+    """Enumerate the uniform on a fine grid: each token is drawn for exactly its share of the grid."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.125, 0.5, 0.125, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    grid = 4096
+    counts = torch.zeros_like(probs, dtype=torch.float64)
+    for i in range(grid):
+        counts[torch.arange(2), draw(probs, torch.full((2, 1), i / grid, dtype=torch.float64))] += 1
+    torch.testing.assert_close(counts / grid, probs.double(), atol=0.0, rtol=0.0)
+    # the largest uniform below 1, and a total mass a little under 1: still a token with mass
+    last = torch.full((2, 1), 1 - 2**-53, dtype=torch.float64)
+    assert draw(probs * (1 - 1e-7), last).tolist() == [5, 3]
+
+
+def test_draw_samples_the_distribution():
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 50) * 2, -1)
+    n = 200_000
+    many = probs.repeat(n // 1000, 1).repeat(1000, 1)
+    tokens = draw(many, torch.rand((many.shape[0], 1), dtype=torch.float64))
+    freq = torch.zeros(3, 50)
+    rows = torch.arange(tokens.shape[0]) % 3
+    freq.index_put_((rows, tokens), torch.ones(tokens.shape[0]), accumulate=True)
+    freq /= freq.sum(1, keepdim=True)
+    assert float((freq - probs).abs().max()) < 0.01  # about 10 standard errors of a frequency from 200k draws
