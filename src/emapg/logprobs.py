@@ -3,9 +3,11 @@
 The output projection of a language model maps ``[N, H]`` hidden states to ``[N, V]`` logits, with V
 up to 150k+. Everything EMA-PG needs from those logits is small: the log-sum-exp, the sampled
 token's log-prob, log-probs at ``k`` given ids, the top-k ids, the entropy. :func:`token_logprobs`
-computes them one chunk of positions at a time and, with gradients on and more than one chunk,
-recomputes each chunk's logits in the backward pass (``torch.utils.checkpoint``), so no more than
-one ``[chunk, V]`` block is alive in either pass.
+computes them one chunk of positions at a time through :class:`_HeadStats`, an autograd function
+over the head (linear + log-softmax statistics + gathers) whose backward recomputes each chunk's
+logits and accumulates the weight gradient in place. So no more than one ``[chunk, V]`` block is
+alive in either pass, and the number of chunks does not change the peak memory: autograd, left to
+itself, would sum per-chunk ``[V, H]`` weight gradients out of place.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -37,35 +38,93 @@ class TokenLogprobs:
     entropy: Tensor | None = None
 
 
-def _chunk_stats(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    tokens: Tensor,
-    ids: Tensor | None,
-    temperature: float,
-    k_self: int,
-    entropy: bool,
-) -> tuple[Tensor, ...]:
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    # cross_entropy = lse - logit[token] is one fused pass forward and backward (softmax - onehot);
-    # lse then follows from the gathered logit, with the right gradient (softmax).
-    nll = torch.nn.functional.cross_entropy(logits, tokens, reduction="none")
-    picked = logits.gather(-1, tokens.unsqueeze(-1) if ids is None else torch.cat([tokens.unsqueeze(-1), ids], -1))
-    lse = picked[:, 0] + nll
-    out = [-nll, lse]
-    if ids is not None:
-        out.append(picked[:, 1:] - lse.unsqueeze(-1))
-    with torch.no_grad():
-        if k_self > 0:
-            top = logits.topk(min(k_self, logits.shape[-1]), -1)
-            out += [top.indices, top.values - lse.unsqueeze(-1)]
-        if entropy:
-            probs = torch.softmax(logits, -1)
-            out.append(lse - (probs * logits).sum(-1))
-    return tuple(out)
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype of the head's matrix products: autocast's when it is on, else the weight's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+def _logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:
+    """Tempered logits of a chunk, in fp32 at least (fp64 inputs stay fp64)."""
+    z = torch.nn.functional.linear(h, w, None if b is None else b.to(w.dtype))
+    z = z.float() if z.dtype in (torch.bfloat16, torch.float16) else z
+    return z / temperature if temperature != 1.0 else z
+
+
+class _HeadStats(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], bias [V] | None, tokens [N], ids [N, k] | None) ->
+    logp_tok [N], lse [N], logp_ids [N, k], and no-grad topk_ids, topk_logp [N, k_self], entropy [N]
+    (empty tensors for what was not asked)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, ids, temperature, chunk_size, k_self, want_entropy):
+        cd = _compute_dtype(hidden, weight)
+        n, k = hidden.shape[0], 0 if ids is None else ids.shape[1]
+        w = weight.to(cd)
+        outs = {"tok": [], "lse": [], "ids": [], "topi": [], "topl": [], "ent": []}
+        kept = None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, max(n, 1), chunk_size):
+                sl = slice(start, start + chunk_size)
+                z = _logits(hidden[sl].to(cd), w, bias, temperature)
+                lse = torch.logsumexp(z, -1)
+                outs["lse"].append(lse)
+                outs["tok"].append(z.gather(-1, tokens[sl, None]).squeeze(-1) - lse)
+                if k:
+                    outs["ids"].append(z.gather(-1, ids[sl]) - lse[:, None])
+                if k_self:
+                    top = z.topk(min(k_self, z.shape[-1]), -1)
+                    outs["topi"].append(top.indices)
+                    outs["topl"].append(top.values - lse[:, None])
+                if want_entropy:
+                    outs["ent"].append(lse - (torch.softmax(z, -1) * z).sum(-1))
+                kept = z if n <= chunk_size else None  # one chunk: keep its logits, recompute nothing
+        res = [torch.cat(v) if v else hidden.new_empty(0) for v in outs.values()]
+        ctx.mark_non_differentiable(*res[3:])
+        ctx.cd, ctx.temperature, ctx.chunk_size, ctx.kept = cd, temperature, chunk_size, kept
+        ctx.save_for_backward(hidden, weight, bias, tokens, ids, res[1])
+        return tuple(res)
+
+    @staticmethod
+    def backward(ctx, g_tok, g_lse, g_ids, *_):
+        hidden, weight, bias, tokens, ids, lse = ctx.saved_tensors
+        cd, t, cs = ctx.cd, ctx.temperature, ctx.chunk_size
+        w = weight.to(cd)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], cs):
+                sl = slice(start, start + cs)
+                h = hidden[sl].to(cd)
+                z = ctx.kept if ctx.kept is not None else _logits(h, w, bias, t)
+                # d/dz of g_tok * logp_tok + g_lse * lse + sum g_ids * logp_ids
+                # = onehot(tok) g_tok + onehot(ids) g_ids + softmax(z) (g_lse - g_tok - sum g_ids)
+                coef = g_lse[sl] - g_tok[sl]
+                if ids is not None:
+                    coef = coef - g_ids[sl].sum(-1)
+                dz = torch.exp(z - lse[sl, None]).mul_(coef[:, None].to(z.dtype))
+                dz.scatter_add_(1, tokens[sl, None], g_tok[sl, None].to(z.dtype))
+                if ids is not None:
+                    dz.scatter_add_(1, ids[sl], g_ids[sl].to(z.dtype))
+                if t != 1.0:
+                    dz.div_(t)
+                dz = dz.to(cd)
+                if need_h:
+                    grad_h[sl] = dz @ w
+                if need_w:
+                    if grad_w.dtype == cd:
+                        grad_w.addmm_(dz.T, h)  # in place: no [V, H] per chunk
+                    else:
+                        grad_w.add_(dz.T @ h)  # autocast: the product in cd, one transient [V, H]
+                if need_b:
+                    grad_b.add_(dz.sum(0).to(grad_b.dtype))
+                del z, dz
+        ctx.kept = None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -94,24 +153,12 @@ def token_logprobs(
     Returns:
         :class:`TokenLogprobs`; gradients equal those of the naive full-logits computation.
     """
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    # With grad and several chunks, only each chunk's inputs are saved and its logits are
-    # recomputed in backward. A single chunk keeps its logits: that is one chunk's memory anyway.
-    recompute = grad and hidden.shape[0] > chunk_size
-    chunks: list[tuple[Tensor, ...]] = []
-    for start in range(0, hidden.shape[0], chunk_size):
-        sl = slice(start, start + chunk_size)
-        args = (hidden[sl], weight, bias, tokens[sl], None if ids is None else ids[sl], temperature, k_self, entropy)
-        chunks.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute else _chunk_stats(*args))
-    if not chunks:
-        chunks = [_chunk_stats(hidden[:0], weight, bias, tokens[:0], None if ids is None else ids[:0],
-                               temperature, k_self, entropy)]
-    cols = iter([torch.cat(list(c)) for c in zip(*chunks, strict=True)])
+    logp_tok, lse, logp_ids, top_i, top_l, ent = _HeadStats.apply(
+        hidden, weight, bias, tokens, ids, temperature, chunk_size, k_self, entropy)
     return TokenLogprobs(
-        logp_tok=next(cols),
-        lse=next(cols),
-        logp_ids=next(cols) if ids is not None else None,
-        topk_ids=next(cols) if k_self > 0 else None,
-        topk_logp=next(cols) if k_self > 0 else None,
-        entropy=next(cols) if entropy else None,
+        logp_tok=logp_tok, lse=lse,
+        logp_ids=logp_ids if ids is not None else None,
+        topk_ids=top_i if k_self > 0 else None,
+        topk_logp=top_l if k_self > 0 else None,
+        entropy=ent if entropy else None,
     )
