@@ -18,39 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
+from _common import PeakRSS
+
 METHODS = ("logprob", "k3", "topk32", "exact")
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-class PeakRSS:
-    """Highest resident set size seen while the context is open, sampled by a thread."""
-
-    def __enter__(self):
-        self.base = self.peak = _rss_mb()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def _poll(self):
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss_mb())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_mb())
 
 
 def run_one(method: str, vocab: int, n: int, hidden: int, reps: int, chunk: int, threads: int) -> dict:

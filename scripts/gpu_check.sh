@@ -6,11 +6,13 @@
 #   3. 3 training steps of a Qwen2.5-0.5B-shaped model (random weights: nothing is downloaded) with the
 #      HF rollout backend on CUDA, fp32 master weights + bf16 autocast, EMA anchor + top-k KL;
 #      then the same with gradient checkpointing (prefix sharing off);
+#      then one step of a Qwen2.5-1.5B-shaped model at 4,096 new tokens (no EOS: every row runs the whole
+#      budget), gradient checkpointing on, printing peak GPU memory;
 #   4. with 2 or more GPUs: the same 3 steps on 2 GPUs with torchrun + FSDP2 (NCCL);
 #   5. when vllm is installed (pip install 'emapg[vllm]'): the real engine's sampled log-probs and top-k
 #      ids against the policy's own (fp32, two rounds with a weight push between them), then the 3 steps
 #      of 3a with rollout.backend=vllm;
-# and prints, per run, the median step time and generated tokens per second.
+# and prints, per run, the median step time, generated tokens per second and peak GPU memory.
 # Usage: bash scripts/gpu_check.sh   (after scripts/setup.sh, or with EMAPG_TORCH_SPEC=skip on a CUDA torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,10 +37,11 @@ report() {  # median step seconds and generated tokens per second of a run folde
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if l.strip()]
 rows = [r for r in rows if "step_seconds" in r]
-tok = [r["response_length"] * 32 / r["step_seconds"] for r in rows]
+tok = [r["response_length"] * r["responses"] / r["gen_seconds"] for r in rows]
 print(f"   steps {len(rows)}: median step {statistics.median(r['step_seconds'] for r in rows):.2f} s "
       f"(generation {statistics.median(r['gen_seconds'] for r in rows):.2f} s), "
-      f"{statistics.median(tok):.0f} generated tokens/s, mean response {statistics.fmean(r['response_length'] for r in rows):.0f} tokens")
+      f"{statistics.median(tok):.0f} generated tokens/s, mean response {statistics.fmean(r['response_length'] for r in rows):.0f} tokens, "
+      f"peak GPU memory {max(r.get('peak_memory_gb', float('nan')) for r in rows):.1f} GB")
 PY
 }
 
@@ -48,6 +51,11 @@ report "$OUT/hf"
 echo "== 3b. the same with gradient checkpointing"
 timeout 240 $PY -m emapg train "${COMMON[@]}" gradient_checkpointing=true prefix_sharing=false --out "$OUT/gc" 2>&1 | tail -2
 report "$OUT/gc"
+echo "== 3c. 1 step, Qwen2.5-1.5B shape, 4,096 new tokens, gradient checkpointing"
+timeout 420 $PY -m emapg train "${COMMON[@]}" model=random-qwen2.5-1.5b steps=1 prompts_per_step=4 \
+  micro_batch_prompts=1 rollout.max_new_tokens=4096 gradient_checkpointing=true prefix_sharing=false \
+  --out "$OUT/1p5b" 2>&1 | tail -2
+report "$OUT/1p5b"
 
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -ge 2 ]; then

@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 
+import emapg.rollout.decode as decode_mod
 from emapg.forward import response_logprobs
 from emapg.models import load_model
 from emapg.retrieval import Passage
 from emapg.rollout.agent import AgentConfig, rollout_model
-import emapg.rollout.decode as decode_mod
 from emapg.rollout.hf import HFSampler, generate
 from emapg.rollout.sampling import draw, eos_ids, format_prompt, pad_left
 from emapg.tasks import make_task

@@ -333,3 +333,51 @@ def test_pruning_never_removes_latest_and_drops_an_abandoned_future(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_000025"
     save_checkpoint(ck, 25, model.state_dict(), {}, opt, {}, keep=1)  # re-saving a step replaces it
     assert latest_checkpoint(tmp_path).name == "step_000025" and not list(ck.glob(".old_*"))
+
+
+def _saved_bytes_and_grads(tr, mb):
+    """Bytes autograd keeps for backward in the trainer's policy pass, and the gradients."""
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    tr.model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        st = tr._logprobs(tr.model, mb)
+    st.logp_tok.sum().backward()
+    return saved[0], {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_saves_activation_memory_and_keeps_the_gradients(tmp_path):
+    from emapg.rollout.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    prompt, resp = torch.randint(3, 259, (4, 20), generator=g), torch.randint(3, 259, (4, 200), generator=g)
+    mb = RolloutBatch(prompt_ids=prompt, prompt_mask=torch.ones_like(prompt), response_ids=resp,
+                      response_mask=torch.ones_like(resp), samp_logp=torch.zeros(4, 200), n=1)
+    runs = {}
+    for ckpt in (False, True):
+        tr = Trainer(cfg("prefix_sharing=false", f"gradient_checkpointing={str(ckpt).lower()}", "eval.size=0"),
+                     tmp_path / str(ckpt), progress=False)
+        tr.rollout(1)  # a rollout in between: sampling must not leave the layers' flags changed
+        runs[ckpt] = _saved_bytes_and_grads(tr, mb)
+    (plain, g_plain), (ckpt, g_ckpt) = runs[False], runs[True]
+    assert ckpt < 0.3 * plain, (ckpt, plain)
+    assert g_plain.keys() == g_ckpt.keys()
+    for name in g_plain:
+        torch.testing.assert_close(g_ckpt[name], g_plain[name], atol=1e-6, rtol=1e-5)
+
+
+def test_lora_dropout_is_on_in_the_policy_pass_only(tmp_path):
+    from emapg.lm import set_pass_mode
+
+    tr = Trainer(cfg("lora.r=4", "lora.dropout=0.5", "eval.size=0"), tmp_path, progress=False)
+    drops = [m for n, m in tr.model.named_modules() if ".lora_dropout." in f".{n}."]
+    assert drops
+    set_pass_mode(tr.model, grad=True, lora_dropout=True)
+    assert all(m.training for m in drops)
+    assert not any(m.training for n, m in tr.model.named_modules() if m not in drops)  # no checkpointing asked
+    set_pass_mode(tr.model, grad=False, lora_dropout=True)
+    assert not any(m.training for m in tr.model.modules())

@@ -71,7 +71,11 @@ class RolloutConfig:
     max_new_tokens: int = 32
     """Response length budget."""
     backend: str = "hf"
-    """Sampler: ``hf`` (transformers generate) or ``vllm`` (EXPERIMENTAL: extra emapg[vllm], CUDA only)."""
+    """Sampler: ``hf`` (emapg's decode loop over the transformers model) or ``vllm`` (EXPERIMENTAL: extra
+    emapg[vllm], CUDA only)."""
+    agent_cache: bool = True
+    """hf, agent tasks: each turn feeds only its new tokens (the retrieved information, the next turn)
+    on top of the episode's key/value cache; false re-reads the whole context every turn."""
     vllm_gpu_memory: float = 0.3
     """vllm: fraction of the GPU's memory the engine may take (weights + KV cache), beside training."""
     vllm_max_model_len: int | None = None

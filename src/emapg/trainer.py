@@ -31,6 +31,7 @@ from emapg.checkpoint import checkpoint_state, latest_checkpoint, load_checkpoin
 from emapg.config import ConfigError, TrainConfig, save_config
 from emapg.distributed import gathered, logprobs
 from emapg.evaluate import evaluate
+from emapg.lm import set_pass_mode
 from emapg.metrics import MetricsWriter, plot_run
 from emapg.models import load_model, save_hf_folder
 from emapg.objective import aggregate, clipped_surrogate, group_advantages
@@ -139,7 +140,7 @@ class Trainer:
         model.to(self.dist.device)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.eval()  # no dropout in RL passes; the graph is the same for sampling and training
+        model.eval()  # no dropout in RL passes; _logprobs sets each pass's flags (lm.set_pass_mode)
         return model, tokenizer
 
     def _plain_model(self):
@@ -241,7 +242,7 @@ class Trainer:
         examples = [examples[i] for i in mine]
         need_q = cfg.algo.kl == "topk_reverse" and cfg.algo.k > 0
         kw = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                  k=cfg.algo.k if need_q else 0, prefix_sharing=cfg.prefix_sharing)
+                  k=cfg.algo.k if need_q else 0, prefix_sharing=cfg.prefix_sharing, reuse_cache=r.agent_cache)
         if self.engine is not None:
             # the engine samples with the weights of the policy after self.step updates
             self.engine.sync(self.model, version=self.step)
@@ -267,6 +268,7 @@ class Trainer:
         return dict(temperature=cfg.rollout.temperature, chunk_size=cfg.chunk_size, prefix_sharing=cfg.prefix_sharing)
 
     def _logprobs(self, model: torch.nn.Module, mb: RolloutBatch, **kw) -> Any:
+        set_pass_mode(model, grad=torch.is_grad_enabled(), lora_dropout=self.cfg.lora.dropout > 0)
         with self._autocast():
             return logprobs(model, mb, **kw, **self._passes())
 
@@ -339,8 +341,12 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self.rollout(step)
         t_gen = time.perf_counter() - t0
-        row = {"step": step, **self.update(batch), "gen_seconds": t_gen}
+        row = {"step": step, **self.update(batch), "gen_seconds": t_gen,
+               "responses": self.cfg.prompts_per_step * self.cfg.rollout.n}
         row["step_seconds"] = time.perf_counter() - t0
+        if self.dist.device.type == "cuda":  # this rank's high-water mark of the step
+            row["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.dist.device)
         return row
 
     def update(self, batch: RolloutBatch) -> dict[str, Any]:

@@ -12,17 +12,20 @@ def rollout_for_task(model: nn.Module, tokenizer, task, examples: list[Example],
                      **kwargs) -> RolloutBatch:
     """A task with an ``agent`` budget (and a ``retriever``) gets multi-turn episodes; others one turn.
 
-    kwargs: n, temperature, top_p, k, greedy, prefix_sharing, and max_new_tokens (single-turn only: an episode's
-    budgets are the task's). ``engine``: a :class:`~emapg.rollout.vllm_backend.VLLMRollout` holding
+    kwargs: n, temperature, top_p, k, greedy, prefix_sharing, max_new_tokens (single-turn only: an episode's
+    budgets are the task's) and reuse_cache (episodes only: see :func:`emapg.rollout.agent.rollout_model`).
+    ``engine``: a :class:`~emapg.rollout.vllm_backend.VLLMRollout` holding
     the model's weights samples instead of ``model`` (``seed`` seeds its requests); None = HF generate.
     """
     if engine is not None:
         return _engine_rollout(engine, model, tokenizer, task, examples, seed, **kwargs)
+    reuse_cache = kwargs.pop("reuse_cache", True)
     if getattr(task, "agent", None) is not None:
         from emapg.rollout.agent import rollout_model
 
         kwargs.pop("max_new_tokens", None)
-        return rollout_model(model, tokenizer, examples, task.retriever, config=task.agent, **kwargs)
+        return rollout_model(model, tokenizer, examples, task.retriever, config=task.agent, reuse_cache=reuse_cache,
+                             **kwargs)
     from emapg.rollout.hf import generate
 
     return generate(model, tokenizer, examples, **kwargs)
@@ -31,7 +34,8 @@ def rollout_for_task(model: nn.Module, tokenizer, task, examples: list[Example],
 def _engine_rollout(engine, model: nn.Module, tokenizer, task, examples: list[Example], seed: int | None,
                     **kwargs) -> RolloutBatch:
     device = next(model.parameters()).device
-    kwargs.pop("prefix_sharing", None)  # the engine shares prefixes by itself (prefix caching)
+    for key in ("prefix_sharing", "reuse_cache"):  # the engine caches prefixes by itself
+        kwargs.pop(key, None)
     if getattr(task, "agent", None) is not None:
         from emapg.rollout.agent import STOPS, agent_rollout
 

@@ -183,7 +183,7 @@ def decode(
     topk = torch.zeros((b, max_new_tokens, k), dtype=torch.long, device=device) if k > 0 else None
     unfinished = torch.ones(b, dtype=torch.long, device=device)
     length = torch.zeros(b, dtype=torch.long, device=device)
-    eos_t = torch.tensor(eos, device=device)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
     window = max((len(s) for s in stop_strings), default=0) + 1 if stop_strings else 0
     rows = torch.arange(b, device=device)  # the rows the cache and the logits hold (all, unless compacted)
     steps = 0

@@ -21,13 +21,14 @@ from emapg.tasks.base import Example
 
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module):
-    """Sampling runs without dropout, whatever mode training keeps the model in."""
-    was_training = model.training
+    """Sampling runs without dropout; each module's own flag is restored after."""
+    flags = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         yield
     finally:
-        model.train(was_training)
+        for m, flag in flags:
+            m.training = flag
 
 
 def _repeat_runs(rows: list[list[int]]) -> int:
