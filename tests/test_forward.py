@@ -36,13 +36,14 @@ def test_prefix_sharing_equals_full_sequence_pass(kind):
     torch.testing.assert_close(outs[0][0], batch.samp_logp[batch.response_mask.bool()], atol=1e-5, rtol=1e-5)
 
 
-def test_response_mask_stops_after_first_eos():
-    from emapg.rollout.batch import response_mask_from_ids
+def test_response_mask_comes_from_each_rows_length_not_from_the_first_pad():
+    from emapg.rollout.batch import response_mask_from_lengths
 
-    ids = torch.tensor([[5, 6, 1, 1, 1], [5, 1, 7, 1, 1], [5, 6, 7, 8, 9]])
-    mask, truncated = response_mask_from_ids(ids, 1)
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
-    assert truncated.tolist() == [False, False, True]
+    # pad = EOS = 1; row 3 stopped at its budget (length 2) and was padded: its pad is no EOS
+    ids = torch.tensor([[5, 6, 1, 1, 1], [5, 1, 7, 1, 1], [5, 6, 7, 8, 9], [5, 6, 1, 1, 1]])
+    mask, truncated = response_mask_from_lengths(ids, torch.tensor([3, 2, 5, 2]), [1])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert truncated.tolist() == [False, False, True, True]
 
 
 def test_generate_with_shared_prompt_cache_equals_plain_generate():

@@ -139,6 +139,8 @@ class FakeLLM:
             for p in self.model.parameters():
                 p.zero_()  # "dummy" weights: only a weight push makes it sample like the policy
         self.pushes, self.resets = 0, 0
+        self.max_model_len = None  # prompt + response tokens at most, as vLLM's max_model_len
+        self.streams: list[int] = []  # the seed of every sample drawn
 
     def collective_rpc(self, method, kwargs):
         assert method == "reload_weights" and kwargs["is_checkpoint_format"]
@@ -156,9 +158,12 @@ class FakeLLM:
                 for p, sp in zip(prompts, params, strict=True)]
 
     def _one(self, prompt, sp, j):
+        self.streams.append(sp.seed + j)  # vLLM seeds a request's j-th sample with seed + j
         gen = torch.Generator().manual_seed(sp.seed + j)
         ids, logprobs = list(prompt), []
         for _ in range(sp.max_tokens):
+            if self.max_model_len is not None and len(ids) >= self.max_model_len:
+                break  # the engine stops the row: no EOS
             logits = self.model(torch.tensor([ids])).logits[0, -1].float()
             logp = torch.log_softmax(logits / (sp.temperature or 1.0), -1)
             tok = int(logits.argmax()) if sp.temperature == 0 else int(torch.multinomial(logp.exp(), 1, generator=gen))
@@ -206,6 +211,76 @@ def test_trainer_samples_through_the_engine_with_the_current_policy_weights(tmp_
     engine.sync(tr.model, version=tr.step)
     for p, q in zip(tr.model.parameters(), engine.llm.model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_row_stopped_without_eos_keeps_its_own_length_when_pad_is_eos(tmp_path):
+    cfg = load_config(SMOKE, ["export=false", "eval.size=0", "rollout.max_new_tokens=30"])
+    tr = Trainer(cfg, tmp_path, progress=False)
+    engine = with_engine(tr)
+    assert tr.tokenizer.pad_token_id in engine.eos
+    examples = tr.task.train_examples(__import__("random").Random(0), 4)
+    longest = max(len(vb.format_prompt(tr.tokenizer, ex.messages)) for ex in examples)
+    engine.sync(tr.model, version=0)
+    engine.llm.max_model_len = longest + 5  # rows stop 5 or more tokens in, without an EOS
+    batch = engine.generate(examples, n=2, max_new_tokens=30, seed=0)
+    done_by_limit = 0
+    for row in range(batch.response_ids.shape[0]):
+        n = int(batch.response_mask[row].sum())
+        ids = batch.response_ids[row, :n].tolist()
+        if not any(t in engine.eos for t in ids):  # stopped by the limit: every token counts, and no pad
+            done_by_limit += 1
+            assert bool(batch.truncated[row]) and n >= 5
+            assert batch.response_mask[row, n:].sum() == 0 and float(batch.samp_logp[row, n:].abs().sum()) == 0
+        else:
+            assert not batch.truncated[row] and ids[-1] in engine.eos and ids.count(ids[-1]) >= 1
+    assert done_by_limit >= 4  # rows of different lengths, shorter than the longest, hit the limit
+
+
+def test_an_agent_turn_stopped_without_eos_is_not_cut_at_its_pad():
+    from emapg.rollout.agent import AgentConfig, agent_rollout
+    from emapg.tasks.base import Example
+
+    model, tok = load_model("tiny-llama", "float32", seed=0)
+    text = tok("<search> who", add_special_tokens=False).input_ids  # no stop string, no EOS
+    short = SimpleNamespace(token_ids=text, logprobs=[{t: lp(-0.5, 1)} for t in text])
+    long = SimpleNamespace(token_ids=text + text, logprobs=[{t: lp(-0.5, 1)} for t in text + text])
+
+    def sampler(contexts, max_new_tokens):
+        return vb.to_sampled([short, long][: len(contexts)], 0, tok.pad_token_id)
+
+    ex = [Example(id="q", messages=[{"role": "raw", "content": "Q?"}], answer=["x"])]
+    batch = agent_rollout(sampler, tok, ex, retriever=None, n=2, config=AgentConfig(max_turn_tokens=64),
+                          eos=eos_ids(model, tok))
+    assert batch.response_mask.sum(1).tolist() == [len(text), 2 * len(text)]  # the pad (= EOS) not taken
+    assert batch.truncated.tolist() == [True, True]  # stopped without EOS or stop string: out of budget
+
+
+def test_no_two_samples_share_a_random_stream(tmp_path, monkeypatch):
+    """Over steps, ranks, prompts, samples and turns, every sample gets its own seed (a step's seeds
+    used to be the next step's shifted by one)."""
+    import re
+
+    import emapg.rollout.agent as agent_mod
+
+    # the random model never writes the tags: printable characters stop a turn, and each stopped turn searches
+    monkeypatch.setattr(agent_mod, "STOPS", [chr(c) for c in range(33, 127)])
+    monkeypatch.setattr(agent_mod, "SEARCH_RE", re.compile(r"(.+)", re.S))
+    cfg = load_config(SMOKE, ["export=false", "eval.size=0", "prompts_per_step=4", "rollout.n=4"])
+    tr = Trainer(cfg, tmp_path / "one", progress=False)
+    engine = with_engine(tr)
+    for step in (1, 2, 3):
+        tr.rollout(step)
+    agent = Trainer(load_config(SMOKE, [
+        "task=search_qa", "export=false", "eval.size=0", "prompts_per_step=2", "micro_batch_prompts=1",
+        "task_args={synthetic: {seed: 0, people: 20, cities: 6, countries: 3, books: 10}, template: fewshot, "
+        "max_turn_tokens: 6, max_total_tokens: 200, max_turns: 2}"]), tmp_path / "agent", progress=False)
+    agent_engine = with_engine(agent)
+    for step in (1, 2):
+        agent.rollout(step)
+    streams = engine.llm.streams + agent_engine.llm.streams
+    assert len(engine.llm.streams) == 3 * 4 * 4
+    assert len(agent_engine.llm.streams) > 2 * 2 * 4  # several turns
+    assert len(set(streams)) == len(streams)
 
 
 def test_trainer_with_engine_trains_and_logs_no_tail_lost(tmp_path):

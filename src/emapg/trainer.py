@@ -37,6 +37,7 @@ from emapg.models import load_model, save_hf_folder
 from emapg.objective import aggregate, clipped_surrogate, group_advantages
 from emapg.rollout import rollout_for_task
 from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.sampling import stream_seed
 from emapg.scoring import score_completions
 from emapg.tasks import make_task
 
@@ -246,7 +247,7 @@ class Trainer:
         if self.engine is not None:
             # the engine samples with the weights of the policy after self.step updates
             self.engine.sync(self.model, version=self.step)
-            seed = (self._step_seed(step) + RANK_SEED_STRIDE * self.dist.rank) % 2**31
+            seed = stream_seed(cfg.seed, step, self.dist.rank)  # the engine derives each request's stream
             batch = rollout_for_task(self.model, self.tokenizer, self.task, examples, engine=self.engine, seed=seed,
                                      **kw)
             self.engine.after_rollout()

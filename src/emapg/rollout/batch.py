@@ -81,23 +81,11 @@ class RolloutBatch:
         )
 
 
-def response_mask_from_ids(ids: Tensor, eos_id: int | list[int]) -> tuple[Tensor, Tensor]:
-    """Mask [B, L] of positions up to and including the first EOS, and truncated [B] (no EOS).
-
-    Generators pad finished rows with the pad token, which is often the EOS token itself: only
-    the first EOS counts.
-    """
-    eos_ids = torch.tensor(eos_id if isinstance(eos_id, list) else [eos_id], device=ids.device)
-    is_eos = torch.isin(ids, eos_ids)
-    before = (is_eos.long().cumsum(1) - is_eos.long()) == 0
-    return before.long(), ~is_eos.any(1)
-
-
 def response_mask_from_lengths(ids: Tensor, lengths: Tensor, eos_id: list[int]) -> tuple[Tensor, Tensor]:
     """Mask [B, L] of each row's first ``lengths`` [B] generated tokens, and truncated [B]: the row's
-    last generated token is not an end-of-sequence token (it ran out of budget). Unlike
-    :func:`response_mask_from_ids` it is right when the pad token is the EOS token and a row stops
-    without one."""
+    last generated token is not an end-of-sequence token (it ran out of budget). Built from the lengths,
+    not by looking for the first EOS: when the pad token is the EOS token, a row stopped without one
+    (at its budget, at the engine's context limit) must not end at its first pad."""
     cols = torch.arange(ids.shape[1], device=ids.device)
     mask = (cols[None, :] < lengths[:, None]).long()
     last = ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)

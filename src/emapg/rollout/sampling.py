@@ -10,6 +10,7 @@ per token is kept, never ``[rows, vocab]`` beyond the current step.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -122,3 +123,12 @@ def step_stats(scores: Tensor, tokens: Tensor, k: int) -> StepStats:
     entropy = -(logp.exp() * logp).nansum(-1)  # 0 * -inf = nan outside the support: dropped
     topk = logp.topk(min(k, logp.shape[-1]), -1).indices if k > 0 else None
     return StepStats(logp=logp.gather(-1, tokens[:, None]).squeeze(-1), entropy=entropy, topk=topk)
+
+
+def stream_seed(*parts: int | str) -> int:
+    """A 56-bit seed for one random stream, from the tuple that names it (run seed, step, rank,
+    prompt, turn...): distinct tuples give unrelated seeds (a hash), where sums of their parts collide
+    (seed + prompt * n + sample at one step is another step's seed). vLLM seeds a request's j-th
+    sample with seed + j, far below the spacing of two hashes."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big")

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from emapg.rollout.batch import RolloutBatch, response_mask_from_ids
-from emapg.rollout.sampling import Sampled, format_prompt, pad_left
+from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
+from emapg.rollout.sampling import Sampled, format_prompt, pad_left, stream_seed
 from emapg.tasks.base import Example
 
 INSTALL_HINT = "install the optional extra: pip install 'emapg[vllm]' (a CUDA machine is required)"
@@ -101,7 +101,8 @@ def to_sampled(completions: Sequence[Any], k: int, pad_id: int) -> Sampled:
                 topk[i, t] = torch.tensor([tid for _, tid in head], dtype=torch.long)
     # unbiased per-token entropy estimate: E[-log pi_samp(y)] = H(pi_samp); 0 on padding
     entropy = -logp
-    return Sampled(ids=ids, logp=logp, entropy=entropy, tail_lost=None, topk=topk)
+    length = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)
+    return Sampled(ids=ids, logp=logp, entropy=entropy, tail_lost=None, topk=topk, length=length)
 
 
 def vllm_name(name: str) -> str:
@@ -235,10 +236,10 @@ class VLLMRollout:
                top_p: float = 1.0, k: int = 0, greedy: bool = False, stop: list[str] | None = None,
                seed: int | None = None) -> Sampled:
         """One continuation of each context (the agent's sampler contract, rollout/agent.py); context i
-        samples with seed + i (episodes of one prompt start from the same context and must differ)."""
+        samples with its own stream (episodes of one prompt start from the same context and must differ)."""
         kw = dict(n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, k=k, greedy=greedy,
                   stop=stop)
-        outs = self._generate_many([(c, {**kw, "seed": None if seed is None else seed + i})
+        outs = self._generate_many([(c, {**kw, "seed": None if seed is None else stream_seed(seed, "context", i)})
                                     for i, c in enumerate(contexts)])
         return to_sampled([o.outputs[0] for o in outs], k, self.tokenizer.pad_token_id)
 
@@ -248,7 +249,7 @@ class VLLMRollout:
         calls = iter(range(1 << 30))
 
         def run(contexts: list[list[int]], max_new_tokens: int) -> Sampled:
-            turn_seed = None if seed is None else seed + next(calls) * 1_000_003
+            turn_seed = None if seed is None else stream_seed(seed, "turn", next(calls))
             return self.sample(contexts, max_new_tokens, temperature=temperature, top_p=top_p, k=k, greedy=greedy,
                                stop=stop, seed=turn_seed)
 
@@ -258,18 +259,19 @@ class VLLMRollout:
                  max_new_tokens: int = 32, k: int = 0, greedy: bool = False, seed: int | None = None,
                  device: torch.device | str = "cpu") -> RolloutBatch:
         """The HF backend's :func:`emapg.rollout.hf.generate`, sampled by vLLM: ``n`` responses per
-        example, adjacent; prompt i's samples use seeds seed + i * n + j."""
+        example, adjacent; prompt i's request has its own stream (vLLM seeds its samples s_i + j)."""
         prompts = [format_prompt(self.tokenizer, ex.messages) for ex in examples]
         requests = [(p, dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, k=k,
-                             greedy=greedy, seed=None if seed is None else seed + i * n))
-                    for i, p in enumerate(prompts)]  # one request per prompt, each with its own seed range
+                             greedy=greedy, seed=None if seed is None else stream_seed(seed, "prompt", i)))
+                    for i, p in enumerate(prompts)]
         results = self._generate_many(requests)
         completions = [c for r in results for c in sorted(r.outputs, key=lambda c: c.index)]
         out = to_sampled(completions, k, self.tokenizer.pad_token_id)
         prompt_ids, prompt_mask = pad_left(prompts, self.tokenizer.pad_token_id)
         resp = out.ids if out.ids.shape[1] else torch.full((len(completions), 1), self.tokenizer.pad_token_id)
         logp = out.logp if out.ids.shape[1] else torch.zeros(resp.shape)
-        mask, truncated = response_mask_from_ids(resp, self.eos)
+        # from each row's own length: a row the engine stopped without an EOS is not ended by padding
+        mask, truncated = response_mask_from_lengths(resp, out.length, self.eos)
         batch = RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=mask,
             samp_logp=logp * mask, n=n, samp_topk=out.topk, tail_lost=None, entropy=-logp * mask,
