@@ -289,3 +289,25 @@ def test_force_answer_opens_the_turn_after_the_last_search():
     assert batch.response_mask[0, n1 : n1 + n_info].sum() == 0
     assert extract_answer(batch.completions[0]) == "Ostavia"
     assert batch.stats["turns"].tolist() == [2.0] and not bool(batch.truncated[0])
+
+
+def test_seq_mean_token_sum_norm_divides_an_episode_by_its_whole_budget(tmp_path, monkeypatch):
+    """An agent's response is bounded by max_total_tokens (turns and information), not by the
+    single-turn rollout.max_new_tokens."""
+    import emapg.trainer as trainer_mod
+
+    cfg = load_config(ROOT / "recipes" / "smoke.yaml", [
+        "task=search_qa", "export=false", "eval.size=0", "algo.agg=seq-mean-token-sum-norm",
+        "rollout.max_new_tokens=8", "task_args={synthetic: {seed: 0, people: 20, cities: 6, countries: 3, books: 10},"
+        " template: fewshot, max_turn_tokens: 12, max_total_tokens: 150, max_turns: 2}"])
+    seen = []
+    aggregate = trainer_mod.aggregate
+
+    def spy(values, mask, mode, **counts):
+        seen.append(counts["max_len"])
+        return aggregate(values, mask, mode, **counts)
+
+    monkeypatch.setattr(trainer_mod, "aggregate", spy)
+    tr = trainer_mod.Trainer(cfg, tmp_path, progress=False)
+    tr.update(tr.rollout(1))
+    assert seen and set(seen) == {150}

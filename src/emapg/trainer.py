@@ -35,7 +35,7 @@ from emapg.lm import set_pass_mode
 from emapg.metrics import MetricsWriter, plot_run
 from emapg.models import load_model, save_hf_folder
 from emapg.objective import aggregate, clipped_surrogate, group_advantages
-from emapg.rollout import rollout_for_task
+from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
 from emapg.scoring import score_completions
@@ -364,7 +364,7 @@ class Trainer:
         per_mini = mini // world // cfg.micro_batch_prompts
         acc: dict[str, float] = {}
         grad_norms, skipped = [], 0
-        max_len = cfg.rollout.max_new_tokens
+        max_len = response_budget(self.task, cfg.rollout.max_new_tokens)
         for _epoch in range(a.ppo_epochs):
             for m0 in range(0, len(micro_batches), per_mini):
                 group = list(range(m0, m0 + per_mini))

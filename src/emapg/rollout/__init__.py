@@ -31,6 +31,13 @@ def rollout_for_task(model: nn.Module, tokenizer, task, examples: list[Example],
     return generate(model, tokenizer, examples, **kwargs)
 
 
+def response_budget(task, max_new_tokens: int) -> int:
+    """The most tokens a response can hold: an episode's whole budget (model turns and retrieved
+    information) for agent tasks, ``max_new_tokens`` for one turn (seq-mean-token-sum-norm divides by it)."""
+    agent = getattr(task, "agent", None)
+    return agent.max_total_tokens if agent is not None else max_new_tokens
+
+
 def _engine_rollout(engine, model: nn.Module, tokenizer, task, examples: list[Example], seed: int | None,
                     **kwargs) -> RolloutBatch:
     device = next(model.parameters()).device
