@@ -8,6 +8,7 @@ the file (and line, for YAML syntax) and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -262,11 +263,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except OSError as e:
             raise ConfigError(f"config file {path}: {e.strerror}") from e
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f", line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"config file {path}{line}: invalid YAML: {getattr(e, 'problem', e)}") from e
+        if data is None:
+            raise ConfigError(f"config file {path}: the file is empty (give at least one key, e.g. model: ..., "
+                              "or leave --config out for the defaults)")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
     for item in overrides or []:
@@ -292,7 +296,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"algo.eta: must be in (0, 1], got {a.eta}")
     checks = [
         (a.ema_every >= 1, "algo.ema_every", "must be >= 1", a.ema_every),
-        (a.beta >= 0, "algo.beta", "must be >= 0", a.beta),
+        (math.isfinite(a.beta) and a.beta >= 0, "algo.beta", "must be a finite number >= 0", a.beta),
         (a.is_clip is None or a.is_clip > 0, "algo.is_clip", "must be > 0 or null", a.is_clip),
         (0 <= a.eps_low < 1, "algo.eps_low", "must be in [0, 1)", a.eps_low),
         (a.eps_high >= 0, "algo.eps_high", "must be >= 0", a.eps_high),
@@ -310,7 +314,16 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.steps >= 0, "steps", "must be >= 0", cfg.steps),
         (cfg.prompts_per_step >= 1, "prompts_per_step", "must be >= 1", cfg.prompts_per_step),
         (cfg.micro_batch_prompts >= 1, "micro_batch_prompts", "must be >= 1", cfg.micro_batch_prompts),
-        (cfg.lr > 0, "lr", "must be > 0", cfg.lr),
+        (math.isfinite(cfg.lr) and cfg.lr > 0, "lr", "must be a finite number > 0", cfg.lr),
+        (cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0 (0 = no warmup)", cfg.warmup_steps),
+        (cfg.mini_batch_prompts is None or cfg.mini_batch_prompts >= 1, "mini_batch_prompts",
+         "must be >= 1 or null", cfg.mini_batch_prompts),
+        (cfg.chunk_size >= 1, "chunk_size", "must be >= 1", cfg.chunk_size),
+        (cfg.threads is None or cfg.threads >= 1, "threads", "must be >= 1 or null", cfg.threads),
+        (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay", "must be >= 0",
+         cfg.weight_decay),
+        (cfg.eval.max_new_tokens is None or cfg.eval.max_new_tokens >= 1, "eval.max_new_tokens",
+         "must be >= 1 or null", cfg.eval.max_new_tokens),
         (cfg.dtype in ("float32", "bfloat16", "float16"), "dtype", "expected float32, bfloat16 or float16", cfg.dtype),
         (cfg.mixed_precision in (None, "bf16"), "mixed_precision", "expected bf16 or null", cfg.mixed_precision),
         (cfg.device == "auto" or cfg.device.split(":")[0] in ("cpu", "cuda"), "device",
