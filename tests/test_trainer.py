@@ -381,3 +381,66 @@ def test_lora_dropout_is_on_in_the_policy_pass_only(tmp_path):
     assert not any(m.training for n, m in tr.model.named_modules() if m not in drops)  # no checkpointing asked
     set_pass_mode(tr.model, grad=False, lora_dropout=True)
     assert not any(m.training for m in tr.model.modules())
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    Trainer(cfg("steps=4", "save_every=2", "keep_checkpoints=2", "eval.size=0"), run, progress=False).train()
+    return run
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _drop_a_tensor(path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    tensors.pop(next(k for k in sorted(tensors) if ".layers.0." in k))
+    save_file(tensors, path)
+
+
+DAMAGE = {
+    "truncated policy": ("step_000004/policy.safetensors", _truncate, 2),
+    "truncated optimizer": ("step_000004/optimizer.safetensors", _truncate, 2),
+    "garbage state": ("step_000004/state.json", lambda p: p.write_text("{not json"), 2),
+    "state without step": ("step_000004/state.json", lambda p: p.write_text('{"skipped_steps": 0}'), 2),
+    "missing key": ("step_000004/policy.safetensors", _drop_a_tensor, 2),
+    "garbage latest": ("latest", lambda p: p.write_bytes(b"\xff\xfe garbage"), 4),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(finished_run, tmp_path, damage, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    file, hurt, step = DAMAGE[damage]
+    hurt(run / "checkpoints" / file)
+    tr = Trainer(cfg("steps=6", "save_every=2", "eval.size=0"), run, resume=True, progress=False)
+    assert tr.step == step
+    if step == 2:
+        assert file.split("/")[-1] in capsys.readouterr().err  # the damaged file is named
+    tr.train()
+    assert tr.step == 6
+
+
+def test_when_no_checkpoint_is_intact_resume_says_which_files_are_damaged(finished_run, tmp_path):
+    import shutil
+
+    from emapg.checkpoint import CheckpointError
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    for step in ("step_000002", "step_000004"):
+        _truncate(run / "checkpoints" / step / "anchor.safetensors")
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint.*step_000004/anchor.safetensors.*"
+                                              r"step_000002/anchor.safetensors"):
+        Trainer(cfg("eval.size=0"), run, resume=True, progress=False)
+    out = subprocess.run([sys.executable, "-m", "emapg", "train", "--resume", str(run)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "anchor.safetensors is damaged" in out.stderr

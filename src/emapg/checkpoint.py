@@ -35,14 +35,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` via a temporary file and an atomic rename."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and an atomic rename: a kill leaves the old file
+    or the new one, never a part."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` via a temporary file and an atomic rename."""
+    write_text_atomic(path, json.dumps(data, indent=1))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: the message names the folder and the damaged file."""
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -163,35 +174,62 @@ def latest_checkpoint(run_dir: Path) -> Path:
         if found:
             return found[-1]
         raise FileNotFoundError(f"--resume {run_dir}: no checkpoint found ({pointer} does not exist)")
-    name = json.loads(pointer.read_text())["checkpoint"]
+    try:
+        name = json.loads(pointer.read_text())["checkpoint"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{pointer} is damaged ({type(e).__name__}: {e})") from None
     path = ckpt_dir / name
     if not (path / "state.json").exists():
         raise FileNotFoundError(f"--resume {run_dir}: {pointer} names {name}, which is incomplete or missing")
     return path
 
 
-def has_checkpoint(run_dir: Path) -> bool:
-    """Whether ``latest_checkpoint`` would find one to resume."""
+def resume_candidates(run_dir: Path) -> list[Path]:
+    """Checkpoints to resume from, best first: the one ``latest`` names (if it is readable), then every
+    other complete one, newest first."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    found = list(reversed(_complete(ckpt_dir))) if ckpt_dir.is_dir() else []
     try:
-        latest_checkpoint(run_dir)
-    except FileNotFoundError:
-        return False
-    return True
+        first = latest_checkpoint(run_dir)
+    except (FileNotFoundError, CheckpointError):
+        return found
+    return [first] + [p for p in found if p != first]
 
 
-def checkpoint_state(path: Path) -> dict[str, Any]:
-    """The JSON state of a checkpoint folder alone (step, counters, flags), without its tensors."""
-    state = json.loads((path / "state.json").read_text())
-    state.pop("optimizer", None)
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run folder holds a complete checkpoint to resume from."""
+    return bool(resume_candidates(run_dir))
+
+
+STATE_KEYS = ("step", "skipped_steps", "scheduler", "optimizer")
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    file = path / "state.json"
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is damaged ({type(e).__name__}: {e})") from None
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{file} is damaged: no {', '.join(missing)}")
     return state
 
 
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except Exception as e:  # safetensors raises its own error types for truncated or garbage files
+        raise CheckpointError(f"{file} is damaged ({type(e).__name__}: {e})") from None
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint folder: {'policy', 'anchor', 'optimizer': (tensors, meta), 'state'}."""
-    state = json.loads((path / "state.json").read_text())
+    """Read a checkpoint folder: {'policy', 'anchor', 'optimizer': (tensors, meta), 'state'}.
+    Raises :class:`CheckpointError` naming the damaged file."""
+    state = _read_state(path)
     return {
-        "policy": load_file(path / "policy.safetensors"),
-        "anchor": load_file(path / "anchor.safetensors"),
-        "optimizer": (load_file(path / "optimizer.safetensors"), state.pop("optimizer")),
+        "policy": _read_tensors(path / "policy.safetensors"),
+        "anchor": _read_tensors(path / "anchor.safetensors"),
+        "optimizer": (_read_tensors(path / "optimizer.safetensors"), state.pop("optimizer")),
         "state": state,
     }

@@ -19,15 +19,20 @@ from pathlib import Path
 
 from emapg.config import ConfigError, load_config
 
-DEFAULT_RECIPE = "cpu_demo.yaml"
+DEFAULT_RECIPE = "cpu_demo"
+RECIPES = Path(__file__).resolve().parent / "recipes"  # shipped inside the package (recipes/ links here)
 
 
-def _recipe_path(name: str) -> Path:
-    """A recipe shipped with the source tree (recipes/ beside src/)."""
-    here = Path(__file__).resolve().parents[2] / "recipes" / name
-    if here.exists():
-        return here
-    raise ConfigError(f"recipe {name} not found (looked in {here.parent}); pass --config FILE")
+def recipe_path(name_or_path: str) -> Path:
+    """A config file: a path, or the name of a recipe shipped with emapg (``smoke``, ``cpu_demo.yaml``)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = RECIPES / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if path.parent == Path(".") and shipped.exists():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
+    raise ConfigError(f"--config {name_or_path}: no such file, and no recipe of that name (recipes: {names})")
 
 
 def _launch(args: argparse.Namespace, run_dir: Path) -> int:
@@ -38,7 +43,7 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
            "-m", "emapg", "train"]
     cmd += ["--resume", str(run_dir)] if args.resume else ["--out", str(run_dir)]
     if args.config:
-        cmd += ["--config", args.config]
+        cmd += ["--config", str(recipe_path(args.config))]
     return subprocess.call(cmd + list(args.overrides))
 
 
@@ -57,7 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
         cfg = load_config(cfg_file, args.overrides)
     else:
-        cfg = load_config(args.config or _recipe_path(DEFAULT_RECIPE), args.overrides)
+        cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
         if not launched or os.environ.get("RANK", "0") == "0":  # rank 0 alone: the others may see its files
             held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
@@ -158,11 +163,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("emapg")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
+    p.add_argument("--version", action="version", version=f"emapg {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train with EMA-PG (default: recipes/cpu_demo.yaml)")
-    t.add_argument("--config", help="YAML recipe")
+    t.add_argument("--config", help="YAML config file, or the name of a shipped recipe (smoke, cpu_demo, ...)")
     t.add_argument("--out", help="run folder (default runs/<time>-<task>)")
     t.add_argument("--resume", help="continue the run in this folder from its latest checkpoint")
     t.add_argument("--nproc", type=int, default=1,

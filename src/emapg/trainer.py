@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,13 @@ from torch import Tensor
 from emapg import distributed
 from emapg import kl as klmod
 from emapg.anchor import EMAAnchor
-from emapg.checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, optimizer_state_dict, save_checkpoint
+from emapg.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    optimizer_state_dict,
+    resume_candidates,
+    save_checkpoint,
+)
 from emapg.config import ConfigError, TrainConfig, save_config
 from emapg.distributed import gathered, logprobs
 from emapg.evaluate import evaluate
@@ -108,8 +115,8 @@ class Trainer:
         # eta = 1 since step 0: the anchor is the initial policy, so it serves for kl_to_init too (and its
         # final evaluation is the step-0 one). A resumed run asks its checkpoint whether that still holds
         # (a run resumed with eta = 1 after steps at eta < 1 has an anchor that moved).
-        resume_from = latest_checkpoint(self.run_dir) if resume else None
-        since_start = checkpoint_state(resume_from).get("anchor_is_initial", False) if resume_from else True
+        _, ckpt = self._intact_checkpoint() if resume else (None, None)
+        since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
         self.anchor_is_initial = cfg.algo.eta == 1.0 and since_start
         own_init = cfg.log_kl_to_init and not self.anchor_is_initial
         init_copy = self._frozen_copy() if full and own_init else None
@@ -129,8 +136,9 @@ class Trainer:
         self.initial_eval: dict[str, Any] | None = None
         self.initial_eval_settings: dict[str, Any] | None = None  # what initial_eval was measured with
         self.engine = self._rollout_engine()
-        if resume_from:
-            self._restore(resume_from)
+        if ckpt:
+            self._restore(ckpt)
+            del ckpt
         elif self.main:
             save_config(cfg, self.run_dir / "config.yaml")
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None) if self.main else None
@@ -188,8 +196,29 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
-    def _restore(self, path: Path) -> None:
-        ckpt = load_checkpoint(path)
+    def _intact_checkpoint(self) -> tuple[Path, dict[str, Any]]:
+        """The newest checkpoint of the run folder that reads whole, and its contents. A damaged one (a
+        truncated tensor file, garbage JSON, a missing key) is named in a warning and skipped."""
+        names = set(self.model.state_dict()) - self._tied_names()  # before sharding: plain names
+        damaged = []
+        for path in resume_candidates(self.run_dir):
+            try:
+                ckpt = load_checkpoint(path)
+                missing = sorted(names - set(ckpt["policy"]))
+                if missing:
+                    raise CheckpointError(f"{path / 'policy.safetensors'} is damaged: no {', '.join(missing[:3])}")
+            except CheckpointError as e:
+                damaged.append(str(e))
+                if self.main:
+                    print(f"emapg: warning: {e}; trying an older checkpoint", file=sys.stderr)
+                continue
+            if damaged and self.main:
+                print(f"emapg: warning: resuming from {path} (step {ckpt['state']['step']})", file=sys.stderr)
+            return path, ckpt
+        why = "; ".join(damaged) if damaged else "the run folder holds no checkpoint"
+        raise CheckpointError(f"--resume {self.run_dir}: no intact checkpoint to resume ({why})")
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
         if self.dist.enabled:
             distributed.load_model_state(self.model, ckpt["policy"])
         else:
