@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from emapg.atomic import write_json_atomic
+
 LATEST = "latest"
 
 
@@ -33,23 +35,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and an atomic rename: a kill leaves the old file
-    or the new one, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` via a temporary file and an atomic rename."""
-    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 class CheckpointError(ValueError):

@@ -42,6 +42,7 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "emapg", "train"]
     cmd += ["--resume", str(run_dir)] if args.resume else ["--out", str(run_dir)]
+    cmd += ["--force"] if args.force else []
     if args.config:
         cmd += ["--config", str(recipe_path(args.config))]
     return subprocess.call(cmd + list(args.overrides))
@@ -50,34 +51,41 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from emapg import distributed
     from emapg.checkpoint import has_checkpoint
+    from emapg.runs import claim_run_folder, record_resume
     from emapg.trainer import Trainer
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and not (args.out or args.resume):
         raise ConfigError("--out: needed with more than one process (each would pick its own default folder)")
+    rank0 = not launched or os.environ.get("RANK", "0") == "0"  # rank 0 alone: the others may see its files
     if args.resume:
         run_dir = Path(args.resume)
         cfg_file = run_dir / "config.yaml"
         if not cfg_file.exists():
             raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
         cfg = load_config(cfg_file, args.overrides)
+        if rank0:
+            record_resume(run_dir, cfg_file, cfg, args.overrides, force=args.force)
     else:
         cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
-        if not launched or os.environ.get("RANK", "0") == "0":  # rank 0 alone: the others may see its files
-            held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
-            if held:
-                how = (f"continue it with --resume {run_dir}" if has_checkpoint(run_dir) else
-                       "it has no checkpoint to resume: delete the folder to start again")
-                raise ConfigError(f"--out {run_dir}: already holds a run ({', '.join(held)}); {how}, or pick "
-                                  "another --out (nothing was changed)")
+        if rank0:
+            claim_run_folder(run_dir, has_checkpoint(run_dir))
     if args.nproc > 1 and not launched:
         return _launch(args, run_dir)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume))
     if trainer.main:
         print(f"emapg: run folder {run_dir} ({trainer.dist.world} process(es), {trainer.dist.device})",
               file=sys.stderr)
-    table = trainer.train()
+    try:
+        table = trainer.train()
+    except BaseException as e:
+        if trainer.main:
+            how = (f"resume with: emapg train --resume {run_dir}" if has_checkpoint(run_dir) else
+                   f"no checkpoint yet: run the same command again to start over in {run_dir}")
+            what = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
+            print(f"emapg: the run {what} at step {trainer.step}; {how}", file=sys.stderr)
+        raise
     if trainer.main:
         from emapg.metrics import write_eval_table
 
@@ -180,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML config file, or the name of a shipped recipe (smoke, cpu_demo, ...)")
     t.add_argument("--out", help="run folder (default runs/<time>-<task>)")
     t.add_argument("--resume", help="continue the run in this folder from its latest checkpoint")
+    t.add_argument("--force", action="store_true",
+                   help="with --resume: accept overrides that change what the resumed steps replay (seed, algo...)")
     t.add_argument("--nproc", type=int, default=1,
                    help="data-parallel processes on this machine (runs torchrun; or launch torchrun yourself)")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.eta=0.95 steps=100")
@@ -231,11 +241,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # KEY=VALUE overrides may stand anywhere after `train`, also after its options (--out DIR steps=3)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        args.overrides += [x for x in extra if "=" in x and not x.startswith("-")]
+        extra = [x for x in extra if not ("=" in x and not x.startswith("-"))]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("emapg: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"emapg: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a read-only folder, a full disk, a busy port...
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"emapg: error:{where}: {e.strerror or e}", file=sys.stderr)
         return 2
 
 

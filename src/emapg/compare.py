@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from emapg.checkpoint import has_checkpoint
+from emapg.runs import claim_run_folder
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
 
@@ -140,7 +141,8 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
             while pending and len(running) < max(1, jobs):
                 run, cmd, line = pending.pop(0)
                 log(line)
-                run.mkdir(parents=True, exist_ok=True)
+                if "--resume" not in cmd:
+                    claim_run_folder(run, has_checkpoint=False)  # new (a stale one was set aside above)
                 err = open(run / "compare_stderr.log", "w")  # closed by _finish
                 proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
                                         stderr=err)

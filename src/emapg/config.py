@@ -16,6 +16,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from emapg import kl as kl_mod
+from emapg.atomic import write_text_atomic
 from emapg.objective import ADVANTAGE_MODES, AGG_MODES
 
 
@@ -358,4 +359,5 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """config.yaml of a run folder, written atomically."""
+    write_text_atomic(Path(path), yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from emapg.atomic import write_text_atomic
+
 PLOTS = {
     "reward": ["reward_mean"],
     "accuracy": ["eval/policy_accuracy", "eval/anchor_accuracy"],
@@ -24,7 +26,7 @@ class MetricsWriter:
             # Drop rows past the checkpoint we resume from: those steps are re-run.
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            write_text_atomic(self.path, "".join(line + "\n" for line in kept))  # a kill keeps the old file
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -1,0 +1,80 @@
+"""Run folders: where ``emapg train`` may write, and what a resume may change (provenance).
+
+A folder emapg starts a run in is new or empty; emapg marks it (``.emapg-run``) so that a run that
+stopped before its first checkpoint can be started again in the same folder, while a folder of
+the user's own files is never written into. Every resume appends what it changed to
+``resumes.jsonl`` and rewrites ``config.yaml`` (atomically) to the configuration now in force;
+a change that alters what the resumed steps replay (the seed, the algorithm, the data, the model)
+is refused unless ``--force`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from emapg.config import ConfigError, TrainConfig, load_config, save_config, to_dict
+
+MARKER = ".emapg-run"
+# What a run writes into its folder (removed when a run that never checkpointed starts again;
+# anything else there, such as emapg compare's log of the run, stays).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "resumes.jsonl", "tensorboard", "checkpoints", "export", "vllm",
+             "eval.json", "eval.md", "reward.png", "accuracy.png", "kl.png", "entropy.png")
+# What a resume may change without altering the steps it replays: how long, how often to save or
+# evaluate, how to export, how many threads.
+REPLAY_SAFE = ("steps", "save_every", "keep_checkpoints", "export", "threads", "eval.")
+
+
+def claim_run_folder(run_dir: Path, has_checkpoint: bool) -> None:
+    """Make ``run_dir`` ready for a fresh run, or raise ConfigError without touching it."""
+    run_dir = Path(run_dir)
+    if has_checkpoint:
+        raise ConfigError(f"--out {run_dir}: already holds a run with checkpoints; continue it with --resume "
+                          f"{run_dir}, or pick another --out (nothing was changed)")
+    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if entries and MARKER not in entries:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ConfigError(f"--out {run_dir}: holds files emapg did not write ({shown}); a run starts only in a "
+                          "new or empty folder (nothing was changed)")
+    left = [name for name in entries if name in RUN_FILES]
+    if left:  # one of ours that stopped before its first checkpoint: nothing in it can be resumed
+        print(f"emapg: {run_dir} holds a run that stopped before its first checkpoint: starting it again",
+              file=sys.stderr)
+        for name in left:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / MARKER).write_text("a run folder of emapg train\n")
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "task_args":
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def record_resume(run_dir: Path, cfg_file: Path, cfg: TrainConfig, overrides: list[str], force: bool) -> None:
+    """Check a resume's overrides against the run's config, then record them. Raises ConfigError
+    (nothing written) for changes that alter the replay, unless ``force``."""
+    before, after = _flat(to_dict(load_config(cfg_file))), _flat(to_dict(cfg))
+    changed = {k: [before.get(k), after[k]] for k in after if before.get(k) != after[k]}
+    unsafe = [k for k in changed if not k.startswith(REPLAY_SAFE)]
+    if unsafe and not force:
+        listed = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in unsafe)
+        raise ConfigError(f"--resume {run_dir}: {listed} would change what the resumed steps replay; pass --force "
+                          "to accept (it is recorded in resumes.jsonl), or start a new run (nothing was changed)")
+    if not changed:
+        return
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": list(overrides), "changed": changed,
+             "forced": bool(unsafe)}
+    with open(Path(run_dir) / "resumes.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    save_config(cfg, cfg_file)

@@ -1,0 +1,64 @@
+"""Run folders and provenance (emapg.runs, through the CLI in-process): a run starts only in a new or
+empty folder (or one of its own that never checkpointed), and a resume records what it changes and
+refuses changes to the replay without --force."""
+
+import json
+from pathlib import Path
+
+import yaml
+
+from emapg.cli import main
+
+SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
+FAST = ["steps=2", "export=false", "eval.size=0", "save_every=1"]
+
+
+def train(*args):
+    return main(["train", *args])
+
+
+def test_a_folder_of_the_users_files_is_never_written_into(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.yaml").write_text("my own notes\n")
+    assert train("--config", str(SMOKE), "--out", str(out), *FAST) == 2
+    err = capsys.readouterr().err
+    assert "holds files emapg did not write (config.yaml)" in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+    assert (out / "config.yaml").read_text() == "my own notes\n"
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_in_its_folder(tmp_path, monkeypatch, capsys):
+    import emapg.trainer as trainer_mod
+
+    out = tmp_path / "run"
+
+    def boom(self, step):
+        raise RuntimeError("the reward server went away")
+
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", boom)
+    assert train("--config", str(SMOKE), "--out", str(out), *FAST) == 2
+    err = capsys.readouterr().err
+    assert "the run failed at step 0; no checkpoint yet: run the same command again" in err
+    monkeypatch.undo()
+    assert train("--config", str(SMOKE), "--out", str(out), *FAST) == 0
+    assert "starting it again" in capsys.readouterr().err
+    assert json.loads((out / "checkpoints" / "latest").read_text())["step"] == 2
+
+
+def test_resume_records_its_changes_and_refuses_a_changed_replay_without_force(tmp_path, capsys):
+    out = tmp_path / "run"
+    # overrides may follow the options
+    assert train("--config", str(SMOKE), "--out", str(out), "steps=2", "export=false", "eval.size=0") == 0
+    config = (out / "config.yaml").read_text()
+    assert train("--resume", str(out), "seed=1", "algo.eta=0.5", "steps=3") == 2
+    err = capsys.readouterr().err
+    assert "seed 0 -> 1" in err and "algo.eta 0.9 -> 0.5" in err and "--force" in err
+    assert (out / "config.yaml").read_text() == config and not (out / "resumes.jsonl").exists()
+    assert train("--resume", str(out), "steps=3") == 0  # longer: the replay of steps 1-2 is unchanged
+    assert yaml.safe_load((out / "config.yaml").read_text())["steps"] == 3
+    assert train("--resume", str(out), "--force", "algo.eta=0.5", "steps=4") == 0
+    entries = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
+    assert [e["changed"] for e in entries] == [{"steps": [2, 3]}, {"algo.eta": [0.9, 0.5], "steps": [3, 4]}]
+    assert [e["forced"] for e in entries] == [False, True]
+    assert yaml.safe_load((out / "config.yaml").read_text())["algo"]["eta"] == 0.5
