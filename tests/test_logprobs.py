@@ -90,3 +90,65 @@ def test_no_grad_path_and_empty_input():
     with torch.no_grad():
         out = token_logprobs(torch.randn(5, 4), weight, torch.zeros(5, dtype=torch.long))
     assert not out.logp_tok.requires_grad and out.logp_tok.shape == (5,)
+
+
+def _tiny(kind, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(kind, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
+                               bos_token_id=0, eos_token_id=1, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40)  # large logits: a cap or a scale matters
+    return model
+
+
+@pytest.mark.parametrize("kind,extra", [("gemma2", {"final_logit_softcapping": 5.0}),
+                                        ("cohere", {"logit_scale": 0.25}),
+                                        ("granite", {"logits_scaling": 4.0}),
+                                        ("llama", {})])
+def test_the_lean_path_applies_what_the_models_forward_does_to_its_logits(kind, extra):
+    from emapg.forward import response_logprobs
+    from emapg.lm import check_lean_head
+    from emapg.rollout.batch import RolloutBatch
+
+    model = _tiny(kind, **extra)
+    check_lean_head(model, kind)
+    g = torch.Generator().manual_seed(0)
+    prompt, resp = torch.randint(2, 300, (2, 5), generator=g), torch.randint(2, 300, (2, 7), generator=g)
+    mb = RolloutBatch(prompt_ids=prompt, prompt_mask=torch.ones_like(prompt), response_ids=resp,
+                      response_mask=torch.ones_like(resp), samp_logp=torch.zeros(2, 7), n=1)
+    ids = torch.randint(0, 300, (14, 3), generator=g)
+    for chunk in (4, 1024):  # recomputed in backward, and kept
+        model.zero_grad()
+        st = response_logprobs(model, mb, temperature=0.7, ids=ids, chunk_size=chunk, prefix_sharing=False)
+        (st.logp_tok.sum() + st.logp_ids.exp().sum() + st.lse.sum()).backward()
+        lean = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        full = model(input_ids=torch.cat([prompt, resp], 1)).logits[:, 4:-1].float() / 0.7
+        logp = torch.log_softmax(full, -1).reshape(14, -1)
+        want_tok = logp.gather(-1, resp.reshape(14, 1)).squeeze(-1)
+        torch.testing.assert_close(st.logp_tok, want_tok, atol=1e-4, rtol=1e-4)
+        (want_tok.sum() + logp.gather(-1, ids).exp().sum() + torch.logsumexp(full, -1).sum()).backward()
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(lean[name], p.grad, atol=1e-4, rtol=1e-3)
+
+
+def test_a_model_whose_logits_the_lean_path_cannot_reproduce_is_refused():
+    from emapg.config import ConfigError
+    from emapg.lm import check_lean_head
+
+    model = _tiny("llama")
+    forward = model.forward
+
+    def odd(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits ** 2 / 50  # a post-processing no config field announces
+        return out
+
+    model.forward = odd
+    with pytest.raises(ConfigError, match=r"post-processes the logits.*final_logit_softcapping"):
+        check_lean_head(model, "odd-llama")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from emapg.lm import cache_kwarg, decoder_and_head
+from emapg.lm import cache_kwarg, decoder_and_head, head_transform
 from emapg.logprobs import TokenLogprobs, token_logprobs
 from emapg.rollout.batch import RolloutBatch
 
@@ -74,5 +74,5 @@ def response_logprobs(
     return token_logprobs(
         hidden[valid], head.weight, mb.response_ids[valid], ids=ids,
         bias=getattr(head, "bias", None), temperature=temperature, k_self=k_self, entropy=entropy,
-        chunk_size=chunk_size,
+        chunk_size=chunk_size, transform=head_transform(model),
     )

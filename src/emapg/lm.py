@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from torch import nn
+
+from emapg.config import ConfigError
+from emapg.logprobs import HeadTransform, head_logits
 
 
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -35,3 +39,45 @@ def set_pass_mode(model: nn.Module, grad: bool, lora_dropout: bool = False) -> N
             m.training = True  # this module only: its children (attention, MLP, dropout) stay in eval
         elif lora_dropout and ".lora_dropout." in f".{name}.":
             m.training = True
+
+
+def head_transform(model: nn.Module) -> HeadTransform:
+    """What ``model``'s forward does to its head's output, read from its config: Gemma-2/3's
+    ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    return HeadTransform(scale=scale, softcap=float(softcap) if softcap else None)
+
+
+KNOWN_TRANSFORMS = "final_logit_softcapping, logit_scale, logits_scaling"
+
+
+@torch.no_grad()
+def check_lean_head(model: nn.Module, name: str) -> None:
+    """Refuse a model whose logits emapg's lean path (body, then head, then :func:`head_transform`)
+    does not reproduce: the ratio and the KL would refer to another distribution than the sampler's.
+    One forward of 8 tokens, both ways."""
+    decoder, head = decoder_and_head(model)
+    vocab = head.weight.shape[0]
+    ids = torch.arange(8, device=head.weight.device).view(1, 8) * 7919 % vocab
+    was = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        want = model(input_ids=ids).logits[0].float()
+        hidden = decoder(input_ids=ids).last_hidden_state[0]
+        got = head_logits(hidden, head.weight, getattr(head, "bias", None), 1.0, head_transform(model)).float()
+    finally:
+        for m, flag in was:
+            m.training = flag
+    err = float((torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max())
+    if not err <= 1e-3 * max(1.0, float(want.abs().max())):
+        cfg = getattr(model, "config", None)
+        raise ConfigError(
+            f"model {name} ({type(model).__name__}): its forward post-processes the logits in a way emapg's lean "
+            f"log-prob path does not reproduce (log-probs differ by {err:.3g}; the config fields it knows are "
+            f"{KNOWN_TRANSFORMS}; this config is {getattr(cfg, 'model_type', '?')}): refused, since the ratio and "
+            "the KL would refer to another distribution than the one sampled")

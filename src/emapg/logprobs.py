@@ -46,11 +46,36 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a model's forward applies to ``hidden @ W.T + b`` before it returns logits:
+    ``softcap * tanh(scale * z / softcap)`` (Gemma-2's final_logit_softcapping), or ``scale * z``
+    (Cohere's logit_scale, 1 / Granite's logits_scaling)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+PLAIN = HeadTransform()
+
+
+def head_logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float, tf: HeadTransform) -> Tensor:
     """Tempered logits of a chunk, in fp32 at least (fp64 inputs stay fp64)."""
     z = torch.nn.functional.linear(h, w, None if b is None else b.to(w.dtype))
     z = z.float() if z.dtype in (torch.bfloat16, torch.float16) else z
+    if tf.scale != 1.0:
+        z = z * tf.scale
+    if tf.softcap is not None:
+        z = torch.tanh(z / tf.softcap) * tf.softcap
     return z / temperature if temperature != 1.0 else z
+
+
+def _head_slope(z: Tensor, temperature: float, tf: HeadTransform) -> Tensor | float:
+    """d z / d (hidden @ W.T + b) at tempered logits ``z`` (elementwise, or a constant)."""
+    if tf.softcap is None:
+        return tf.scale / temperature
+    t = z * (temperature / tf.softcap)  # tanh of the capped pre-activation
+    return (1 - t * t) * (tf.scale / temperature)
 
 
 class _HeadStats(torch.autograd.Function):
@@ -59,7 +84,7 @@ class _HeadStats(torch.autograd.Function):
     (empty tensors for what was not asked)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, ids, temperature, chunk_size, k_self, want_entropy):
+    def forward(ctx, hidden, weight, bias, tokens, ids, temperature, chunk_size, k_self, want_entropy, tf):
         cd = _compute_dtype(hidden, weight)
         n, k = hidden.shape[0], 0 if ids is None else ids.shape[1]
         w = weight.to(cd)
@@ -68,7 +93,7 @@ class _HeadStats(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, max(n, 1), chunk_size):
                 sl = slice(start, start + chunk_size)
-                z = _logits(hidden[sl].to(cd), w, bias, temperature)
+                z = head_logits(hidden[sl].to(cd), w, bias, temperature, tf)
                 lse = torch.logsumexp(z, -1)
                 outs["lse"].append(lse)
                 outs["tok"].append(z.gather(-1, tokens[sl, None]).squeeze(-1) - lse)
@@ -83,14 +108,14 @@ class _HeadStats(torch.autograd.Function):
                 kept = z if n <= chunk_size else None  # one chunk: keep its logits, recompute nothing
         res = [torch.cat(v) if v else hidden.new_empty(0) for v in outs.values()]
         ctx.mark_non_differentiable(*res[3:])
-        ctx.cd, ctx.temperature, ctx.chunk_size, ctx.kept = cd, temperature, chunk_size, kept
+        ctx.cd, ctx.temperature, ctx.chunk_size, ctx.kept, ctx.tf = cd, temperature, chunk_size, kept, tf
         ctx.save_for_backward(hidden, weight, bias, tokens, ids, res[1])
         return tuple(res)
 
     @staticmethod
     def backward(ctx, g_tok, g_lse, g_ids, *_):
         hidden, weight, bias, tokens, ids, lse = ctx.saved_tensors
-        cd, t, cs = ctx.cd, ctx.temperature, ctx.chunk_size
+        cd, t, cs, tf = ctx.cd, ctx.temperature, ctx.chunk_size, ctx.tf
         w = weight.to(cd)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -100,7 +125,7 @@ class _HeadStats(torch.autograd.Function):
             for start in range(0, hidden.shape[0], cs):
                 sl = slice(start, start + cs)
                 h = hidden[sl].to(cd)
-                z = ctx.kept if ctx.kept is not None else _logits(h, w, bias, t)
+                z = ctx.kept if ctx.kept is not None else head_logits(h, w, bias, t, tf)
                 # d/dz of g_tok * logp_tok + g_lse * lse + sum g_ids * logp_ids
                 # = onehot(tok) g_tok + onehot(ids) g_ids + softmax(z) (g_lse - g_tok - sum g_ids)
                 coef = g_lse[sl] - g_tok[sl]
@@ -110,9 +135,8 @@ class _HeadStats(torch.autograd.Function):
                 dz.scatter_add_(1, tokens[sl, None], g_tok[sl, None].to(z.dtype))
                 if ids is not None:
                     dz.scatter_add_(1, ids[sl], g_ids[sl].to(z.dtype))
-                if t != 1.0:
-                    dz.div_(t)
-                dz = dz.to(cd)
+                slope = _head_slope(z, t, tf)  # back through temperature (and the model's transform)
+                dz = (dz.mul_(slope) if torch.is_tensor(slope) or slope != 1.0 else dz).to(cd)
                 if need_h:
                     grad_h[sl] = dz @ w
                 if need_w:
@@ -124,7 +148,7 @@ class _HeadStats(torch.autograd.Function):
                     grad_b.add_(dz.sum(0).to(grad_b.dtype))
                 del z, dz
         ctx.kept = None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -138,6 +162,7 @@ def token_logprobs(
     k_self: int = 0,
     entropy: bool = False,
     chunk_size: int = 1024,
+    transform: HeadTransform = PLAIN,
 ) -> TokenLogprobs:
     """Log-probabilities at each position from hidden states and the output projection.
 
@@ -150,11 +175,12 @@ def token_logprobs(
         k_self: also return this distribution's own top-k ids (no grad).
         entropy: also return the entropy (no grad).
         chunk_size: positions per chunk; peak memory is about chunk_size x V floats.
+        transform: what the model's forward applies to its head's output (see :func:`emapg.lm.head_transform`).
     Returns:
         :class:`TokenLogprobs`; gradients equal those of the naive full-logits computation.
     """
     logp_tok, lse, logp_ids, top_i, top_l, ent = _HeadStats.apply(
-        hidden, weight, bias, tokens, ids, temperature, chunk_size, k_self, entropy)
+        hidden, weight, bias, tokens, ids, temperature, chunk_size, k_self, entropy, transform)
     return TokenLogprobs(
         logp_tok=logp_tok, lse=lse,
         logp_ids=logp_ids if ids is not None else None,

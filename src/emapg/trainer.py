@@ -38,7 +38,7 @@ from emapg.checkpoint import (
 from emapg.config import ConfigError, TrainConfig, save_config
 from emapg.distributed import gathered, logprobs
 from emapg.evaluate import evaluate
-from emapg.lm import set_pass_mode
+from emapg.lm import check_lean_head, set_pass_mode
 from emapg.metrics import MetricsWriter, plot_run
 from emapg.models import load_model, save_hf_folder
 from emapg.objective import aggregate, clipped_surrogate, group_advantages
@@ -147,6 +147,7 @@ class Trainer:
         cfg = self.cfg
         model, tokenizer = self._plain_model()
         model.to(self.dist.device)
+        check_lean_head(model, cfg.model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.eval()  # no dropout in RL passes; _logprobs sets each pass's flags (lm.set_pass_mode)
