@@ -143,7 +143,7 @@ def cmd_index_build(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from emapg.retrieval.server import serve
 
-    serve(args.index, host=args.host, port=args.port)
+    serve(args.index, host=args.host, port=args.port, allow_remote=args.allow_remote)
     return 0
 
 
@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--index", required=True)
     sv.add_argument("--host", default="127.0.0.1", help="default loopback only")
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--allow-remote", action="store_true",
+                    help="bind a non-loopback address (the server has no authentication: anyone who reaches it "
+                         "can query it)")
     sv.set_defaults(func=cmd_serve)
     kb = sub.add_parser("kb", help="the generated multi-hop knowledge base").add_subparsers(dest="kb_command",
                                                                                          required=True)
@@ -257,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"emapg: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # a read-only folder, a full disk, a busy port...
-        where = f" {e.filename}" if getattr(e, "filename", None) else ""
-        print(f"emapg: error:{where}: {e.strerror or e}", file=sys.stderr)
+    except OSError as e:  # a read-only folder, a full disk...
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"emapg: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
 
 

@@ -29,9 +29,9 @@ from typing import Any
 import yaml
 
 from emapg.checkpoint import has_checkpoint
-from emapg.runs import claim_run_folder
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
+from emapg.runs import claim_run_folder
 
 CURVES = {  # panel title -> metrics key
     "held-out accuracy (policy)": "eval/policy_accuracy",

@@ -18,8 +18,13 @@ class DataError(ValueError):
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}, line {i}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                f"{e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -33,8 +38,14 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
 
 
 def _read_json(path: Path) -> list[tuple[str, dict]]:
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}, line {line}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}, line {e.lineno}: malformed JSON ({e.msg})") from None
     if isinstance(data, dict):  # {"data": [...]} or a column-oriented dict is not guessed at
@@ -95,8 +106,10 @@ def load_rows(path: str | Path, fields: dict[str, str] | None = None, required: 
                                 f"the row has {', '.join(sorted(row))}")
             item[name] = row[column]
         for name in required:
-            if name not in item or item[name] is None:
+            if name not in item:
                 raise DataError(f"{path}, {where}: missing field {name!r}; the row has {', '.join(sorted(row))}")
+            if item[name] is None:
+                raise DataError(f"{path}, {where}: field {name!r} is null (expected a value)")
         item.setdefault("id", where.replace(" ", "-"))
         out.append(item)
     return out

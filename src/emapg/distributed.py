@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from emapg.config import ConfigError
 from emapg.lm import decoder_and_head
 from emapg.logprobs import TokenLogprobs
 
@@ -55,7 +56,12 @@ def resolve_device(device: str) -> torch.device:
     """``auto`` = CUDA when available, else CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU visible"
+        raise ConfigError(f"device: {device} asked, but torch {torch.__version__} has no CUDA device ({build}); "
+                          "use device=cpu or auto")
+    return dev
 
 
 def init(device: str = "auto") -> DistInfo:

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from emapg.config import ConfigError
 from emapg.retrieval import Retriever
 
 __all__ = ["RetrievalServer", "make_server", "serve"]
@@ -214,40 +215,43 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, verbose: bool = False) -> None:
-    """Serve a BM25 index folder until interrupted (Ctrl-C)."""
+def check_address(host: str, port: int, allow_remote: bool) -> None:
+    """Refuse, with a message naming the option, a host that is not an address, a port out of range, or
+    (unless ``allow_remote``) an address reachable from the network: the server has no authentication."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port}: expected 0..65535")
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(f"--host {host!r}: expected an IP address (127.0.0.1, ::1, 0.0.0.0) or localhost") \
+                from None
+    if not _is_loopback(host) and not allow_remote:
+        raise ConfigError(f"--host {host}: reachable from the network, and the retriever has no authentication; "
+                          "pass --allow-remote to serve it there anyway")
+
+
+def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, verbose: bool = False,
+          allow_remote: bool = False) -> None:
+    """Serve a BM25 index folder until interrupted (Ctrl-C); loopback only unless ``allow_remote``."""
     from emapg.retrieval.bm25 import BM25Index
 
+    check_address(host, port, allow_remote)
     index = BM25Index.load(index_dir)
-    server = make_server(index, host, port, verbose=verbose)
+    try:
+        server = make_server(index, host, port, verbose=verbose)
+    except OSError as e:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
     try:
         h, p = server.server_address[:2]
         shown = f"[{h}]" if ":" in h else h
         print(f"emapg retrieval: serving {len(index)} documents from {index_dir} at http://{shown}:{p}/retrieve",
               file=sys.stderr, flush=True)
         if not _is_loopback(host):
-            print(f"emapg retrieval: warning: bound to {host}, so the retriever is reachable from the network "
-                  "(it has no authentication)", file=sys.stderr, flush=True)
+            print(f"emapg retrieval: warning: --allow-remote: bound to {host}, reachable from the network "
+                  "(no authentication)", file=sys.stderr, flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m emapg.retrieval.server --index DIR [--host H] [--port P]``."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m emapg.retrieval.server",
-                                 description="Serve a BM25 index over Search-R1's retrieval API.")
-    ap.add_argument("--index", required=True, help="index folder written by emapg.retrieval.bm25.build_index")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--verbose", action="store_true", help="log every request to stderr")
-    args = ap.parse_args(argv)
-    serve(args.index, args.host, args.port, verbose=args.verbose)
-
-
-if __name__ == "__main__":
-    main()

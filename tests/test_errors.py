@@ -1,0 +1,77 @@
+"""A user's mistake gets one clear message that names the field, file or option: no traceback."""
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from emapg.cli import main
+from emapg.data import DataError, load_rows
+
+SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--config", str(SMOKE), "device=cuda", "eval.size=0"], "device: cuda asked, but torch"),
+    (["train", "--config", str(SMOKE), "task_args.digits=two"], "task_args.digits: expected an integer, got 'two'"),
+    (["train", "--config", "no-such-recipe"], "no such file, and no recipe of that name (recipes: cpu_demo"),
+    (["serve-retriever", "--index", "x", "--host", "0.0.0.0"], "--host 0.0.0.0: reachable from the network"),
+    (["serve-retriever", "--index", "x", "--host", "::"], "pass --allow-remote"),
+    (["serve-retriever", "--index", "x", "--port", "99999"], "--port 99999: expected 0..65535"),
+    (["serve-retriever", "--index", "x", "--host", "my laptop"], "--host 'my laptop': expected an IP address"),
+])
+def test_cli_mistakes_are_one_line_messages(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_an_empty_config_file_is_refused(tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    assert main(["train", "--config", str(empty)]) == 2
+    assert f"config file {empty}: the file is empty" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_named(tmp_path, capsys):
+    from emapg.retrieval.bm25 import build_index
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "title": "A", "text": "alpha beta"}) + "\n")
+    build_index(corpus, tmp_path / "ix")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve-retriever", "--index", str(tmp_path / "ix"), "--port", str(port)]) == 2
+    assert f"--port {port}: cannot listen there (Address already in use)" in capsys.readouterr().err
+
+
+def test_an_index_out_that_exists_is_refused(tmp_path, capsys):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "title": "A", "text": "alpha"}) + "\n")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    assert main(["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "taken")]) == 2
+    assert "is not an emapg index or an empty folder" in capsys.readouterr().err
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+
+
+def test_data_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "d.jsonl"
+    bad.write_bytes(b'{"problem": "1+1", "answer": "2"}\n{"problem": "caf\xe9", "answer": "3"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl, line 2: not UTF-8 text \(byte 0xe9"):
+        load_rows(bad)
+    bad_json = tmp_path / "d.json"
+    bad_json.write_bytes(b'[{"problem": "1+1",\n "answer": "\xff"}]')
+    with pytest.raises(DataError, match=r"d.json, line 2: not UTF-8"):
+        load_rows(bad_json)
+
+
+def test_a_null_answer_is_called_null_not_missing(tmp_path):
+    rows = tmp_path / "d.jsonl"
+    rows.write_text('{"problem": "1+1", "answer": null}\n')
+    with pytest.raises(DataError, match=r"line 1: field 'answer' is null"):
+        load_rows(rows, required=("problem", "answer"))
