@@ -62,3 +62,47 @@ def test_resume_records_its_changes_and_refuses_a_changed_replay_without_force(t
     assert [e["changed"] for e in entries] == [{"steps": [2, 3]}, {"algo.eta": [0.9, 0.5], "steps": [3, 4]}]
     assert [e["forced"] for e in entries] == [False, True]
     assert yaml.safe_load((out / "config.yaml").read_text())["algo"]["eta"] == 0.5
+
+
+def test_evaluations_show_their_progress(tmp_path, capsys):
+    from emapg.config import load_config
+    from emapg.trainer import Trainer
+
+    tr = Trainer(load_config(SMOKE, ["export=false", "eval.size=16"]), tmp_path, progress=True)
+    tr.evaluate("anchor")
+    assert "eval anchor at step 0 (16 problems)" in capsys.readouterr().err
+
+
+def test_a_regular_install_runs_a_shipped_recipe_by_name_from_another_folder(tmp_path):
+    """Build the wheel, install it (no editable link to the source tree) into a fresh virtual
+    environment whose dependencies come from this one, and run `--config smoke` elsewhere."""
+    import os
+    import site
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(root)], check=True, capture_output=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    vpy = venv / "bin" / "python"
+    purelib = subprocess.run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    # the dependencies, as a plain path (this venv's .pth files, the editable emapg among them, are not read)
+    Path(purelib, "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(vpy), "install", "--no-deps", "-q",
+                    str(next(wheels.glob("emapg-*.whl")))], check=True, capture_output=True)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    version = subprocess.run([str(vpy), "-m", "emapg", "--version"], cwd=work, env=env, capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("emapg 0."), version.stderr
+    where = subprocess.run([str(vpy), "-c", "import emapg; print(emapg.__file__)"], cwd=work, env=env,
+                           capture_output=True, text=True).stdout
+    assert str(venv) in where and str(root) not in where  # the installed copy, not the source tree
+    out = subprocess.run([str(vpy), "-m", "emapg", "train", "--config", "smoke", "--out", "run", "steps=1",
+                          "eval.size=0", "export=false"], cwd=work, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (work / "run" / "checkpoints").is_dir()

@@ -102,6 +102,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from emapg.models import load_model
     from emapg.tasks import make_task
 
+    for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                             ("--batch-size", args.batch_size, 1), ("--size", args.size, 1)):
+        if value < low:
+            raise ConfigError(f"{name}: must be >= {low}, got {value}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
+    if args.samples > 1 and args.temperature == 0:
+        raise ConfigError("--samples: several samples per problem need --temperature > 0 (0 is greedy)")
     torch.manual_seed(args.seed)
     model, tok = load_model(args.model, args.dtype)
     task_args = json.loads(args.task_args) if args.task_args else {}
@@ -114,7 +122,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         task = make_task(args.task, **targs)
         examples = task.eval_examples(args.size)
         res = evaluate(model, tok, task, examples, max_new_tokens=args.max_new_tokens, greedy=greedy,
-                       temperature=temperature, top_p=args.top_p, samples=args.samples, batch_size=args.batch_size)
+                       temperature=temperature, top_p=args.top_p, samples=args.samples, batch_size=args.batch_size,
+                       progress=f"eval {name} ({len(examples)} problems)")
         rows.append({"dataset": name, **res})
         print(f"emapg eval: {name}: {100 * res['accuracy']:.1f}% over {res['num']} samples", file=sys.stderr)
     md = eval_markdown(args.model, rows)

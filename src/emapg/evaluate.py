@@ -35,18 +35,23 @@ def evaluate(
     top_p: float = 1.0,
     samples: int = 1,
     batch_size: int = 64,
+    progress: str | None = None,
 ) -> dict[str, Any]:
     """Mean reward over ``examples`` x ``samples`` (avg@n: pass@1 averaged over n samples).
 
     Returns {'accuracy' (= avg@n), 'pass@k' for k = 1, 2, 4, ... <= n, 'mean_length', 'num'}.
     A reward >= 1 counts as correct for pass@k. Greedy decoding uses one sample per example.
+    ``progress``: a label for a progress bar over the problems (on stderr), or None for none.
     """
+    from tqdm.auto import tqdm
+
     n = 1 if greedy else samples
     total, length, count = 0.0, 0.0, 0
     correct: list[int] = []
     stats: dict[str, float] = {}
     # Batches of similar prompt length waste less compute on left padding (order does not matter here).
     examples = sorted(examples, key=lambda ex: sum(len(m["content"]) for m in ex.messages))
+    bar = tqdm(total=len(examples), desc=progress, unit="problem", leave=False, disable=progress is None)
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         batch = rollout_for_task(model, tokenizer, task, chunk, n=n, temperature=temperature, top_p=top_p,
@@ -58,6 +63,8 @@ def evaluate(
         count += len(batch.completions)
         for key, v in batch.stats.items():
             stats[key] = stats.get(key, 0.0) + float(v.sum())
+        bar.update(len(chunk))
+    bar.close()
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n]
     out = {"accuracy": total / max(count, 1), "mean_length": length / max(count, 1), "num": count, "samples": n}
     out.update({f"{key}_mean": v / max(count, 1) for key, v in stats.items()})  # e.g. searches per episode

@@ -148,6 +148,9 @@ class Trainer:
         model, tokenizer = self._plain_model()
         model.to(self.dist.device)
         check_lean_head(model, cfg.model)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if cfg.algo.k > vocab:
+            raise ConfigError(f"algo.k: {cfg.algo.k} is more than the model's vocabulary of {vocab} tokens")
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.eval()  # no dropout in RL passes; _logprobs sets each pass's flags (lm.set_pass_mode)
@@ -494,6 +497,8 @@ class Trainer:
         kw = dict(max_new_tokens=e.max_new_tokens or r.max_new_tokens, greedy=e.greedy,
                   temperature=r.temperature, top_p=r.top_p)
         mine = self.eval_set[self.dist.rank :: self.dist.world]
+        kw["progress"] = (f"eval {which} at step {self.step} ({len(self.eval_set)} problems)"
+                          if self.progress and self.main else None)
         cuda = [self.dist.device] if self.dist.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # evaluation never shifts the training randomness
             torch.manual_seed(self.cfg.seed + RANK_SEED_STRIDE * self.dist.rank)
