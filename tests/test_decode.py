@@ -217,3 +217,21 @@ def test_draw_samples_the_distribution():
     freq.index_put_((rows, tokens), torch.ones(tokens.shape[0]), accumulate=True)
     freq /= freq.sum(1, keepdim=True)
     assert float((freq - probs).abs().max()) < 0.01  # about 10 standard errors of a frequency from 200k draws
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+def test_the_prefix_sharing_field_reaches_generation(sharing, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    import emapg.rollout.hf as hf_mod
+    from emapg.config import load_config
+    from emapg.trainer import Trainer
+
+    calls = []
+    real = hf_mod.prefill
+    monkeypatch.setattr(hf_mod, "prefill", lambda *a, **kw: calls.append(kw.get("repeat")) or real(*a, **kw))
+    smoke = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
+    tr = Trainer(load_config(smoke, ["export=false", "eval.size=0", f"prefix_sharing={str(sharing).lower()}"]),
+                 tmp_path, progress=False)
+    tr.rollout(1)
+    assert calls == ([tr.cfg.rollout.n] if sharing else [])

@@ -75,3 +75,32 @@ def test_a_null_answer_is_called_null_not_missing(tmp_path):
     rows.write_text('{"problem": "1+1", "answer": null}\n')
     with pytest.raises(DataError, match=r"line 1: field 'answer' is null"):
         load_rows(rows, required=("problem", "answer"))
+
+
+@pytest.mark.parametrize("mode", ["error", "truncate"])
+def test_a_prompt_longer_than_the_context_is_refused_or_cut_before_the_first_step(mode, tmp_path, capsys):
+    import time
+
+    from emapg.config import ConfigError, load_config
+    from emapg.trainer import Trainer
+
+    data = tmp_path / "train.jsonl"
+    rows = [{"problem": "What is 1 + 1?", "answer": "2"}, {"problem": "x " * 50_000, "answer": "3"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(SMOKE, ["task=math", f"task_args={{train_file: {data}, eval_file: {data}}}", "eval.size=0",
+                              "export=false", f"long_prompts={mode}"])
+    t0 = time.perf_counter()
+    if mode == "error":
+        with pytest.raises(ConfigError, match=r"train.jsonl, line 2: the prompt has \d+ tokens.*context of 512"):
+            Trainer(cfg, tmp_path / "run", progress=False)
+        assert time.perf_counter() - t0 < 60  # found before any step, not after minutes of decoding
+        return
+    tr = Trainer(cfg, tmp_path / "run", progress=False)
+    assert "train.jsonl, line 2: prompt of" in capsys.readouterr().err
+    from emapg.rollout.sampling import format_prompt
+
+    longest = max(len(format_prompt(tr.tokenizer, ex.messages)) for pool in tr.task.prompt_pools() for ex in pool)
+    assert longest + cfg.rollout.max_new_tokens <= 512
+    short, cut = tr.task.prompt_pools()[0]
+    assert short.messages[-1]["content"].startswith("What is 1 + 1?\n")  # short ones untouched
+    assert "[...]" in cut.messages[-1]["content"] and cut.messages[-1]["content"].endswith("\\boxed{}.")

@@ -100,6 +100,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from emapg.evaluate import evaluate
     from emapg.metrics import eval_markdown
     from emapg.models import load_model
+    from emapg.prompts import context_length, fit_prompts
     from emapg.tasks import make_task
 
     for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -120,6 +121,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     rows = []
     for name, targs in datasets:
         task = make_task(args.task, **targs)
+        fit_prompts(task, tok, context_length(model), args.max_new_tokens, "error")
         examples = task.eval_examples(args.size)
         res = evaluate(model, tok, task, examples, max_new_tokens=args.max_new_tokens, greedy=greedy,
                        temperature=temperature, top_p=args.top_p, samples=args.samples, batch_size=args.batch_size,

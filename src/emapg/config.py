@@ -165,6 +165,10 @@ class TrainConfig:
     """At the end, export the policy and the anchor as Hugging Face model folders."""
     threads: int | None = None
     """torch CPU threads (None = torch's default)."""
+    long_prompts: str = "error"
+    """A data file's prompt that, with the response budget, does not fit the model's context
+    (max_position_embeddings), checked before the first step: ``error`` (names the file and the row)
+    or ``truncate`` (cut the prompt's text to fit, with a warning naming it)."""
     save_every: int = 20
     """Write a checkpoint every this many steps (and at the end); 0 = never (the run cannot be
     resumed: for short runs whose checkpoints nobody needs)."""
@@ -320,6 +324,7 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.mini_batch_prompts is None or cfg.mini_batch_prompts >= 1, "mini_batch_prompts",
          "must be >= 1 or null", cfg.mini_batch_prompts),
         (cfg.chunk_size >= 1, "chunk_size", "must be >= 1", cfg.chunk_size),
+        (cfg.long_prompts in ("error", "truncate"), "long_prompts", "expected error or truncate", cfg.long_prompts),
         (cfg.threads is None or cfg.threads >= 1, "threads", "must be >= 1 or null", cfg.threads),
         (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay", "must be >= 0",
          cfg.weight_decay),

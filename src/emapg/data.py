@@ -1,7 +1,8 @@
 """Loading prompt datasets: JSONL, JSON, Parquet files and `datasets` folders saved to disk.
 
 ``load_rows(path, fields)`` returns a list of dicts with the fields renamed to what a task
-expects (``{"problem": "question"}`` maps the file's ``question`` column to ``problem``). Every
+expects (``{"problem": "question"}`` maps the file's ``question`` column to ``problem``), each
+with ``_source`` ("FILE, line N") for messages about it. Every
 error names the file, the line (for JSONL) and the field.
 """
 
@@ -111,5 +112,6 @@ def load_rows(path: str | Path, fields: dict[str, str] | None = None, required: 
             if item[name] is None:
                 raise DataError(f"{path}, {where}: field {name!r} is null (expected a value)")
         item.setdefault("id", where.replace(" ", "-"))
+        item["_source"] = f"{path}, {where}"  # where a message about this row points
         out.append(item)
     return out

@@ -42,6 +42,7 @@ from emapg.lm import check_lean_head, set_pass_mode
 from emapg.metrics import MetricsWriter, plot_run
 from emapg.models import load_model, save_hf_folder
 from emapg.objective import aggregate, clipped_surrogate, group_advantages
+from emapg.prompts import context_length, fit_prompts
 from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
@@ -108,6 +109,10 @@ class Trainer:
         self.task = make_task(cfg.task, **cfg.task_args)
         if self.dist.enabled and self.main:
             distributed.barrier()
+        # before the first step: a prompt that cannot fit is refused (or cut), never run for minutes
+        fit_prompts(self.task, self.tokenizer, context_length(self.model),
+                    max(response_budget(self.task, cfg.rollout.max_new_tokens), cfg.eval.max_new_tokens or 0),
+                    cfg.long_prompts, warn=self.main)
         self.eval_set = self.task.eval_examples(cfg.eval.size) if cfg.eval.size else []
         # Sharded, the anchor's copy is made before sharding and sharded alike; LoRA needs no copy.
         full = cfg.lora.r == 0 and self.dist.enabled

@@ -34,3 +34,6 @@ class Task(Protocol):
     def reward(self, completion: str, example: Example) -> float:
         """Score one completion. Must not execute model output."""
         ...
+
+    # Optional: ``prompt_pools() -> list[list[Example]]``, every example a task hands out (lists the
+    # caller may edit in place), for tasks that read user files whose prompts may not fit the model.

@@ -57,7 +57,7 @@ class MathTask:
 
     def _example(self, row: dict, prefix: str) -> Example:
         return Example(id=f"{prefix}-{row['id']}", messages=format_messages(str(row["problem"]), self.template),
-                       answer=str(row["answer"]), meta={"problem": row["problem"]})
+                       answer=str(row["answer"]), meta={"problem": row["problem"], "source": row.get("_source")})
 
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
         if not self._train:
@@ -66,6 +66,10 @@ class MathTask:
 
     def eval_examples(self, size: int) -> list[Example]:
         return self._eval[:size]
+
+    def prompt_pools(self) -> list[list[Example]]:
+        """Every example this task can hand out (training, held-out), for checks before training."""
+        return [self._train, self._eval]
 
     def eval_reward(self, completion: str, example: Example) -> float:
         """Correctness alone (held-out accuracy): no format bonus."""

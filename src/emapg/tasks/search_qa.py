@@ -120,7 +120,7 @@ class SearchQATask:
         if self.response_prefix:  # the model's turn starts with this text, e.g. "<search>"
             messages.append({"role": "response_prefix", "content": self.response_prefix})
         return Example(id=f"{prefix}-{row['id']}", messages=messages, answer=answers,
-                       meta={"question": row["question"]})
+                       meta={"question": row["question"], "source": row.get("_source")})
 
     @property
     def retriever(self):
@@ -138,6 +138,10 @@ class SearchQATask:
 
     def eval_examples(self, size: int) -> list[Example]:
         return self._eval[:size]
+
+    def prompt_pools(self) -> list[list[Example]]:
+        """Every example this task can hand out (training, held-out), for checks before training."""
+        return [self._train, self._eval]
 
     def eval_reward(self, completion: str, example: Example) -> float:
         """EM (or F1) of the final answer: held-out accuracy, without the format bonus."""

@@ -1,0 +1,70 @@
+"""Prompts that do not fit: a data file's prompt plus its response budget beyond the model's context
+is found before the first step, and refused (naming the file and the row) or cut to fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from emapg.config import ConfigError
+from emapg.rollout.sampling import format_prompt
+from emapg.tasks.base import Example
+
+
+def context_length(model) -> int | None:
+    """The model's context in tokens (its config's max_position_embeddings), or None if it says none."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+ELLIPSIS = " [...] "
+
+
+def _truncated(tokenizer, ex: Example, room: int) -> Example | None:
+    """``ex`` with the middle of its user message's text cut out (its start and its end, where the
+    question and the instruction stand, are kept) so that the whole prompt fits ``room`` tokens."""
+    i = max(j for j, m in enumerate(ex.messages) if m["role"] in ("user", "raw"))
+    ids = tokenizer(ex.messages[i]["content"], add_special_tokens=False).input_ids
+    fixed = len(format_prompt(tokenizer, ex.messages)) - len(ids)
+    keep = room - fixed - len(tokenizer(ELLIPSIS, add_special_tokens=False).input_ids) - 2  # re-tokenising slack
+    if keep < 2:
+        return None
+    head, tail = ids[: keep // 2], ids[len(ids) - (keep - keep // 2) :]
+    messages = [dict(m) for m in ex.messages]
+    messages[i]["content"] = tokenizer.decode(head) + ELLIPSIS + tokenizer.decode(tail)
+    if len(format_prompt(tokenizer, messages)) > room:
+        return None
+    return dataclasses.replace(ex, messages=messages)
+
+
+def fit_prompts(task, tokenizer, context: int | None, budget: int, mode: str, warn: bool = True) -> int:
+    """Check every prompt of ``task`` (its ``prompt_pools``, if it has any) against ``context`` minus
+    the response ``budget``. mode ``error``: raise ConfigError naming the first prompt that does not
+    fit; ``truncate``: cut those prompts in place, with a warning each. Returns how many were cut."""
+    pools = task.prompt_pools() if hasattr(task, "prompt_pools") else []
+    if context is None or not pools:
+        return 0
+    room = context - budget
+    if room < 1:
+        raise ConfigError(f"the response budget of {budget} tokens leaves no room for a prompt in the model's "
+                          f"context of {context} (max_position_embeddings)")
+    cut = 0
+    for pool in pools:
+        for i, ex in enumerate(pool):
+            n = len(format_prompt(tokenizer, ex.messages))
+            if n <= room:
+                continue
+            where = ex.meta.get("source") or ex.id
+            fitted = _truncated(tokenizer, ex, room) if mode == "truncate" else None
+            if fitted is None:
+                raise ConfigError(f"{where}: the prompt has {n} tokens, and with the response budget of {budget} "
+                                  f"it does not fit the model's context of {context}; shorten it, or set "
+                                  "long_prompts: truncate")
+            pool[i] = fitted
+            cut += 1
+            if warn:
+                print(f"emapg: warning: {where}: prompt of {n} tokens cut to fit the model's context of {context} "
+                      f"(response budget {budget})", file=sys.stderr)
+    return cut
