@@ -59,3 +59,28 @@ def test_generate_with_shared_prompt_cache_equals_plain_generate():
     assert torch.equal(out[0].samp_topk, out[1].samp_topk)
     torch.testing.assert_close(out[0].samp_logp, out[1].samp_logp, atol=1e-5, rtol=1e-5)
     assert out[0].prompt_ids.shape[0] == 3 and out[0].response_ids.shape[0] == 9
+
+
+@pytest.mark.parametrize("kind", ["tiny-llama", "tiny-qwen2"])
+def test_rows_grouped_by_length_equal_the_full_sequence_pass(kind):
+    """Rows of very different lengths run in length groups, each trimmed to its own longest: the same
+    log-probs and gradients as the plain pass, where every row runs the longest length."""
+    from emapg.forward import _length_groups
+
+    model, tok = load_model(kind, seed=2)
+    model.generation_config.eos_token_id = list(range(1, 30))  # rows end at many different lengths
+    examples = make_task("arithmetic", digits=2, terms=3, ops="+-").train_examples(random.Random(1), 4)
+    torch.manual_seed(0)
+    batch = generate(model, tok, examples, n=4, temperature=1.0, max_new_tokens=40, k=3)
+    lengths = batch.response_mask.sum(1)
+    assert len(_length_groups(lengths - 1, sliding=False)) > 1, lengths  # the grouped path runs
+    outs, grads = [], []
+    for sharing in (True, False):
+        model.zero_grad()
+        st = response_logprobs(model, batch, ids=batch.samp_topk[batch.response_mask.bool()], prefix_sharing=sharing)
+        (st.logp_tok.sum() + st.logp_ids.exp().sum()).backward()
+        outs.append(st.logp_tok.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4)

@@ -24,6 +24,7 @@ from emapg.retrieval.bm25 import BM25Index, build_index  # noqa: E402
 from emapg.retrieval.client import HTTPRetriever, parse_contents  # noqa: E402
 from emapg.retrieval.server import make_server  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "flashrag_wiki_sample.jsonl"
 
 CORPUS = [
@@ -358,3 +359,39 @@ def test_open_retriever(index_dir, server_url):
     for kwargs in ({}, {"index": str(index_dir), "url": server_url}):
         with pytest.raises(ValueError, match="exactly one"):
             open_retriever(**kwargs)
+
+
+def test_server_errors_are_json_for_every_status(server_url):
+    host, port = server_url.removeprefix("http://").split(":")
+    deep = b'{"queries": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, body = request(server_url + "/retrieve", deep)
+    assert status in (400, 413) and "error" in body
+    status, body = request(server_url + "/retrieve", b'{"queries": ' + b"[" * 1500 + b"]" * 1500 + b"}")
+    assert status == 400 and ("nested too deeply" in body["error"] or "must be" in body["error"])
+    for method in ("DELETE", "BREW"):
+        status, body = request(server_url + "/retrieve", method=method)
+        assert status == 405 and "use POST" in body["error"]
+    with socket.create_connection((host, int(port))) as s:  # not HTTP at all
+        s.sendall(b"this is not a request\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 400") and '{"error": ' in reply
+
+
+def test_200_valid_requests_succeed_while_300_idle_and_slow_connections_are_held(index):
+    """The server's connections cost no thread each, and its header deadline closes the clients that
+    drip or say nothing (bench/retriever_load.py prints the same measurement)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("retriever_load", ROOT / "bench" / "retriever_load.py")
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    url, stop = start_server(index, header_timeout=1.0)
+    try:
+        res = load.run_load(url, [q for q, _ in QUERIES], valid=200, idle=250, slow=50, drip_every=0.3, settle=2.0)
+    finally:
+        stop()
+    assert res["ok"] == 200 and res["p99_s"] < 10.0, res
+    assert res["idle_closed"] == 250 and res["slow_closed"] == 50, res

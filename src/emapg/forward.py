@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from transformers.cache_utils import DynamicCache
 
 from emapg.lm import cache_kwarg, decoder_and_head, head_transform
 from emapg.logprobs import TokenLogprobs, token_logprobs
@@ -46,9 +47,47 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     cache.batch_repeat_interleave(n)  # autograd-tracked: gradients reach the prompt's keys/values
     att = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
     pos = pmask.sum(1, keepdim=True).repeat_interleave(n, 0) + torch.arange(inputs.shape[1], device=inputs.device)
-    h = decoder(input_ids=inputs, attention_mask=att, position_ids=pos, use_cache=True,
-                **{cache_kwarg(decoder): cache}).last_hidden_state
+    # Rows run in groups of similar length, each trimmed to its own longest: padding costs no compute.
+    # Inputs up to a row's last counted position are needed (tool output before it is context).
+    cols = torch.arange(1, resp.shape[1] + 1, device=resp.device)
+    need = (mb.response_mask.bool() * cols).amax(1) - 1  # inputs each row needs
+    groups = _length_groups(need, sliding=any(getattr(cache, "is_sliding", [])))
+    if len(groups) == 1:
+        h = decoder(input_ids=inputs, attention_mask=att, position_ids=pos, use_cache=True,
+                    **{cache_kwarg(decoder): cache}).last_hidden_state
+        return torch.cat([h_first, h], 1)
+    parts, width = [], inputs.shape[1]
+    for rows in groups:
+        w = int(need[rows].max())
+        if w == 0:
+            parts.append(h_first.new_zeros((len(rows), width, h_first.shape[-1])))
+            continue
+        sub = DynamicCache(ddp_cache_data=[(layer.keys[rows], layer.values[rows]) for layer in cache.layers])
+        lp = pmask.shape[1]
+        h = decoder(input_ids=inputs[rows, :w], attention_mask=att[rows, : lp + w], position_ids=pos[rows, :w],
+                    use_cache=True, **{cache_kwarg(decoder): sub}).last_hidden_state
+        parts.append(torch.nn.functional.pad(h, (0, 0, 0, width - w)))
+    order = torch.cat(groups)
+    h = torch.cat(parts)[torch.argsort(order)]
     return torch.cat([h_first, h], 1)
+
+
+GROUP_OVERHEAD_TOKENS = 64  # what one more decoder call costs, in tokens of compute (CPU, small models)
+
+
+def _length_groups(need: Tensor, sliding: bool) -> list[Tensor]:
+    """Row indices split into 1, 2 or 4 groups of similar length (longest first), whichever runs the
+    fewest padded tokens counting a call's overhead; one group for sliding-window caches."""
+    order = torch.argsort(need, descending=True, stable=True)
+    if sliding or need.numel() < 2:
+        return [order]
+    best, best_cost = [order], float(need.max()) * need.numel() + GROUP_OVERHEAD_TOKENS
+    for parts in (2, 4):
+        groups = [g for g in order.chunk(parts) if len(g)]
+        cost = sum(float(need[g].max()) * len(g) + GROUP_OVERHEAD_TOKENS for g in groups)
+        if cost < best_cost:
+            best, best_cost = groups, cost
+    return best
 
 
 def response_logprobs(

@@ -1,27 +1,44 @@
-"""A retrieval server speaking Search-R1's HTTP API (stdlib only).
+"""A retrieval server speaking Search-R1's HTTP API, served by uvicorn (a Starlette app).
 
 ``POST /retrieve`` with ``{"queries": [...], "topk": 3, "return_scores": true}`` answers
 ``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}`` (or ``[[{"id", "contents"}, ...]]``
 without scores), one list per query. ``GET /health`` answers ``{"status": "ok", "documents": N}``.
-Errors are ``{"error": message}`` with a 4xx status (5xx if the retriever itself fails).
+Every error is ``{"error": message}`` with its status: 4xx for the client's (400, 404, 405, 408,
+411, 413), 500 if the retriever itself fails, 503 when the server is at its connection limit.
+
+What a well-kept server does, uvicorn does: one event loop (an idle connection costs a socket, not
+a thread), a cap on concurrent connections (``limit_concurrency``), keep-alive timeouts, bounded
+header sizes. Two deadlines are ours: a request's headers must arrive within ``header_timeout``
+seconds of the connection (or of the previous response) however slowly they drip, and its body
+within ``body_timeout``. Binds loopback unless told otherwise (the server has no authentication).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import socket
 import sys
+import threading
 import time
 import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
+
+import h11
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from emapg.config import ConfigError
 from emapg.retrieval import Retriever
 
-__all__ = ["RetrievalServer", "make_server", "serve"]
+__all__ = ["RetrievalServer", "create_app", "make_server", "serve"]
 
 
 class RequestError(Exception):
@@ -32,178 +49,218 @@ class RequestError(Exception):
         self.status = status
 
 
-class RetrievalServer(ThreadingHTTPServer):
-    """A threaded HTTP server holding the retriever and the request limits."""
-
-    daemon_threads = True
-    request_queue_size = 512
-
-    def __init__(self, address: tuple[str, int], retriever: Retriever, *, max_queries: int, max_query_chars: int,
-                 max_topk: int, max_body_bytes: int, verbose: bool = False):
-        self.retriever = retriever
-        self.max_queries = max_queries
-        self.max_query_chars = max_query_chars
-        self.max_topk = max_topk
-        self.max_body_bytes = max_body_bytes
-        self.verbose = verbose
-        super().__init__(address, _Handler)
+def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-class _RetrievalServer6(RetrievalServer):
-    address_family = socket.AF_INET6
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    if "chunked" in request.headers.get("transfer-encoding", "").lower():
+        raise RequestError(411, "Content-Length required (chunked request bodies are not supported)")
+    length = request.headers.get("content-length")
+    if length is None:
+        raise RequestError(411, "Content-Length required")
+    try:
+        n = int(length)
+        if n < 0:
+            raise ValueError
+    except ValueError:
+        raise RequestError(400, f"invalid Content-Length {length!r}") from None
+    if n > limit:
+        raise RequestError(413, f"request body of {n} bytes is over the limit of {limit}")
+
+    async def read() -> bytes:
+        chunks, got = [], 0
+        async for chunk in request.stream():
+            got += len(chunk)
+            if got > limit:
+                raise RequestError(413, f"request body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise RequestError(408, f"the request body did not arrive within {timeout:g} s") from None
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: RetrievalServer
-    server_version = "emapg-retrieval/1"
-    protocol_version = "HTTP/1.1"  # keep-alive for clients that reuse connections
-    timeout = 60  # seconds an idle kept-alive connection holds its thread
+def _parse(body: bytes, max_queries: int, max_query_chars: int, max_topk: int) -> tuple[list[str], int, bool]:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise RequestError(400, "malformed JSON body: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    if "queries" not in data:
+        raise RequestError(400, "missing field 'queries' (a list of strings)")
+    queries = data["queries"]
+    if not isinstance(queries, list):
+        raise RequestError(400, f"field 'queries' must be a list of strings, got {type(queries).__name__}")
+    if not queries:
+        raise RequestError(400, "field 'queries' is an empty list")
+    if len(queries) > max_queries:
+        raise RequestError(400, f"field 'queries' has {len(queries)} queries; at most {max_queries} per request")
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise RequestError(400, f"field 'queries': item {i} must be a string, got {type(q).__name__}")
+        if len(q) > max_query_chars:
+            raise RequestError(400, f"field 'queries': query {i} has {len(q)} characters; at most {max_query_chars}")
+    topk = data.get("topk", 3)
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= max_topk:
+        raise RequestError(400, f"field 'topk' must be an integer in [1, {max_topk}], got {topk!r}")
+    return_scores = data.get("return_scores", False)
+    if not isinstance(return_scores, bool):
+        raise RequestError(400, f"field 'return_scores' must be true or false, got {return_scores!r}")
+    return queries, topk, return_scores
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
-        if self.server.verbose:
-            super().log_message(format, *args)
 
-    def _send(self, status: int, payload: dict, close: bool = False, headers: dict | None = None) -> None:
-        body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        self.wfile.write(body)
-        if close:
-            self._linger()
+def create_app(retriever: Retriever, *, max_queries: int = 256, max_query_chars: int = 2048, max_topk: int = 50,
+               max_body_bytes: int = 1 << 20, body_timeout: float = 30.0, verbose: bool = False) -> Starlette:
+    """The ASGI app of the retrieval API over ``retriever`` (searched in a worker thread)."""
 
-    def _linger(self, seconds: float = 2.0, limit: int = 16 << 20) -> None:
-        """Discard what the client still sends (bounded) so closing does not reset the connection
-        before the client has read the error response."""
+    async def retrieve(request: Request) -> JSONResponse:
         try:
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_WR)
-            deadline, got = time.monotonic() + seconds, 0
-            while got < limit and (left := deadline - time.monotonic()) > 0:
-                self.connection.settimeout(left)
-                chunk = self.connection.recv(1 << 16)
-                if not chunk:
-                    break
-                got += len(chunk)
-        except OSError:
-            pass
-
-    def _route(self) -> str:
-        path = urlsplit(self.path).path
-        return path.rstrip("/") or "/"
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        route = self._route()
-        if route == "/health":
-            payload: dict = {"status": "ok"}
-            if hasattr(self.server.retriever, "__len__"):
-                payload["documents"] = len(self.server.retriever)  # type: ignore[arg-type]
-            self._send(200, payload)
-        elif route == "/retrieve":
-            self._send(405, {"error": "use POST for /retrieve"}, headers={"Allow": "POST"})
-        else:
-            self._send(404, {"error": f"unknown path {route!r}; the API is POST /retrieve and GET /health"})
-
-    def do_POST(self) -> None:  # noqa: N802
-        route = self._route()
-        if route != "/retrieve":
-            # the body is not read: close the connection rather than parse it as the next request
-            if route == "/health":
-                self._send(405, {"error": "use GET for /health"}, close=True, headers={"Allow": "GET"})
-            else:
-                self._send(404, {"error": f"unknown path {route!r}; the API is POST /retrieve and GET /health"},
-                           close=True)
-            return
-        try:
-            body = self._read_body()
+            body = await _read_body(request, max_body_bytes, body_timeout)
+            queries, topk, return_scores = _parse(body, max_queries, max_query_chars, max_topk)
         except RequestError as e:
-            self._send(e.status, {"error": str(e)}, close=True)
-            return
-        if body is None:  # the client went away mid-body
-            self.close_connection = True
-            return
+            return _error(e.status, str(e))
+        except ClientDisconnect:
+            return _error(400, "the client went away mid-body")
         try:
-            queries, topk, return_scores = self._parse(body)
-        except RequestError as e:
-            self._send(e.status, {"error": str(e)})
-            return
-        try:
-            results = self.server.retriever.search(queries, topk=topk)
+            results = await run_in_threadpool(retriever.search, queries, topk)
         except Exception as e:
             sys.stderr.write(f"emapg retrieval: search failed: {type(e).__name__}: {e}\n")
-            if self.server.verbose:
+            if verbose:
                 traceback.print_exc()
-            self._send(500, {"error": f"retrieval failed: {type(e).__name__}: {e}"})
-            return
+            return _error(500, f"retrieval failed: {type(e).__name__}: {e}")
         if return_scores:
             result = [[{"document": {"id": p.id, "contents": p.contents}, "score": p.score} for p in ps]
                       for ps in results]
         else:
             result = [[{"id": p.id, "contents": p.contents} for p in ps] for ps in results]
-        self._send(200, {"result": result})
+        return JSONResponse({"result": result})
 
-    def _read_body(self) -> bytes | None:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            raise RequestError(411, "Content-Length required (chunked request bodies are not supported)")
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise RequestError(411, "Content-Length required")
-        try:
-            n = int(length)
-            if n < 0:
-                raise ValueError
-        except ValueError:
-            raise RequestError(400, f"invalid Content-Length {length!r}") from None
-        if n > self.server.max_body_bytes:
-            raise RequestError(413, f"request body of {n} bytes is over the limit of {self.server.max_body_bytes}")
-        body = self.rfile.read(n)
-        return body if len(body) == n else None
+    async def health(request: Request) -> JSONResponse:
+        payload: dict = {"status": "ok"}
+        if hasattr(retriever, "__len__"):
+            payload["documents"] = len(retriever)  # type: ignore[arg-type]
+        return JSONResponse(payload)
 
-    def _parse(self, body: bytes) -> tuple[list[str], int, bool]:
-        s = self.server
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        route = request.url.path
+        messages = {404: f"unknown path {route!r}; the API is POST /retrieve and GET /health",
+                    405: f"method {request.method} is not allowed on {route}; use {(exc.headers or {}).get('Allow')}"}
+        return _error(exc.status_code, messages.get(exc.status_code, str(exc.detail)), headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {type(exc).__name__}")
+
+    routes = [Route(path, retrieve, methods=["POST"]) for path in ("/retrieve", "/retrieve/")]
+    routes += [Route(path, health, methods=["GET"]) for path in ("/health", "/health/")]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+class _DeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol with a total deadline for a request's headers, counted from the connection
+    (or from the end of the previous response) whatever the client sends meanwhile: uvicorn's own
+    keep-alive timer restarts on every byte, so a client dripping one byte every few seconds would hold
+    its connection for ever. Malformed requests get the JSON error form too."""
+
+    header_timeout = 10.0
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.header_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._disarm()  # the headers are in: the app's body deadline takes over
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps({"error": msg}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        self.conn = h11.Connection(h11.SERVER)  # the failed parse left the old one in an error state
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            try:
+                self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:
+                break
+        self.transport.close()
+
+
+class RetrievalServer:
+    """uvicorn serving :func:`create_app` on a socket bound at construction (``port=0``: any free one;
+    see ``server_address``). ``serve_forever()`` blocks until ``shutdown()`` (or Ctrl-C)."""
+
+    def __init__(self, address: tuple[str, int], app: Starlette, *, limit_concurrency: int = 1024,
+                 header_timeout: float = 10.0, keep_alive: float = 5.0, backlog: int = 2048, verbose: bool = False):
+        host, port = address
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(data, dict):
-            raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
-        if "queries" not in data:
-            raise RequestError(400, "missing field 'queries' (a list of strings)")
-        queries = data["queries"]
-        if not isinstance(queries, list):
-            raise RequestError(400, f"field 'queries' must be a list of strings, got {type(queries).__name__}")
-        if not queries:
-            raise RequestError(400, "field 'queries' is an empty list")
-        if len(queries) > s.max_queries:
-            raise RequestError(400, f"field 'queries' has {len(queries)} queries; at most {s.max_queries} per request")
-        for i, q in enumerate(queries):
-            if not isinstance(q, str):
-                raise RequestError(400, f"field 'queries': item {i} must be a string, got {type(q).__name__}")
-            if len(q) > s.max_query_chars:
-                raise RequestError(400, f"field 'queries': query {i} has {len(q)} characters; "
-                                        f"at most {s.max_query_chars}")
-        topk = data.get("topk", 3)
-        if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= s.max_topk:
-            raise RequestError(400, f"field 'topk' must be an integer in [1, {s.max_topk}], got {topk!r}")
-        return_scores = data.get("return_scores", False)
-        if not isinstance(return_scores, bool):
-            raise RequestError(400, f"field 'return_scores' must be true or false, got {return_scores!r}")
-        return queries, topk, return_scores
+            self.socket.bind((host, port))
+        except OSError:
+            self.socket.close()
+            raise
+        self.socket.listen(backlog)
+        self.server_address = self.socket.getsockname()
+        protocol = type("DeadlineH11", (_DeadlineH11,), {"header_timeout": header_timeout})
+        config = uvicorn.Config(app, http=protocol, lifespan="off", limit_concurrency=limit_concurrency,
+                                timeout_keep_alive=keep_alive, backlog=backlog, access_log=verbose,
+                                log_level="info" if verbose else "warning", ws="none")
+        self.server = uvicorn.Server(config)
+        self._done = threading.Event()
+
+    def serve_forever(self, poll_interval: float | None = None) -> None:
+        try:
+            self.server.run(sockets=[self.socket])
+        finally:
+            self._done.set()
+
+    def shutdown(self) -> None:
+        self.server.should_exit = True
+        self._done.wait(10)
+
+    def server_close(self) -> None:
+        self.socket.close()
 
 
 def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 0, *, max_queries: int = 256,
                 max_query_chars: int = 2048, max_topk: int = 50, max_body_bytes: int = 1 << 20,
+                body_timeout: float = 30.0, header_timeout: float = 10.0, limit_concurrency: int = 1024,
                 verbose: bool = False) -> RetrievalServer:
     """A bound (not yet serving) retrieval server; ``port=0`` takes any free port (see ``server_address``)."""
-    cls = _RetrievalServer6 if ":" in host else RetrievalServer
-    return cls((host, port), retriever, max_queries=max_queries, max_query_chars=max_query_chars, max_topk=max_topk,
-               max_body_bytes=max_body_bytes, verbose=verbose)
+    app = create_app(retriever, max_queries=max_queries, max_query_chars=max_query_chars, max_topk=max_topk,
+                     max_body_bytes=max_body_bytes, body_timeout=body_timeout, verbose=verbose)
+    return RetrievalServer((host, port), app, limit_concurrency=limit_concurrency, header_timeout=header_timeout,
+                           verbose=verbose)
 
 
 def _is_loopback(host: str) -> bool:
@@ -250,8 +307,9 @@ def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, v
         if not _is_loopback(host):
             print(f"emapg retrieval: warning: --allow-remote: bound to {host}, reachable from the network "
                   "(no authentication)", file=sys.stderr, flush=True)
+        started = time.monotonic()
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        if verbose:
+            print(f"emapg retrieval: stopped after {time.monotonic() - started:.0f} s", file=sys.stderr)
     finally:
         server.server_close()
