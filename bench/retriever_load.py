@@ -101,7 +101,8 @@ def main() -> None:
         server = make_server(BM25Index.load(Path(tmp) / "index"), "127.0.0.1", 0, header_timeout=args.header_timeout)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
-        url = "http://%s:%d" % server.server_address[:2]
+        host, port = server.server_address[:2]
+        url = f"http://{host}:{port}"
         time.sleep(0.5)
         queries = [r["text"][:60] for r in kb["corpus"]]
         res = run_load(url, queries, args.valid, args.idle, args.slow, settle=args.header_timeout + 1.0)
