@@ -85,13 +85,13 @@ def test_a_prompt_longer_than_the_context_is_refused_or_cut_before_the_first_ste
     from emapg.trainer import Trainer
 
     data = tmp_path / "train.jsonl"
-    rows = [{"problem": "What is 1 + 1?", "answer": "2"}, {"problem": "x " * 50_000, "answer": "3"}]
+    rows = [{"problem": "What is 1 + 1?", "answer": "2"}, {"problem": "x " * 100_000, "answer": "3"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(SMOKE, ["task=math", f"task_args={{train_file: {data}, eval_file: {data}}}", "eval.size=0",
                               "export=false", f"long_prompts={mode}"])
     t0 = time.perf_counter()
     if mode == "error":
-        with pytest.raises(ConfigError, match=r"train.jsonl, line 2: the prompt has \d+ tokens.*context of 512"):
+        with pytest.raises(ConfigError, match=r"train.jsonl, line 2: the prompt has \d+ tokens.*context of 2048"):
             Trainer(cfg, tmp_path / "run", progress=False)
         assert time.perf_counter() - t0 < 60  # found before any step, not after minutes of decoding
         return
@@ -100,7 +100,7 @@ def test_a_prompt_longer_than_the_context_is_refused_or_cut_before_the_first_ste
     from emapg.rollout.sampling import format_prompt
 
     longest = max(len(format_prompt(tr.tokenizer, ex.messages)) for pool in tr.task.prompt_pools() for ex in pool)
-    assert longest + cfg.rollout.max_new_tokens <= 512
+    assert longest + cfg.rollout.max_new_tokens <= 2048
     short, cut = tr.task.prompt_pools()[0]
     assert short.messages[-1]["content"].startswith("What is 1 + 1?\n")  # short ones untouched
     assert "[...]" in cut.messages[-1]["content"] and cut.messages[-1]["content"].endswith("\\boxed{}.")

@@ -186,7 +186,7 @@ def has_checkpoint(run_dir: Path) -> bool:
     return bool(resume_candidates(run_dir))
 
 
-STATE_KEYS = ("step", "skipped_steps", "scheduler", "optimizer")
+STATE_KEYS = ("step", "optimizer")  # what save_checkpoint itself writes; the trainer checks its own
 
 
 def _read_state(path: Path) -> dict[str, Any]:

@@ -95,7 +95,7 @@ def tiny_model(kind: str = "llama", vocab_size: int = 512, seed: int = 0) -> nn.
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=True)
     torch.manual_seed(seed)
     if kind == "llama":

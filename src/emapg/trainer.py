@@ -216,6 +216,9 @@ class Trainer:
                 missing = sorted(names - set(ckpt["policy"]))
                 if missing:
                     raise CheckpointError(f"{path / 'policy.safetensors'} is damaged: no {', '.join(missing[:3])}")
+                absent = [k for k in ("skipped_steps", "scheduler") if k not in ckpt["state"]]
+                if absent:
+                    raise CheckpointError(f"{path / 'state.json'} is damaged: no {', '.join(absent)}")
             except CheckpointError as e:
                 damaged.append(str(e))
                 if self.main:
