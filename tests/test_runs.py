@@ -106,3 +106,29 @@ def test_a_regular_install_runs_a_shipped_recipe_by_name_from_another_folder(tmp
                           "eval.size=0", "export=false"], cwd=work, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (work / "run" / "checkpoints").is_dir()
+
+
+def test_ctrl_c_stops_with_one_line_that_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    import emapg.trainer as trainer_mod
+
+    out = tmp_path / "run"
+    real = trainer_mod.Trainer.train_step
+
+    def interrupted(self, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", interrupted)
+    assert train("--config", str(SMOKE), "--out", str(out), "steps=3", "save_every=1", "eval.size=0",
+                 "export=false") == 130
+    err = capsys.readouterr().err
+    assert f"the run stopped at step 1; resume with: emapg train --resume {out}" in err and "Traceback" not in err
+
+
+def test_a_folder_that_cannot_be_written_is_a_message(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert train("--config", str(SMOKE), "--out", str(blocker / "run"), *FAST) == 2
+    err = capsys.readouterr().err
+    assert "emapg: error:" in err and "Not a directory" in err and "Traceback" not in err
