@@ -5,7 +5,8 @@ in value and gradient (a test checks it):
 
 * ``prefix_sharing=True`` (default): each distinct prompt runs once; its key/value cache is
   repeated for its n responses, and gradients flow back through the cache into the prompt.
-  With n = 4 and prompts longer than responses this skips most of the compute.
+  With n = 4 and prompts longer than responses this skips most of the compute. The responses
+  then run in groups of similar length, each trimmed to its own longest (padding costs nothing).
 * ``prefix_sharing=False``: the plain full-sequence forward, prompt repeated n times.
 
 Logits are never formed for prompt positions, nor for padding: hidden states of the response
