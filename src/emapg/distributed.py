@@ -80,7 +80,11 @@ def init(device: str = "auto") -> DistInfo:
 
 
 def shutdown() -> None:
+    """Leave the process group together: a rank that tears gloo down while another still works (rank 0
+    writing files after the last collective) can abort the other (seen as SIGABRT, "terminate called
+    without an active exception")."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -51,7 +51,7 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     # Rows run in groups of similar length, each trimmed to its own longest: padding costs no compute.
     # Inputs up to a row's last counted position are needed (tool output before it is context).
     cols = torch.arange(1, resp.shape[1] + 1, device=resp.device)
-    need = (mb.response_mask.bool() * cols).amax(1) - 1  # inputs each row needs
+    need = ((mb.response_mask.bool() * cols).amax(1) - 1).clamp(min=0)  # inputs each row needs (0: none)
     groups = _length_groups(need, sliding=any(getattr(cache, "is_sliding", [])))
     if len(groups) == 1:
         h = decoder(input_ids=inputs, attention_mask=att, position_ids=pos, use_cache=True,
