@@ -34,10 +34,12 @@ _INT = re.compile(r"-?\d+")
 
 
 def step_examples(task, seed: int, steps: int):
-    """The prompts emapg's trainer draws at steps 1..steps (Trainer._step_seed)."""
+    """The prompts emapg's trainer draws at steps 1..steps."""
+    from emapg.trainer import step_seed
+
     out = []
     for step in range(1, steps + 1):
-        out += task.train_examples(random.Random(seed * 1_000_003 + step), PROMPTS)
+        out += task.train_examples(random.Random(step_seed(seed, step)), PROMPTS)
     return out
 
 

@@ -24,10 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-
-def _local(t: Tensor) -> Tensor:
-    """The tensor this rank holds: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
+from emapg import distributed
 
 
 def _averaged_tensors(model: nn.Module, lora: bool) -> dict[str, Tensor]:
@@ -79,7 +76,7 @@ class EMAAnchor:
         # tensor already has that precision, it holds the average in place (no second copy).
         self.average: dict[str, Tensor] = {}
         for n, t in src.items():
-            local = _local(t).detach()
+            local = distributed.local(t).detach()
             precise = torch.promote_types(local.dtype, torch.float32)
             self.average[n] = local if local.dtype == precise and mode == "full" else local.to(precise).clone()
 
@@ -104,7 +101,7 @@ class EMAAnchor:
             return
         src = _averaged_tensors(model, self.mode == "lora")
         for name, avg in self.average.items():
-            avg.lerp_(_local(src[name]).detach().to(avg.dtype), 1.0 - self.eta)
+            avg.lerp_(distributed.local(src[name]).detach().to(avg.dtype), 1.0 - self.eta)
         self._sync_module()
 
     @torch.no_grad()
@@ -112,7 +109,7 @@ class EMAAnchor:
         if self.module is None:
             return
         for name, t in _averaged_tensors(self.module, False).items():
-            local = _local(t)
+            local = distributed.local(t)
             if local.data_ptr() != self.average[name].data_ptr():
                 local.copy_(self.average[name])
 
@@ -127,16 +124,16 @@ class EMAAnchor:
             yield self.module
             return
         params = _averaged_tensors(policy, True)
-        saved = {n: _local(p).detach().clone() for n, p in params.items()}
+        saved = {n: distributed.local(p).detach().clone() for n, p in params.items()}
         try:
             with torch.no_grad():
                 for n, p in params.items():
-                    _local(p).copy_(self.average[n])
+                    distributed.local(p).copy_(self.average[n])
             yield policy
         finally:
             with torch.no_grad():
                 for n, p in params.items():
-                    _local(p).copy_(saved[n])
+                    distributed.local(p).copy_(saved[n])
 
     def state_dict(self) -> dict[str, Tensor]:
         """The fp32 average (whole tensors, gathered from the shards: collective when sharded),

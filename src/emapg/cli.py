@@ -146,7 +146,7 @@ def cmd_index_build(args: argparse.Namespace) -> int:
 
     fields = json.loads(args.fields) if args.fields else None
     meta = build_index(args.corpus, args.out, fields=fields)
-    print(f"emapg index: {meta.get('documents', meta.get('num_documents'))} passages indexed into {args.out}",
+    print(f"emapg index: {meta['documents']} passages indexed into {args.out}",
           file=sys.stderr)
     return 0
 

@@ -207,15 +207,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if not _multi():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 # ---- whole tensors from shards and back --------------------------------------------------------
+
+def local(t: Tensor) -> Tensor:
+    """The tensor this rank holds: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole(t: Tensor) -> Tensor:
+    """The full tensor of a DTensor (an all-gather: collective), the tensor itself otherwise."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
 
 
 def full_tensor(local: Tensor, like: Tensor) -> Tensor:

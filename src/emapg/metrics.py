@@ -20,18 +20,16 @@ PLOTS = {
 class MetricsWriter:
     """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # Drop rows past the checkpoint we resume from: those steps are re-run.
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             write_text_atomic(self.path, "".join(line + "\n" for line in kept))  # a kill keeps the old file
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step)
+        self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step)
 
     def write(self, row: dict[str, Any]) -> None:
         with open(self.path, "a") as f:

@@ -68,6 +68,12 @@ def _scatter(values: Tensor, mask: Tensor) -> Tensor:
 
 
 RANK_SEED_STRIDE = 7919  # rank r samples with seed + r * stride; rank 0 (and a single process) with seed
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of step ``step`` of a run seeded ``seed``: its prompts and torch's draws (a resumed run
+    replays them)."""
+    return seed * 1_000_003 + step
 SUM_STATS = ("pg_loss", "kl", "clip_frac", "dual_clip_frac", "tokens", "kl_to_init")
 
 
@@ -273,7 +279,7 @@ class Trainer:
     # ---- one training step ---------------------------------------------------------------------
 
     def _step_seed(self, step: int) -> int:
-        return self.cfg.seed * 1_000_003 + step
+        return step_seed(self.cfg.seed, step)
 
     def rollout(self, step: int) -> RolloutBatch:
         cfg, r = self.cfg, self.cfg.rollout
@@ -427,7 +433,7 @@ class Trainer:
                 norm = torch.tensor(math.nan)
                 if finite:
                     norm = torch.nn.utils.clip_grad_norm_(self.params, a.max_grad_norm)
-                    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                    norm = distributed.whole(norm)
                 if not finite or not torch.isfinite(norm):
                     skipped += 1  # a non-finite loss or gradient: drop this update, keep training
                     self.optimizer.zero_grad(set_to_none=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -213,22 +212,3 @@ class BM25Index:
             results.append([Passage(self._ids[i], self._titles[i], self._texts[i], float(scores[i]))
                             for i in cand.tolist() if scores[i] > 0])
         return results
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m emapg.retrieval.bm25 CORPUS OUT``: build an index and print its metadata."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m emapg.retrieval.bm25", description=main.__doc__)
-    ap.add_argument("corpus", help="JSONL/JSON/Parquet corpus with id, title (optional) and text fields")
-    ap.add_argument("out", help="index folder to write")
-    args = ap.parse_args(argv)
-    try:
-        meta = build_index(args.corpus, args.out)
-    except (DataError, FileExistsError) as e:
-        sys.exit(f"error: {e}")
-    print(json.dumps(meta, indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from emapg.distributed import whole
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
 from emapg.rollout.sampling import Sampled, format_prompt, pad_left, stream_seed
 from emapg.tasks.base import Example
@@ -113,13 +114,6 @@ def vllm_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _whole(t: Tensor) -> Tensor:
-    """The full tensor of an FSDP2 (DTensor) parameter (an all-gather), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def policy_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """The policy's weights as (checkpoint name, full tensor), one at a time, for a plain, FSDP2-sharded
     or PEFT LoRA model. LoRA layers yield base + scaling * B @ A (no adapter tensors); the model
@@ -128,14 +122,14 @@ def policy_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     for name, param in model.named_parameters():
         if ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name:
             continue
-        full = _whole(param.detach())
+        full = whole(param.detach())
         if name.endswith(".base_layer.weight"):
             layer = modules[name.removesuffix(".base_layer.weight")]
             for adapter in getattr(layer, "active_adapters", []):
                 if adapter not in layer.lora_A:
                     continue
-                a = _whole(layer.lora_A[adapter].weight.detach())
-                b = _whole(layer.lora_B[adapter].weight.detach())
+                a = whole(layer.lora_A[adapter].weight.detach())
+                b = whole(layer.lora_B[adapter].weight.detach())
                 delta = (b.float() @ a.float()) * layer.scaling[adapter]
                 if getattr(layer, "fan_in_fan_out", False):
                     delta = delta.T
