@@ -19,13 +19,9 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache
 
-from emapg.lm import cache_kwarg, decoder_and_head, head_transform
+from emapg.lm import cache_kwarg, decoder_and_head, head_transform, positions
 from emapg.logprobs import TokenLogprobs, token_logprobs
 from emapg.rollout.batch import RolloutBatch
-
-
-def _positions(mask: Tensor) -> Tensor:
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = True) -> Tensor:
@@ -37,10 +33,10 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     if not prefix_sharing:
         full_ids = torch.cat([mb.prompt_ids.repeat_interleave(n, 0), inputs], 1)
         full_mask = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
-        h = decoder(input_ids=full_ids, attention_mask=full_mask, position_ids=_positions(full_mask),
+        h = decoder(input_ids=full_ids, attention_mask=full_mask, position_ids=positions(full_mask),
                     use_cache=False).last_hidden_state
         return h[:, pmask.shape[1] - 1 :]
-    out = decoder(input_ids=mb.prompt_ids, attention_mask=pmask, position_ids=_positions(pmask), use_cache=True)
+    out = decoder(input_ids=mb.prompt_ids, attention_mask=pmask, position_ids=positions(pmask), use_cache=True)
     h_first = out.last_hidden_state[:, -1:].repeat_interleave(n, 0)  # left padding: last column is real
     if inputs.shape[1] == 0:
         return h_first

@@ -3,10 +3,12 @@ output projection, and the name its forward gives the key/value cache."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from emapg.config import ConfigError
 from emapg.logprobs import HeadTransform, head_logits
@@ -22,6 +24,24 @@ def cache_kwarg(module: nn.Module) -> str:
     """``cache`` or ``past_key_values``: transformers 5.x renamed the latter (deprecated, then removed)."""
     params = inspect.signature(type(module).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def positions(mask: Tensor) -> Tensor:
+    """Position ids [B, L] of a 0/1 attention mask: each real token's count of real tokens before it
+    (0 on masked columns), as ``generate`` computes them; padding may stand anywhere."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every module of ``model`` in eval mode inside the block; each module's own flag restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def set_pass_mode(model: nn.Module, grad: bool, lora_dropout: bool = False) -> None:
@@ -64,15 +84,10 @@ def check_lean_head(model: nn.Module, name: str) -> None:
     decoder, head = decoder_and_head(model)
     vocab = head.weight.shape[0]
     ids = torch.arange(8, device=head.weight.device).view(1, 8) * 7919 % vocab
-    was = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
+    with eval_mode(model):
         want = model(input_ids=ids).logits[0].float()
         hidden = decoder(input_ids=ids).last_hidden_state[0]
         got = head_logits(hidden, head.weight, getattr(head, "bias", None), 1.0, head_transform(model)).float()
-    finally:
-        for m, flag in was:
-            m.training = flag
     err = float((torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max())
     if not err <= 1e-3 * max(1.0, float(want.abs().max())):
         cfg = getattr(model, "config", None)

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from emapg.config import ConfigError, TrainConfig, load_config, save_config, to_dict
+from emapg.metrics import PLOTS
 
 MARKER = ".emapg-run"
 # What a run writes into its folder (removed when a run that never checkpointed starts again;
 # anything else there, such as emapg compare's log of the run, stays).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "resumes.jsonl", "tensorboard", "checkpoints", "export", "vllm",
-             "eval.json", "eval.md", "reward.png", "accuracy.png", "kl.png", "entropy.png")
+             "eval.json", "eval.md", *(f"{name}.png" for name in PLOTS))
 # What a resume may change without altering the steps it replays: how long, how often to save or
 # evaluate, how to export, how many threads.
 REPLAY_SAFE = ("steps", "save_every", "keep_checkpoints", "export", "threads", "eval.")

@@ -126,7 +126,7 @@ class Trainer:
         # eta = 1 since step 0: the anchor is the initial policy, so it serves for kl_to_init too (and its
         # final evaluation is the step-0 one). A resumed run asks its checkpoint whether that still holds
         # (a run resumed with eta = 1 after steps at eta < 1 has an anchor that moved).
-        _, ckpt = self._intact_checkpoint() if resume else (None, None)
+        ckpt = self._intact_checkpoint() if resume else None
         since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
         self.anchor_is_initial = cfg.algo.eta == 1.0 and since_start
         own_init = cfg.log_kl_to_init and not self.anchor_is_initial
@@ -211,8 +211,8 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
-    def _intact_checkpoint(self) -> tuple[Path, dict[str, Any]]:
-        """The newest checkpoint of the run folder that reads whole, and its contents. A damaged one (a
+    def _intact_checkpoint(self) -> dict[str, Any]:
+        """The contents of the newest checkpoint of the run folder that reads whole. A damaged one (a
         truncated tensor file, garbage JSON, a missing key) is named in a warning and skipped."""
         names = set(self.model.state_dict()) - self._tied_names()  # before sharding: plain names
         damaged = []
@@ -232,7 +232,7 @@ class Trainer:
                 continue
             if damaged and self.main:
                 print(f"emapg: warning: resuming from {path} (step {ckpt['state']['step']})", file=sys.stderr)
-            return path, ckpt
+            return ckpt
         why = "; ".join(damaged) if damaged else "the run folder holds no checkpoint"
         raise CheckpointError(f"--resume {self.run_dir}: no intact checkpoint to resume ({why})")
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from emapg.lm import cache_kwarg, decoder_and_head
+from emapg.lm import cache_kwarg, decoder_and_head, positions
 from emapg.rollout.sampling import Sampled, draw, step_stats, warp
 
 
@@ -84,10 +84,6 @@ def _reserve(cache, spare: int) -> None:
 COMPACT_BELOW = 0.875
 
 
-def _positions(mask: Tensor) -> Tensor:
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-
-
 @dataclass
 class KVState:
     """The key/value cache of B rows. mask: [B, C] 1 on the cache columns holding a row's real tokens;
@@ -112,7 +108,7 @@ class KVState:
 def _forward(model: nn.Module, ids: Tensor, mask: Tensor, cache) -> Tensor:
     """One forward of new columns ``ids`` [B, T], appended to ``cache``; ``mask`` [B, C + T] covers the
     cache's columns and these. Returns the fp32 logits at the last column [B, V]."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)[:, -ids.shape[1] :],
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)[:, -ids.shape[1] :],
                 use_cache=True, logits_to_keep=1, **{cache_kwarg(decoder_and_head(model)[0]): cache})
     return out.logits[:, -1].to(copy=True, dtype=torch.float32)
 

@@ -9,26 +9,13 @@ the tail mass top-p removed: no extra forward pass (spec section 5), and only on
 
 from __future__ import annotations
 
-import contextlib
-
 from torch import Tensor, nn
 
+from emapg.lm import eval_mode
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
 from emapg.rollout.decode import KVState, decode, prefill
 from emapg.rollout.sampling import Sampled, eos_ids, format_prompt, pad_left
 from emapg.tasks.base import Example
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module):
-    """Sampling runs without dropout; each module's own flag is restored after."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 def _repeat_runs(rows: list[list[int]]) -> int:
@@ -98,7 +85,7 @@ class HFSampler:
         else:
             self.state = None  # free the old cache before the new prefill
             ids, mask, state = _fresh_inputs(contexts, pad, self.model, self.prefix_sharing, self.device)
-        with _eval_mode(self.model):
+        with eval_mode(self.model):
             out, self.state = decode(self.model, ids, mask, state, max_new_tokens=max_new_tokens,
                                      keep_state=self.reuse_cache, **self.kw)
         return out
