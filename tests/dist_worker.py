@@ -50,8 +50,19 @@ def fixed_batch(vocab: int = 259, prompts: int = 4, n: int = 2, k: int = 4) -> R
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
     return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                         response_mask=response_mask * torch.ones_like(response_mask), samp_logp=samp_logp, n=n,
-                        samp_topk=samp_topk, tail_lost=torch.zeros((b, lr)), entropy=torch.rand((b, lr), generator=g),
+                        samp_topk=samp_topk, top_p_cut=torch.zeros((b, lr)), entropy=torch.rand((b, lr), generator=g),
                         truncated=lengths == lr, rewards=rewards, advantages=group_advantages(rewards, n, "grpo"))
+
+
+def rank_share(batch: RolloutBatch, prompts: list[int]) -> RolloutBatch:
+    """The rows of some prompts (not a contiguous run: a rank's share of every mini-batch)."""
+    rows = torch.tensor([p * batch.n + j for p in prompts for j in range(batch.n)])
+    pick = lambda t: None if t is None else t[rows]  # noqa: E731
+    return RolloutBatch(prompt_ids=batch.prompt_ids[prompts], prompt_mask=batch.prompt_mask[prompts],
+                        response_ids=pick(batch.response_ids), response_mask=pick(batch.response_mask),
+                        samp_logp=pick(batch.samp_logp), n=batch.n, samp_topk=pick(batch.samp_topk),
+                        top_p_cut=pick(batch.top_p_cut), entropy=pick(batch.entropy), truncated=pick(batch.truncated),
+                        rewards=pick(batch.rewards), advantages=pick(batch.advantages))
 
 
 def cmd_update(out: Path, overrides: list[str]) -> None:
@@ -59,7 +70,7 @@ def cmd_update(out: Path, overrides: list[str]) -> None:
     tr = Trainer(cfg, out / "run", progress=False)
     rank, world = tr.dist.rank, tr.dist.world
     batch = fixed_batch()
-    mine = batch.micro_batch(rank_prompts(batch.num_prompts, cfg.mini_batch_prompts or cfg.prompts_per_step,
+    mine = rank_share(batch, rank_prompts(batch.num_prompts, cfg.mini_batch_prompts or cfg.prompts_per_step,
                                           world, rank))
     grads: dict[str, torch.Tensor] = {}
     original_step = tr.optimizer.step

@@ -12,10 +12,11 @@ import emapg.rollout.decode as decode_mod
 from emapg.forward import response_logprobs
 from emapg.models import load_model
 from emapg.retrieval import Passage
-from emapg.rollout.agent import AgentConfig, rollout_model
+from emapg.rollout.agent import rollout_model
 from emapg.rollout.hf import HFSampler, generate
 from emapg.rollout.sampling import draw, eos_ids, format_prompt, pad_left
 from emapg.tasks import make_task
+from emapg.tasks.base import AgentConfig
 
 
 def _examples(n=3):
@@ -64,11 +65,11 @@ def test_decode_loop_draws_what_generate_draws_and_records_its_statistics(kind, 
                     greedy=greedy, prefix_sharing=False)
     assert torch.equal(ours.response_ids, ref[0])
     valid = ours.response_mask.bool()
-    for got, want in ((ours.samp_logp, ref[1]), (ours.entropy, ref[2]), (ours.tail_lost, ref[3])):
+    for got, want in ((ours.samp_logp, ref[1]), (ours.entropy, ref[2]), (ours.top_p_cut, ref[3])):
         torch.testing.assert_close(got[valid], want[valid], atol=1e-6, rtol=1e-6)
     assert torch.equal(ours.samp_topk[valid], ref[4][valid])
     if top_p < 1.0:
-        assert float(ours.tail_lost[valid].max()) > 0.01  # top-p did cut mass here
+        assert float(ours.top_p_cut[valid].max()) > 0.01  # top-p did cut mass here
 
 
 def test_finished_rows_leaving_the_batch_change_nothing(monkeypatch):
@@ -84,7 +85,7 @@ def test_finished_rows_leaving_the_batch_change_nothing(monkeypatch):
         assert torch.equal(getattr(out[0], name), getattr(out[1], name))
     valid = out[0].response_mask.bool()  # what a finished row records after its end is not kept
     assert torch.equal(out[0].samp_topk[valid], out[1].samp_topk[valid])
-    for name in ("samp_logp", "entropy", "tail_lost"):
+    for name in ("samp_logp", "entropy", "top_p_cut"):
         torch.testing.assert_close(getattr(out[0], name)[valid], getattr(out[1], name)[valid], atol=1e-5, rtol=1e-5)
 
 
@@ -95,7 +96,7 @@ def test_recorded_statistics_equal_the_training_pass_and_the_untruncated_policy_
     valid = batch.response_mask.bool()
     st = response_logprobs(model, batch, temperature=0.8, k_self=6)
     # the nucleus renormalises: log pi_samp(y) = log pi(y) - log(1 - tail) for every sampled token
-    tail = batch.tail_lost[valid]
+    tail = batch.top_p_cut[valid]
     assert float(tail.max()) > 0.01
     torch.testing.assert_close(batch.samp_logp[valid], st.logp_tok - torch.log1p(-tail), atol=1e-5, rtol=1e-5)
     # the nucleus keeps the most likely tokens, so the sampler's top-k are the policy's top-k where the
@@ -108,7 +109,7 @@ def test_recorded_statistics_equal_the_training_pass_and_the_untruncated_policy_
     st = response_logprobs(model, plain, temperature=0.8, k_self=6)
     torch.testing.assert_close(plain.samp_logp[valid], st.logp_tok, atol=1e-5, rtol=1e-5)
     assert torch.equal(plain.samp_topk[valid], st.topk_ids)
-    assert float(plain.tail_lost.abs().max()) == 0.0
+    assert float(plain.top_p_cut.abs().max()) == 0.0
 
 
 def test_a_row_that_stops_without_eos_is_not_ended_by_padding_when_pad_is_eos():
@@ -150,7 +151,7 @@ def test_multi_turn_cache_equals_re_reading_the_context(greedy, monkeypatch):
     # stopped turn a search, so episodes run several turns of different lengths.
     monkeypatch.setattr(agent_mod, "STOPS", [chr(c) for c in range(33, 127)])
     monkeypatch.setattr(agent_mod, "SEARCH_RE", re.compile(r"(.+)", re.S))
-    cfg = AgentConfig(max_turns=3, topk=1, max_turn_tokens=8, max_total_tokens=90, max_info_tokens=20)
+    cfg = AgentConfig(max_turns=3, passages=1, max_turn_tokens=8, max_total_tokens=90, max_info_tokens=20)
     fed: list[int] = []
     forward = model.forward
 

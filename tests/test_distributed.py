@@ -88,7 +88,9 @@ def test_cli_nproc_runs_a_whole_run(tmp_path):
          "--out", str(out), "steps=2", "eval.size=6", "threads=2"],
         env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "| policy" in proc.stdout or "policy" in proc.stdout
+    table = (out / "eval.md").read_text()
+    assert table in proc.stdout and "| policy |" in table and "| anchor |" in table  # printed once, from rank 0
+    assert proc.stdout.count("| policy |") == 1
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "eval/anchor_accuracy" in rows[-1]

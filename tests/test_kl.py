@@ -228,8 +228,13 @@ def lean_from_logits(policy_logits, anchor_logits, tokens, estimator, k, samplin
         policy_logp_q=gather(logp, q), anchor_logp_q=gather(loga, q), in_q=(q == tok).any(-1), form=form)
 
 
-@pytest.mark.parametrize("estimator", kl.ESTIMATORS)
-@pytest.mark.parametrize("form", kl.FORMS)
+# Estimators with an exact head, in each form that differs. A purely sampled estimator's two forms
+# evaluate the same declared term on the same two numbers; the enumeration tests above prove those.
+HEAD_CASES = [(name, form) for name, est in kl.ESTIMATORS.items() if est.head != "none"
+              for form in (kl.FORMS if est.paper else ("unbiased",))]
+
+
+@pytest.mark.parametrize("estimator,form", HEAD_CASES)
 @pytest.mark.parametrize("off_policy", [False, True])
 def test_lean_form_equals_reference_form(estimator, form, off_policy):
     g = torch.Generator().manual_seed(1)

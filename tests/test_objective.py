@@ -2,8 +2,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from emapg import objective as obj
 
@@ -66,28 +64,7 @@ def test_masked_positions_contribute_nothing():
         (g,) = torch.autograd.grad(loss, v)
         assert torch.all(g[m == 0] == 0)
         v2 = v.detach().clone()
-        v2[m == 0] = float("nan")
-        assert torch.isfinite(obj.aggregate(torch.nan_to_num(v2, nan=0.0), m, mode, max_len=5))
-
-
-@settings(max_examples=25, deadline=None)
-@given(B=st.integers(2, 8), L=st.integers(1, 6), micro=st.integers(1, 4), seed=st.integers(0, 1000),
-       mode=st.sampled_from(obj.AGG_MODES))
-def test_gradient_accumulation_equals_one_big_batch(B, L, micro, seed, mode):
-    g = torch.Generator().manual_seed(seed)
-    logp = torch.randn(B, L, generator=g, dtype=torch.float64, requires_grad=True)
-    old = logp.detach() + 0.1 * torch.randn(B, L, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, generator=g, dtype=torch.float64)
-    mask = (torch.rand(B, L, generator=g) > 0.3).to(torch.float64)
-    mask[:, 0] = 1
-    counts = dict(num_tokens=mask.sum().item(), num_seqs=B, max_len=L)
-
-    def loss_of(sl):
-        pg = obj.clipped_surrogate(logp[sl], old[sl], adv[sl]).loss
-        return obj.total_loss(pg, (logp[sl] - 0.2).exp(), mask[sl], 0.05, mode, **counts)[0]
-
-    (g_full,) = torch.autograd.grad(loss_of(slice(None)), logp)
-    total = sum(loss_of(slice(i, i + micro)) for i in range(0, B, micro))
-    (g_acc,) = torch.autograd.grad(total, logp)
-    torch.testing.assert_close(total, loss_of(slice(None)))
-    torch.testing.assert_close(g_acc, g_full)
+        v2[m == 0] = float("nan")  # a NaN where masked (a padded position) changes nothing
+        v2[0, 2] = float("inf")
+        torch.testing.assert_close(obj.aggregate(v2, m, mode, max_len=5), obj.aggregate(v.detach() * m, m, mode,
+                                                                                          max_len=5))

@@ -1,17 +1,22 @@
+import inspect
 from pathlib import Path
 
 import pytest
 
 from emapg.config import load_config
+from emapg.kl import ESTIMATORS
 from emapg.rewards import normalize_answer, qa_em, qa_f1
+from emapg.tasks import TASKS
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads_and_validates(recipe):
-    cfg = load_config(recipe)
-    assert cfg.steps > 0 and cfg.algo.kl
+    cfg = load_config(recipe)  # validation ran: the estimator, form, ranges and task are known
+    assert cfg.steps > 0 and cfg.algo.kl in ESTIMATORS and cfg.task in TASKS
+    # every task argument is one the task takes (building it would need the search recipes' files)
+    assert set(cfg.task_args) <= set(inspect.signature(TASKS[cfg.task]).parameters)
 
 
 def test_math_recipe_is_the_papers_setup():

@@ -14,6 +14,8 @@ import torch
 
 from emapg.checkpoint import has_checkpoint, latest_checkpoint, load_checkpoint
 from emapg.config import load_config
+from emapg.kl import token_kl
+from emapg.lm import positions
 from emapg.metrics import read_metrics
 from emapg.trainer import Trainer
 
@@ -67,15 +69,17 @@ def test_frozen_anchor_is_the_initial_model(tmp_path):
     assert torch.equal(tr.anchor.module.model.layers[0].mlp.up_proj.weight, w0)
 
 
-def test_frozen_anchor_reuses_the_initial_policy(tmp_path):
+def test_frozen_anchor_reuses_the_initial_policy(tmp_path, monkeypatch):
     """eta = 1: no second frozen copy for kl_to_init and no second evaluation of the initial model;
     both reuse the anchor's numbers, which must equal what the separate passes would give."""
     tr = Trainer(cfg("algo.eta=1.0", "algo.kl=k3", "log_kl_to_init=true", "steps=2"), tmp_path, progress=False)
     assert tr.init_anchor is None
+    evaluations = _anchor_evaluations(tr, monkeypatch)
     table = tr.train()
     rows = read_metrics(tmp_path)
     assert all(r["kl_to_init"] == pytest.approx(r["kl"], rel=1e-6) for r in rows[1:])  # same k3, same anchor
     assert table["anchor"]["accuracy"] == table["init"]["accuracy"]
+    assert evaluations == ["policy", "policy"]  # step 0 and the end: the anchor's was not run again
     assert tr.evaluate("anchor") == tr.initial_eval  # what the skipped evaluation would have returned
     # with eta < 1 the initial policy keeps its own frozen copy
     assert Trainer(cfg("algo.eta=0.9", "log_kl_to_init=true"), tmp_path / "b", progress=False).init_anchor is not None
@@ -280,20 +284,68 @@ def test_cli_train_and_resume(tmp_path):
     assert res.returncode == 2 and "algo.eta: must be in (0, 1]" in res.stderr
 
 
+def full_logits(model, batch, temperature):
+    """[B, L, V] float64 logits at the response positions from a plain forward of prompt + response
+    (independent of emapg's chunked, prefix-shared passes)."""
+    n = batch.n
+    ids = torch.cat([batch.prompt_ids.repeat_interleave(n, 0), batch.response_ids], 1)
+    att = torch.cat([batch.prompt_mask.repeat_interleave(n, 0), torch.ones_like(batch.response_ids)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=att, position_ids=positions(att)).logits.double()
+    lp = batch.prompt_ids.shape[1]
+    return logits[:, lp - 1 : lp - 1 + batch.response_ids.shape[1]] / temperature
+
+
 @pytest.mark.parametrize("estimator,k", [("topk_forward", 4), ("topk_reverse", 0), ("topk_forward", 0),
-                                         ("exact_reverse", 4), ("k3", 4), ("k1", 4)])
-def test_every_estimator_family_trains(tmp_path, estimator, k):
-    tr = Trainer(cfg("steps=1", "eval.size=0", f"algo.kl={estimator}", f"algo.k={k}", "log_kl_to_init=true"),
-                 tmp_path, progress=False)
-    row = tr.train_step(1)
-    assert math.isfinite(row["kl"]) and math.isfinite(row["grad_norm"]) and math.isfinite(row["kl_to_init"])
+                                         ("topk_reverse", 8), ("exact_reverse", 4), ("k3", 4), ("k1", 4)])
+def test_every_estimator_family_logs_the_kl_its_reference_form_gives(tmp_path, estimator, k):
+    """The logged kl (and kl_to_init) of an update equal kl.token_kl on full logits of a plain forward:
+    the policy moved away from the sampler, which at step 1 is the anchor and the initial policy."""
+    tr = Trainer(cfg("steps=1", "eval.size=0", f"algo.kl={estimator}", f"algo.k={k}", "log_kl_to_init=true",
+                     "mini_batch_prompts=null", "algo.eta=0.9"), tmp_path, progress=False)
+    batch = tr.rollout(1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    temperature, mask = tr.cfg.rollout.temperature, batch.response_mask
+    policy = full_logits(tr.model, batch, temperature)
+    with tr.anchor.use(tr.model) as m:
+        anchor = full_logits(m, batch, temperature)
+    mean = lambda t: float((t * mask).sum() / mask.sum())  # noqa: E731
+    want = mean(token_kl(policy, anchor, batch.response_ids, estimator=estimator, k=k, sampling_logits=anchor))
+    to_init = mean(token_kl(policy, anchor, batch.response_ids, estimator="k3", sampling_logits=anchor))
+    row = tr.update(batch)
+    assert abs(want) > 1e-3 and to_init > 1e-3  # the policy did move
+    assert row["kl"] == pytest.approx(want, rel=1e-4)
+    assert row["kl_to_init"] == pytest.approx(to_init, rel=1e-4)
+    assert row["grad_norm"] > 0 and row["skipped_updates"] == 0
 
 
-def test_two_ppo_epochs_with_top_p_recompute_pi_old(tmp_path):
+def test_two_ppo_epochs_with_top_p_recompute_pi_old(tmp_path, monkeypatch):
+    """Under top-p the sampler's log-probs are not the policy's: the first update's ratio must be
+    pi_theta / pi_old with pi_old recomputed (exactly 1), not pi_theta / pi_samp = 1 - the cut mass."""
+    import emapg.algo as algo_mod
+
     tr = Trainer(cfg("steps=1", "eval.size=0", "algo.ppo_epochs=2", "mini_batch_prompts=2", "rollout.top_p=0.9",
                      "lr=0.05"), tmp_path, progress=False)
-    row = tr.train_step(1)
-    assert row["tail_lost"] > 0  # top-p cut some mass, and it is reported
+    ratios = []
+    real = algo_mod.clipped_surrogate
+
+    def spy(logp, old_logp, *args):
+        out = real(logp, old_logp, *args)
+        ratios.append(out.ratio)
+        return out
+
+    monkeypatch.setattr(algo_mod, "clipped_surrogate", spy)
+    batch = tr.rollout(1)
+    row = tr.update(batch)
+    first = tr._micro_batches(range(batch.num_prompts))[0]
+    mb = batch.micro_batch(first)
+    valid = mb.response_mask.bool()
+    torch.testing.assert_close(ratios[0][valid], torch.ones(int(valid.sum())), rtol=0, atol=1e-5)
+    assert float(mb.top_p_cut[valid].max()) > 1e-2  # pi_samp would have given a ratio this far from 1
+    assert row["top_p_cut"] > 0  # top-p cut some mass, and it is reported
     assert row["ratio_max"] > 1.0 + 1e-4  # later mini-batches and the 2nd epoch see a moved policy
     assert row["skipped_updates"] == 0
 
@@ -327,7 +379,7 @@ def test_pruning_never_removes_latest_and_drops_an_abandoned_future(tmp_path):
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_000025"]
     assert latest_checkpoint(tmp_path).name == "step_000025"
     save_checkpoint(ck, 25, model.state_dict(), {}, opt, {}, keep=1)  # re-saving a step replaces it
-    assert latest_checkpoint(tmp_path).name == "step_000025" and not list(ck.glob(".old_*"))
+    assert latest_checkpoint(tmp_path).name == "step_000025" and not list(ck.glob(".*"))
 
 
 def _saved_bytes_and_grads(tr, mb):

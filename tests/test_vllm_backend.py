@@ -50,7 +50,7 @@ def test_to_sampled_reads_the_sampled_log_prob_and_the_top_k_in_rank_order():
     assert out.ids.tolist() == [[7, 3], [5, 0]]
     assert torch.allclose(out.logp, torch.tensor([[-3.0, -0.1], [-1.5, 0.0]]))
     assert out.topk.tolist() == [[[4, 9], [3, 8]], [[6, 5], [0, 0]]]
-    assert torch.equal(out.entropy, -out.logp) and out.tail_lost is None
+    assert torch.equal(out.entropy, -out.logp) and out.top_p_cut is None
     assert vb.to_sampled([a, b], k=0, pad_id=0).topk is None
     with pytest.raises(ValueError, match="top-3"):
         vb.to_sampled([a], k=3, pad_id=0)
@@ -199,7 +199,7 @@ def test_trainer_samples_through_the_engine_with_the_current_policy_weights(tmp_
     pol = tr._logprobs(tr.model, batch.micro_batch(slice(0, batch.num_prompts)), k_self=4)
     assert torch.allclose(pol.logp_tok, batch.samp_logp[valid], atol=1e-4)
     assert torch.equal(pol.topk_ids, batch.samp_topk[valid])
-    assert batch.tail_lost is None and torch.equal(batch.entropy, -batch.samp_logp)
+    assert batch.top_p_cut is None and torch.equal(batch.entropy, -batch.samp_logp)
     assert len(batch.completions) == cfg.prompts_per_step * cfg.rollout.n
     tr.rollout(1)
     assert engine.llm.pushes == 1  # same policy version: no second push
@@ -237,8 +237,8 @@ def test_a_row_stopped_without_eos_keeps_its_own_length_when_pad_is_eos(tmp_path
 
 
 def test_an_agent_turn_stopped_without_eos_is_not_cut_at_its_pad():
-    from emapg.rollout.agent import AgentConfig, agent_rollout
-    from emapg.tasks.base import Example
+    from emapg.rollout.agent import agent_rollout
+    from emapg.tasks.base import AgentConfig, Example
 
     model, tok = load_model("tiny-llama", "float32", seed=0)
     text = tok("<search> who", add_special_tokens=False).input_ids  # no stop string, no EOS
@@ -283,7 +283,7 @@ def test_no_two_samples_share_a_random_stream(tmp_path, monkeypatch):
     assert len(set(streams)) == len(streams)
 
 
-def test_trainer_with_engine_trains_and_logs_no_tail_lost(tmp_path):
+def test_trainer_with_engine_trains_and_logs_no_top_p_cut(tmp_path):
     cfg = load_config(SMOKE, ["export=false", "eval.size=0", "steps=2", "save_every=1"])
     tr = Trainer(cfg, tmp_path, progress=False)
     with_engine(tr)
@@ -291,7 +291,7 @@ def test_trainer_with_engine_trains_and_logs_no_tail_lost(tmp_path):
     from emapg.metrics import read_metrics
 
     rows = [r for r in read_metrics(tmp_path) if "reward_mean" in r]
-    assert len(rows) == 2 and all("tail_lost" not in r and r["entropy"] > 0 for r in rows)
+    assert len(rows) == 2 and all("top_p_cut" not in r and r["entropy"] > 0 for r in rows)
 
 
 def test_search_agent_episodes_sample_through_the_engine(tmp_path):
@@ -302,7 +302,7 @@ def test_search_agent_episodes_sample_through_the_engine(tmp_path):
     tr = Trainer(cfg, tmp_path, progress=False)
     with_engine(tr)
     batch = tr.rollout(1)
-    assert {"searches", "turns", "info_tokens"} <= set(batch.stats) and batch.tail_lost is None
+    assert {"searches", "turns", "info_tokens"} <= set(batch.stats) and batch.top_p_cut is None
     n = cfg.rollout.n
     for p in range(batch.num_prompts):  # a prompt's episodes start alike but are sampled apart
         assert len(set(batch.completions[p * n:(p + 1) * n])) > 1

@@ -138,9 +138,7 @@ class EMAAnchor:
     def state_dict(self) -> dict[str, Tensor]:
         """The fp32 average (whole tensors, gathered from the shards: collective when sharded),
         plus step counters as 0-d tensors (safetensors-friendly)."""
-        from emapg.distributed import full_tensor
-
-        state = {f"average.{n}": full_tensor(t, self._like[n]) for n, t in self.average.items()}
+        state = {f"average.{n}": distributed.full_tensor(t, self._like[n]) for n, t in self.average.items()}
         state["num_steps"] = torch.tensor(self.num_steps)
         state["num_updates"] = torch.tensor(self.num_updates)
         return state
@@ -148,14 +146,12 @@ class EMAAnchor:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Restore :meth:`state_dict` (whole tensors; each rank keeps its shard); names must match."""
-        from emapg.distributed import local_shard
-
         names = {n[len("average.") :] for n in state if n.startswith("average.")}
         if names != set(self.average):
             missing, extra = set(self.average) - names, names - set(self.average)
             raise KeyError(f"anchor state mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
         for n, avg in self.average.items():
-            avg.copy_(local_shard(state[f"average.{n}"], self._like[n]))
+            avg.copy_(distributed.local_shard(state[f"average.{n}"], self._like[n]))
         self.num_steps = int(state["num_steps"])
         self.num_updates = int(state["num_updates"])
         self._sync_module()

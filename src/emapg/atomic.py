@@ -1,12 +1,21 @@
-"""Atomic writes: a temporary file in the same folder, flushed, then renamed over the target (atomic
-on POSIX). A kill at any moment leaves the old file or the new one, never a part of either."""
+"""Atomic writes: a temporary sibling (a file or a whole folder), flushed to disk, then renamed over
+the target (atomic on POSIX). A kill at any moment leaves the old version or the new one, never a part
+of either. Checkpoints, BM25 indexes, converted models, config.yaml, ``latest`` and eval tables all
+go through here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+TMP, OLD = ".tmp-", ".old-"
+"""Name parts of a folder being written and of one being replaced (``.NAME.tmp-PID-XXXX``)."""
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -24,3 +33,62 @@ def write_text_atomic(path: Path, text: str) -> None:
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to ``path`` via a temporary file and an atomic rename."""
     write_text_atomic(path, json.dumps(data, indent=1))
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (the names of renamed files) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in sorted(folder.rglob("*"), reverse=True):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        elif p.is_dir():
+            fsync_dir(p)
+    fsync_dir(folder)
+
+
+def sibling(target: Path, kind: str) -> Path:
+    """A hidden sibling of ``target`` for this process: ``kind`` is :data:`TMP` or :data:`OLD`."""
+    return target.with_name(f".{target.name}{kind}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def is_ours(path: Path) -> bool:
+    """Whether a temporary or replaced sibling was made by this process (others' are debris of a kill)."""
+    return f"-{os.getpid()}-" in path.name
+
+
+@contextlib.contextmanager
+def folder_atomic(target: Path) -> Iterator[Path]:
+    """Yield an empty temporary sibling folder to fill; when the block ends it is flushed to disk and
+    renamed to ``target``. An existing ``target`` is renamed aside first (put back if the rename
+    fails) and removed only afterwards. On an exception the temporary folder is removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sibling(target, TMP)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        old = None
+        if target.exists():
+            old = sibling(target, OLD)
+            os.replace(target, old)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            if old is not None:
+                os.replace(old, target)
+            raise
+        fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -16,7 +16,6 @@ a kill between the two renames leaves a complete first checkpoint and no ``lates
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,17 +23,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from emapg.atomic import write_json_atomic
+from emapg.atomic import OLD, TMP, folder_atomic, fsync_dir, is_ours, write_json_atomic
 
 LATEST = "latest"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointError(ValueError):
@@ -92,33 +83,17 @@ def save_checkpoint(
 
     ``optimizer``: an optimizer, or its state dict (name-keyed, as the trainer saves it).
     """
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step_{step:06d}"
-    tmp = ckpt_dir / f".tmp_step_{step:06d}_{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(_contiguous(policy_state), tmp / "policy.safetensors")
-    save_file(_contiguous(anchor_state), tmp / "anchor.safetensors")
     opt_sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     opt_tensors, opt_meta = optimizer_tensors(opt_sd)
-    save_file(_contiguous(opt_tensors), tmp / "optimizer.safetensors")
-    with open(tmp / "state.json", "w") as f:
-        json.dump({"step": step, "optimizer": opt_meta, **state}, f, indent=1)
-    for p in tmp.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    old = None
-    if final.exists():  # re-saving a step (after a resume): rename, never delete, before replacing
-        old = ckpt_dir / f".old_step_{step:06d}_{os.getpid()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(ckpt_dir)
+    with folder_atomic(final) as tmp:  # re-saving a step (after a resume) replaces it only when complete
+        save_file(_contiguous(policy_state), tmp / "policy.safetensors")
+        save_file(_contiguous(anchor_state), tmp / "anchor.safetensors")
+        save_file(_contiguous(opt_tensors), tmp / "optimizer.safetensors")
+        with open(tmp / "state.json", "w") as f:
+            json.dump({"step": step, "optimizer": opt_meta, **state}, f, indent=1)
     write_json_atomic(ckpt_dir / LATEST, {"checkpoint": final.name, "step": step})
-    _fsync_dir(ckpt_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(ckpt_dir)
     _prune(ckpt_dir, keep, step)
     return final
 
@@ -137,8 +112,8 @@ def _prune(ckpt_dir: Path, keep: int, current: int) -> None:
     kept = [p for p in done if _step_of(p) <= current]
     for p in kept[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
-    for stale in list(ckpt_dir.glob(".tmp_step_*")) + list(ckpt_dir.glob(".old_step_*")):  # killed saves
-        if not stale.name.endswith(f"_{os.getpid()}"):
+    for stale in list(ckpt_dir.glob(f".step_*{TMP}*")) + list(ckpt_dir.glob(f".step_*{OLD}*")):  # killed saves
+        if not is_ours(stale):
             shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -86,10 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             what = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
             print(f"emapg: the run {what} at step {trainer.step}; {how}", file=sys.stderr)
         raise
-    if trainer.main:
-        from emapg.metrics import write_eval_table
-
-        print(write_eval_table(run_dir, table))
+    if trainer.main and table is not None:
+        print((run_dir / "eval.md").read_text())  # the trainer wrote it
     distributed.shutdown()
     return 0
 

@@ -197,7 +197,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
                            "std": [_mean_std([c[s] for c in per_seed])[1] for s in steps]}
         finals = [json.loads((r / "eval.json").read_text()) for r in runs]
 
-        def acc(which: str, finals=finals) -> list[float]:
+        def accuracies(which: str, finals=finals) -> list[float]:
             return [f[which]["accuracy"] for f in finals if f.get(which) and f[which].get("accuracy") is not None]
 
         last = [m[-1] for m in metrics]
@@ -208,7 +208,8 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
                    if (r / "compute.json").exists()]
         summary[name] = {
             "label": spec.labels.get(name, name), "seeds": len(runs), "curves": curves,
-            "init": _mean_std(acc("init")), "policy": _mean_std(acc("policy")), "anchor": _mean_std(acc("anchor")),
+            "init": _mean_std(accuracies("init")), "policy": _mean_std(accuracies("policy")),
+            "anchor": _mean_std(accuracies("anchor")),
             "peak": _mean_std(peak), "reward_last5": _mean_std(tail),
             "kl_to_init": _mean_std([x["kl_to_init"] for x in last if "kl_to_init" in x]),
             "entropy": _mean_std([x["entropy"] for x in last if "entropy" in x]),

@@ -15,8 +15,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from emapg import kl as kl_mod
 from emapg.atomic import write_text_atomic
+from emapg.kl import ESTIMATORS, FORMS
 from emapg.objective import ADVANTAGE_MODES, AGG_MODES
 
 
@@ -69,7 +69,7 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; log-probs in the loss are taken at the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling; < 1 cuts the tail the top-k KL's correction needs (reported as tail_lost)."""
+    """Nucleus sampling; < 1 cuts the tail the top-k KL's correction needs (reported as top_p_cut)."""
     max_new_tokens: int = 32
     """Response length budget."""
     backend: str = "hf"
@@ -291,10 +291,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def validate(cfg: TrainConfig) -> None:
     """Check value ranges and consistency; raise ConfigError naming the field."""
     a, r = cfg.algo, cfg.rollout
-    if a.kl not in kl_mod.ESTIMATORS:
-        raise ConfigError(f"algo.kl: unknown estimator {a.kl!r}; expected one of {', '.join(kl_mod.ESTIMATORS)}")
-    if a.form not in kl_mod.FORMS:
-        raise ConfigError(f"algo.form: expected one of {', '.join(kl_mod.FORMS)}, got {a.form!r}")
+    if a.kl not in ESTIMATORS:
+        raise ConfigError(f"algo.kl: unknown estimator {a.kl!r}; expected one of {', '.join(ESTIMATORS)}")
+    if a.form not in FORMS:
+        raise ConfigError(f"algo.form: expected one of {', '.join(FORMS)}, got {a.form!r}")
     if a.k < 0:
         raise ConfigError(f"algo.k: must be >= 0, got {a.k}")
     if not 0.0 < a.eta <= 1.0:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from emapg.config import ConfigError
+from emapg.forward import response_logprobs
 from emapg.lm import decoder_and_head
 from emapg.logprobs import TokenLogprobs
 
@@ -95,8 +96,6 @@ def _is_sharded(model: nn.Module) -> bool:
 
 
 def _logprobs_method(self: nn.Module, mb, **kwargs) -> dict[str, Tensor | None]:
-    from emapg.forward import response_logprobs
-
     # A dict of tensors (a pytree), so FSDP sees the outputs and hooks their backward.
     st = response_logprobs(self, mb, **kwargs)
     return {f.name: getattr(st, f.name) for f in fields(st)}
@@ -136,8 +135,6 @@ def logprobs(model: nn.Module, mb, **kwargs) -> TokenLogprobs:
         if not torch.is_grad_enabled():
             reshard(model)  # FSDP keeps the root unit gathered after forward, waiting for a backward
         return out
-    from emapg.forward import response_logprobs
-
     return response_logprobs(model, mb, **kwargs)
 
 
@@ -207,6 +204,20 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_agree(flag: bool) -> bool:
+    """True when ``flag`` holds on every rank: a vote before a branch that holds a collective (a
+    backward), so that no rank skips what the others wait in."""
+    if not _multi():
+        return bool(flag)
+    return all_reduce([float(bool(flag))])[0] == dist.get_world_size()
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """Clip the gradients' global norm to ``max_norm``; the norm before clipping, over every rank's
+    shards (the norm of sharded gradients is a DTensor; its whole value is a collective)."""
+    return float(whole(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+
+
 # ---- whole tensors from shards and back --------------------------------------------------------
 
 def local(t: Tensor) -> Tensor:
@@ -217,7 +228,6 @@ def local(t: Tensor) -> Tensor:
 def whole(t: Tensor) -> Tensor:
     """The full tensor of a DTensor (an all-gather: collective), the tensor itself otherwise."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
 
 
 def full_tensor(local: Tensor, like: Tensor) -> Tensor:

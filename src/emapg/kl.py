@@ -11,6 +11,10 @@ Two forms of the same estimators live here:
   and those of the ``k`` top-k ids) computed chunk by chunk by :mod:`emapg.logprobs`; it never needs
   a ``[positions, V]`` tensor. Tests prove both give the same values and gradients.
 
+Each estimator is declared once in :data:`ESTIMATORS` (its direction, the ids of its exact head,
+its sampled term in both forms); both forms of the code, the trainer, the config validation and the
+sampler's top-k choice read that declaration. Adding an estimator is one declaration and its tests.
+
 ``form="unbiased"`` (default) is the corrected top-k estimator; ``form="paper"`` reproduces the
 reference code's formulas, whose gradient is off by ``+grad pi(q)`` (reverse) and ``-grad pi(q)``
 (forward) for ``0 < k < V``. Spec section 3 explains why.
@@ -18,38 +22,141 @@ reference code's formulas, whose gradient is off by ``+grad pi(q)`` (reverse) an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-SAMPLED_ESTIMATORS = ("k1", "k2", "k3", "k3pp", "k4", "k5")
-EXACT_ESTIMATORS = ("exact_reverse", "exact_forward")
-TOPK_ESTIMATORS = ("topk_reverse", "topk_forward")
-ESTIMATORS = SAMPLED_ESTIMATORS + EXACT_ESTIMATORS + TOPK_ESTIMATORS
 FORMS = ("unbiased", "paper")
+HEADS = ("none", "sampler_topk", "anchor_topk", "all")
+Term = Callable[[Tensor, Tensor], Tensor]
 
 
-def check_estimator(estimator: str, form: str = "unbiased", k: int = 0) -> None:
-    """Raise a ValueError naming the bad argument if ``estimator``/``form``/``k`` are invalid."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(ESTIMATORS)}")
-    if form not in FORMS:
-        raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(FORMS)}")
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+@dataclass(frozen=True)
+class Estimator:
+    """One KL estimator, declared once: everything the rest of the code asks about it.
 
-
-def direction(estimator: str) -> str:
-    """``"reverse"`` if the estimator targets KL(pi || anchor), ``"forward"`` for KL(anchor || pi).
-
-    Which direction also decides whose top-k ids are used: ``pi_samp``'s for reverse, the
-    anchor's for forward. k2's value is biased, its gradient is the reverse KL's.
+    direction: ``"reverse"`` estimates KL(pi || anchor), ``"forward"`` KL(anchor || pi).
+    head: the ids whose terms are summed exactly: ``none`` (a purely sampled estimator), the
+        sampler's top-k (recorded at sampling time), the anchor's own top-k (found in the anchor
+        pass), or every id (the exact KL).
+    sample: the sampled term at the token p, ``(log pi(p), log anchor(p)) -> [...]``, before the
+        importance weight s; for a top-k estimator it counts only where p is outside the head.
+        None for the exact estimators.
+    paper: the paper's form of the sampled term, where it differs (the top-k estimators); None =
+        the same as ``sample``.
     """
-    return "forward" if estimator in ("k5", "exact_forward", "topk_forward") else "reverse"
+
+    name: str
+    direction: str
+    head: str
+    sample: Term | None
+    paper: Term | None = None
+
+    def term(self, form: str) -> Term | None:
+        """The sampled term in form ``"unbiased"`` or ``"paper"``."""
+        return self.paper if form == "paper" and self.paper is not None else self.sample
 
 
 def _ratio(logp: Tensor) -> Tensor:
     """r = pi / sg(pi): value exactly 1, gradient grad log pi."""
     return torch.exp(logp - logp.detach())
+
+
+def _k1(lp: Tensor, la: Tensor) -> Tensor:
+    """log pi/anchor: unbiased value of the reverse KL, zero expected gradient."""
+    log_w = la - lp
+    return -log_w
+
+
+def _k2(lp: Tensor, la: Tensor) -> Tensor:
+    """(log w)^2 / 2: biased value, its gradient is the reverse KL's on-policy."""
+    log_w = la - lp
+    return 0.5 * log_w**2
+
+
+def _k3(lp: Tensor, la: Tensor) -> Tensor:
+    """w - 1 - log w: unbiased reverse-KL value, but its gradient is the forward KL's."""
+    log_w = la - lp
+    return torch.exp(log_w) - 1 - log_w
+
+
+def _k3pp(lp: Tensor, la: Tensor) -> Tensor:
+    """r (w - 1 - log w): k3's value with the reverse KL's gradient."""
+    log_w = la - lp
+    return _ratio(lp) * (torch.exp(log_w) - 1 - log_w)
+
+
+def _k4(lp: Tensor, la: Tensor) -> Tensor:
+    """r sg(log pi/anchor): the reverse KL's value and gradient (REINFORCE form)."""
+    log_w = la - lp
+    return _ratio(lp) * (-log_w).detach()
+
+
+def _k5(lp: Tensor, la: Tensor) -> Tensor:
+    """sg(w) log w + log r: the forward KL's value and gradient."""
+    log_w = la - lp
+    return torch.exp(log_w).detach() * log_w + torch.log(_ratio(lp))
+
+
+def _topk_reverse_tail(lp: Tensor, la: Tensor) -> Tensor:
+    """r sg(log pi/anchor) + (r - 1): the (r - 1) has value 0, and its expected gradient cancels the
+    head weights' grad pi(q) that the paper's form leaves in (spec section 3)."""
+    r = _ratio(lp)
+    return r * (lp - la).detach() + (r - 1)
+
+
+def _topk_reverse_tail_paper(lp: Tensor, la: Tensor) -> Tensor:
+    r = _ratio(lp)
+    return r * (lp - la).detach()
+
+
+def _topk_forward_tail(lp: Tensor, la: Tensor) -> Tensor:
+    log_w = la - lp
+    return torch.exp(log_w).detach() * log_w
+
+
+def _topk_forward_tail_paper(lp: Tensor, la: Tensor) -> Tensor:
+    """Adds log r, zero-mean only over the whole vocabulary: biased for 0 < k < V."""
+    log_w = la - lp
+    return torch.exp(log_w).detach() * log_w + torch.log(_ratio(lp))
+
+
+ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
+    Estimator("k1", "reverse", "none", _k1),
+    Estimator("k2", "reverse", "none", _k2),
+    Estimator("k3", "reverse", "none", _k3),
+    Estimator("k3pp", "reverse", "none", _k3pp),
+    Estimator("k4", "reverse", "none", _k4),
+    Estimator("k5", "forward", "none", _k5),
+    Estimator("exact_reverse", "reverse", "all", None),
+    Estimator("exact_forward", "forward", "all", None),
+    Estimator("topk_reverse", "reverse", "sampler_topk", _topk_reverse_tail, _topk_reverse_tail_paper),
+    Estimator("topk_forward", "forward", "anchor_topk", _topk_forward_tail, _topk_forward_tail_paper),
+)}
+
+
+def estimator(name: str) -> Estimator:
+    """The declaration of estimator ``name``; a ValueError lists the known ones."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; expected one of {', '.join(ESTIMATORS)}")
+    return ESTIMATORS[name]
+
+
+def check_estimator(name: str, form: str = "unbiased", k: int = 0) -> Estimator:
+    """The declaration of ``name``; a ValueError names the bad argument if name/form/k are invalid."""
+    est = estimator(name)
+    if form not in FORMS:
+        raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(FORMS)}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    return est
+
+
+def sampler_k(name: str, k: int) -> int:
+    """How many top-k ids per token the sampler must record for estimator ``name`` (its head, or 0)."""
+    return k if estimator(name).head == "sampler_topk" else 0
 
 
 def importance_weight(policy_logp_tok: Tensor, samp_logp_tok: Tensor | None, is_clip: float | None) -> Tensor:
@@ -62,59 +169,21 @@ def importance_weight(policy_logp_tok: Tensor, samp_logp_tok: Tensor | None, is_
     return s
 
 
-def sampled_kl(estimator: str, policy_logp_tok: Tensor, anchor_logp_tok: Tensor) -> Tensor:
-    """The single-sample estimators k1..k5 at the sampled token, before the importance weight.
-
-    policy_logp_tok, anchor_logp_tok: [...] log pi(p) and log anchor(p). Returns [...].
-    """
-    log_w = anchor_logp_tok - policy_logp_tok
-    if estimator == "k1":
-        return -log_w
-    if estimator == "k2":
-        return 0.5 * log_w**2
-    if estimator == "k3":
-        return torch.exp(log_w) - 1 - log_w
-    if estimator == "k3pp":
-        return _ratio(policy_logp_tok) * (torch.exp(log_w) - 1 - log_w)
-    if estimator == "k4":
-        return _ratio(policy_logp_tok) * (-log_w).detach()
-    if estimator == "k5":
-        return torch.exp(log_w).detach() * log_w + torch.log(_ratio(policy_logp_tok))
-    raise ValueError(f"{estimator!r} is not a sampled estimator")
-
-
-def topk_tail(
-    estimator: str, form: str, policy_logp_tok: Tensor, anchor_logp_tok: Tensor, in_q: Tensor
-) -> Tensor:
-    """The sampled tail correction of the top-k estimators, before the importance weight.
-
-    in_q: [...] bool, whether the sampled token is one of the k head tokens. Returns [...].
-    """
-    outside = (~in_q).to(policy_logp_tok.dtype)
-    r = _ratio(policy_logp_tok)
-    if estimator == "topk_reverse":
-        tail = r * (policy_logp_tok - anchor_logp_tok).detach()
-        if form == "unbiased":
-            tail = tail + (r - 1)  # value 0; its expected gradient cancels the head weights' grad pi(q)
-    elif estimator == "topk_forward":
-        log_w = anchor_logp_tok - policy_logp_tok
-        tail = torch.exp(log_w).detach() * log_w
-        if form == "paper":
-            tail = tail + torch.log(r)  # zero-mean only over the whole vocabulary: biased for 0 < k < V
-    else:
-        raise ValueError(f"{estimator!r} is not a top-k estimator")
-    return outside * tail
-
-
-def topk_head(estimator: str, policy_logp_q: Tensor, anchor_logp_q: Tensor) -> Tensor:
-    """Exact head of the top-k estimators over the k gathered ids. Inputs [..., k]; returns [...]."""
-    if estimator in ("topk_reverse", "exact_reverse"):
+def head_term(direction: str, policy_logp_q: Tensor, anchor_logp_q: Tensor) -> Tensor:
+    """The exact head over the gathered ids q: sum_q pi (log pi - log anchor) for the reverse KL,
+    sum_q anchor (log anchor - log pi) for the forward one. Inputs [..., k]; returns [...]."""
+    if direction == "reverse":
         return (policy_logp_q.exp() * (policy_logp_q - anchor_logp_q)).sum(-1)
     return (anchor_logp_q.exp() * (anchor_logp_q - policy_logp_q)).sum(-1)
 
 
+def in_head(head_ids: Tensor, tokens: Tensor) -> Tensor:
+    """[...] bool: whether the sampled token is one of the head ids [..., k]."""
+    return (head_ids == tokens.unsqueeze(-1)).any(-1)
+
+
 def kl_from_logprobs(
-    estimator: str,
+    name: str,
     policy_logp_tok: Tensor,
     anchor_logp_tok: Tensor,
     *,
@@ -134,29 +203,33 @@ def kl_from_logprobs(
         policy_logp_q, anchor_logp_q: [..., k] log-probs at the head ids q (top-k estimators; for
             the exact estimators pass all V ids). Normalised by each distribution's full
             log-sum-exp, so only k values per position are ever stored.
-        in_q: [...] bool, sampled token in q (top-k estimators only).
+        in_q: [...] bool, sampled token in q (top-k estimators only, see :func:`in_head`).
         With ``policy_logp_q=None`` a top-k estimator runs with k = 0 (no head, all tail).
     Returns:
         [...] the estimate, differentiable w.r.t. the policy's log-probs.
     """
-    check_estimator(estimator, form)
-    if estimator in EXACT_ESTIMATORS:
-        return topk_head(estimator, policy_logp_q, anchor_logp_q)
+    est = check_estimator(name, form)
+    term = est.term(form)
+    if term is None:  # exact: the head is every id
+        return head_term(est.direction, policy_logp_q, anchor_logp_q)
     s = importance_weight(policy_logp_tok, samp_logp_tok, is_clip)
-    if estimator in SAMPLED_ESTIMATORS:
-        return s * sampled_kl(estimator, policy_logp_tok, anchor_logp_tok)
+    if est.head == "none":
+        return s * term(policy_logp_tok, anchor_logp_tok)
     if policy_logp_q is None or policy_logp_q.shape[-1] == 0:  # k = 0: no head, every token is tail
         head = torch.zeros_like(policy_logp_tok)
         in_q = torch.zeros_like(policy_logp_tok, dtype=torch.bool)
     else:
-        head = topk_head(estimator, policy_logp_q, anchor_logp_q)
-    return head + s * topk_tail(estimator, form, policy_logp_tok, anchor_logp_tok, in_q)
+        head = head_term(est.direction, policy_logp_q, anchor_logp_q)
+    outside = (~in_q).to(policy_logp_tok.dtype)
+    return head + s * (outside * term(policy_logp_tok, anchor_logp_tok))
 
 
-def head_ids(estimator: str, k: int, samp_logits: Tensor, anchor_logits: Tensor) -> Tensor:
-    """The head ids q: top-k of pi_samp (reverse) or of the anchor (forward). Returns [..., k] long."""
-    source = anchor_logits if direction(estimator) == "forward" else samp_logits
-    k = min(k, source.shape[-1])
+def head_ids(name: str, k: int, samp_logits: Tensor, anchor_logits: Tensor) -> Tensor:
+    """The head ids q from full logits: top-k of pi_samp or of the anchor, as the estimator declares
+    (every id for the exact ones). Returns [..., k] long."""
+    est = estimator(name)
+    source = anchor_logits if est.head == "anchor_topk" else samp_logits
+    k = source.shape[-1] if est.head == "all" else min(k, source.shape[-1])
     return source.detach().topk(k, dim=-1).indices
 
 
@@ -185,30 +258,29 @@ def token_kl(
     The head is written over the whole vocabulary with a 0/1 mask (no gather), so it is an
     independent computation from :func:`kl_from_logprobs`, which tests compare it with.
     """
-    check_estimator(estimator, form, k)
+    est = check_estimator(estimator, form, k)
     logp = torch.log_softmax(policy_logits, -1)
     loga = torch.log_softmax(anchor_logits.detach(), -1)
-    if estimator == "exact_reverse":
-        return (logp.exp() * (logp - loga)).sum(-1)
-    if estimator == "exact_forward":
-        return (loga.exp() * (loga - logp)).sum(-1)
+    mask = torch.zeros_like(logp)
+    if est.head == "all":
+        mask = torch.ones_like(logp)
+    elif est.head != "none" and k > 0:
+        samp = policy_logits if sampling_logits is None else sampling_logits
+        mask.scatter_(-1, head_ids(estimator, k, samp, anchor_logits), 1.0)
+    # the head, written over the whole vocabulary with the 0/1 mask
+    if est.direction == "reverse":
+        head = (mask * logp.exp() * (logp - loga)).sum(-1)
+    else:
+        head = (mask * loga.exp() * (loga - logp)).sum(-1)
+    term = est.term(form)
+    if term is None:
+        return head
     tokens = tokens.unsqueeze(-1)
     logp_tok = logp.gather(-1, tokens).squeeze(-1)
     loga_tok = loga.gather(-1, tokens).squeeze(-1)
     samp_logp_tok = None
-    samp_logits = policy_logits
     if sampling_logits is not None:
-        samp_logits = sampling_logits
         samp_logp_tok = torch.log_softmax(sampling_logits.detach(), -1).gather(-1, tokens).squeeze(-1)
     s = importance_weight(logp_tok, samp_logp_tok, is_clip)
-    if estimator in SAMPLED_ESTIMATORS:
-        return s * sampled_kl(estimator, logp_tok, loga_tok)
-    mask = torch.zeros_like(logp)
-    if k > 0:
-        mask.scatter_(-1, head_ids(estimator, k, samp_logits, anchor_logits), 1.0)
-    in_q = mask.gather(-1, tokens).squeeze(-1).bool()
-    if estimator == "topk_reverse":
-        head = (mask * logp.exp() * (logp - loga)).sum(-1)
-    else:
-        head = (mask * loga.exp() * (loga - logp)).sum(-1)
-    return head + s * topk_tail(estimator, form, logp_tok, loga_tok, in_q)
+    outside = 1.0 - mask.gather(-1, tokens).squeeze(-1)
+    return head + s * outside * term(logp_tok, loga_tok)

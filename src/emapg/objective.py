@@ -94,14 +94,16 @@ def aggregate(
     seq-mean-token-sum-norm (Dr. GRPO): sum_i sum_t(v_i) / max_len / num_seqs.
     ``num_tokens`` and ``num_seqs`` are the counts of the *whole* batch: pass them when ``values``
     is one micro-batch so that the micro-batch losses add up to the full-batch loss exactly.
-    They default to this batch's own counts.
+    They default to this batch's own counts. Masked positions count nothing, whatever they hold (a
+    non-finite value there is ignored).
     """
+    kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
     mask = mask.to(values.dtype)
     if mode == "token-mean":
         denom = mask.sum() if num_tokens is None else num_tokens
-        return (values * mask).sum() / max(float(denom), 1.0)
+        return kept.sum() / max(float(denom), 1.0)
     seqs = values.shape[0] if num_seqs is None else num_seqs
-    per_seq_sum = (values * mask).sum(-1)
+    per_seq_sum = kept.sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq_sum / mask.sum(-1).clamp(min=1)
     elif mode == "seq-mean-token-sum-norm":
@@ -111,18 +113,3 @@ def aggregate(
     else:
         raise ValueError(f"unknown aggregation {mode!r}; expected one of {', '.join(AGG_MODES)}")
     return per_seq.sum() / max(float(seqs), 1.0)
-
-
-def total_loss(pg_per_token: Tensor, kl_per_token: Tensor | None, mask: Tensor, beta: float, mode: str,
-               **counts) -> tuple[Tensor, Tensor, Tensor]:
-    """Loss = agg(PG) + beta * agg(KL), both with the same aggregation and mask.
-
-    Returns (loss, pg, kl) scalars; kl is 0 when ``kl_per_token`` is None. ``counts`` are forwarded
-    to :func:`aggregate`.
-    """
-    pg = aggregate(pg_per_token, mask, mode, **counts)
-    if kl_per_token is None:
-        kl = pg.new_zeros(())
-        return pg, pg, kl
-    kl = aggregate(kl_per_token, mask, mode, **counts)
-    return pg + beta * kl, pg, kl

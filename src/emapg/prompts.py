@@ -8,7 +8,7 @@ import sys
 
 from emapg.config import ConfigError
 from emapg.rollout.sampling import format_prompt
-from emapg.tasks.base import Example
+from emapg.tasks.base import Example, Task
 
 
 def context_length(model) -> int | None:
@@ -39,11 +39,11 @@ def _truncated(tokenizer, ex: Example, room: int) -> Example | None:
     return dataclasses.replace(ex, messages=messages)
 
 
-def fit_prompts(task, tokenizer, context: int | None, budget: int, mode: str, warn: bool = True) -> int:
-    """Check every prompt of ``task`` (its ``prompt_pools``, if it has any) against ``context`` minus
+def fit_prompts(task: Task, tokenizer, context: int | None, budget: int, mode: str, warn: bool = True) -> int:
+    """Check every prompt of ``task`` (its ``prompt_pools``) against ``context`` minus
     the response ``budget``. mode ``error``: raise ConfigError naming the first prompt that does not
     fit; ``truncate``: cut those prompts in place, with a warning each. Returns how many were cut."""
-    pools = task.prompt_pools() if hasattr(task, "prompt_pools") else []
+    pools = task.prompt_pools()
     if context is None or not pools:
         return 0
     room = context - budget

@@ -17,11 +17,10 @@ def score_completions(task: Task, completions: list[str], examples: list[Example
                       evaluation: bool = False) -> torch.Tensor:
     """Rewards [len(completions)] for completions grouped n per example (example i // n).
 
-    evaluation: score with the task's ``eval_reward`` when it has one (the correctness alone,
-    without shaping terms such as a format bonus), else with its ``reward``.
+    evaluation: score with the task's ``eval_reward`` (the correctness alone, without shaping terms
+    such as a format bonus) instead of its training ``reward``.
     """
-    fn = getattr(task, "eval_reward", None) if evaluation else None
-    fn = fn or task.reward
+    fn = task.eval_reward if evaluation else task.reward
     out = []
     for i, completion in enumerate(completions):
         ex = examples[i // n]

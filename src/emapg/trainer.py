@@ -18,15 +18,14 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from emapg import distributed
-from emapg import kl as klmod
+from emapg import algo, distributed, kl
+from emapg.algo import AnchorStats
 from emapg.anchor import EMAAnchor
 from emapg.checkpoint import (
     CheckpointError,
@@ -39,33 +38,15 @@ from emapg.config import ConfigError, TrainConfig, save_config
 from emapg.distributed import gathered, logprobs
 from emapg.evaluate import evaluate
 from emapg.lm import check_lean_head, set_pass_mode
-from emapg.metrics import MetricsWriter, plot_run
+from emapg.metrics import MetricsWriter, add_stats, plot_run, read_metrics, rollout_row, update_row, write_eval_table
 from emapg.models import load_model, save_hf_folder
-from emapg.objective import aggregate, clipped_surrogate, group_advantages
+from emapg.objective import group_advantages
 from emapg.prompts import context_length, fit_prompts
 from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
-from emapg.rollout.sampling import stream_seed
+from emapg.rollout.sampling import eos_ids, stream_seed
 from emapg.scoring import score_completions
 from emapg.tasks import make_task
-
-
-@dataclass
-class AnchorStats:
-    """No-grad per-valid-position statistics of a micro-batch: [N] / [N, k]."""
-
-    logp_tok: Tensor
-    logp_q: Tensor | None
-    q_ids: Tensor | None  # [N, k] head ids, when the anchor chose them (top-k forward) or all ids (exact)
-    old_logp: Tensor  # log pi_old of the sampled tokens (PPO ratio)
-    init_logp_tok: Tensor | None = None
-
-
-def _scatter(values: Tensor, mask: Tensor) -> Tensor:
-    """Put [N] values of the valid positions back into a zero [B, L] tensor (differentiable)."""
-    out = values.new_zeros(mask.shape)
-    return out.index_put((mask.nonzero(as_tuple=True)), values)
-
 
 RANK_SEED_STRIDE = 7919  # rank r samples with seed + r * stride; rank 0 (and a single process) with seed
 
@@ -74,7 +55,6 @@ def step_seed(seed: int, step: int) -> int:
     """The seed of step ``step`` of a run seeded ``seed``: its prompts and torch's draws (a resumed run
     replays them)."""
     return seed * 1_000_003 + step
-SUM_STATS = ("pg_loss", "kl", "clip_frac", "dual_clip_frac", "tokens", "kl_to_init")
 
 
 def rank_prompts(prompts: int, mini: int, world: int, rank: int) -> list[int]:
@@ -186,14 +166,13 @@ class Trainer:
             return None
         if self.dist.device.type != "cuda":
             raise ConfigError(f"rollout.backend: vllm needs a CUDA device, got device {self.dist.device}")
-        from emapg.rollout.sampling import eos_ids
-        from emapg.rollout.vllm_backend import VLLMRollout
+        from emapg.rollout.vllm_backend import VLLMRollout  # vllm: the optional extra emapg[vllm]
 
         half = cfg.mixed_precision == "bf16" or cfg.dtype == "bfloat16"
         return VLLMRollout.create(
             self.model, self.tokenizer, eos_ids(self.model, self.tokenizer), workdir=self.run_dir / "vllm",
             dtype="bfloat16" if half else "float32", gpu_memory_utilization=r.vllm_gpu_memory,
-            max_model_len=r.vllm_max_model_len, max_logprobs=cfg.algo.k if cfg.algo.kl == "topk_reverse" else 0,
+            max_model_len=r.vllm_max_model_len, max_logprobs=kl.sampler_k(cfg.algo.kl, cfg.algo.k),
             seed=cfg.seed + self.dist.rank, sleep=r.vllm_sleep, enforce_eager=r.vllm_enforce_eager)
 
     def _frozen_copy(self) -> torch.nn.Module:
@@ -288,9 +267,8 @@ class Trainer:
         mine = rank_prompts(cfg.prompts_per_step, cfg.mini_batch_prompts or cfg.prompts_per_step,
                             self.dist.world, self.dist.rank)
         examples = [examples[i] for i in mine]
-        need_q = cfg.algo.kl == "topk_reverse" and cfg.algo.k > 0
         kw = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                  k=cfg.algo.k if need_q else 0, prefix_sharing=cfg.prefix_sharing, reuse_cache=r.agent_cache)
+                  k=kl.sampler_k(cfg.algo.kl, cfg.algo.k), prefix_sharing=cfg.prefix_sharing, reuse_cache=r.agent_cache)
         if self.engine is not None:
             # the engine samples with the weights of the policy after self.step updates
             self.engine.sync(self.model, version=self.step)
@@ -322,66 +300,25 @@ class Trainer:
 
     @torch.no_grad()
     def anchor_pass(self, mb: RolloutBatch) -> AnchorStats:
-        """The anchor's log-probs of the sampled tokens and at the head ids q; pi_old; init (optional).
-
-        q is pi_samp's top-k (recorded at sampling) for top-k reverse, the anchor's own top-k for
-        top-k forward, every id for the exact estimators.
-        """
+        """The no-grad passes of a micro-batch: the anchor at the sampled tokens and at the head ids
+        that :func:`emapg.algo.anchor_request` names; pi_old when it needs a pass; the initial policy
+        for the kl_to_init diagnostic."""
         a = self.cfg.algo
-        valid = mb.response_mask.bool()
-        q_ids, k_self = None, 0
-        if a.kl in klmod.EXACT_ESTIMATORS:
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            q_ids = torch.arange(vocab, device=valid.device).expand(int(valid.sum()), vocab)
-        elif a.kl == "topk_reverse" and a.k > 0:
-            q_ids = mb.samp_topk[valid]
-        elif a.kl == "topk_forward" and a.k > 0:
-            k_self = a.k
+        ids, k_self = algo.anchor_request(a, mb, self.model.get_output_embeddings().weight.shape[0])
         with self.anchor.use(self.model) as anchor_model:
-            st = self._logprobs(anchor_model, mb, ids=q_ids, k_self=k_self)
-        logp_q = st.logp_ids
-        if k_self:
-            q_ids, logp_q = st.topk_ids, st.topk_logp
-        old = mb.samp_logp[valid]
-        if a.ppo_epochs > 1 or self.cfg.rollout.top_p < 1.0:
-            # pi_old must be the unconstrained policy: the top-p sampler's log-probs are not
-            old = self._logprobs(self.model, mb).logp_tok
+            st = self._logprobs(anchor_model, mb, ids=ids, k_self=k_self)
+        old = self._logprobs(self.model, mb).logp_tok if algo.needs_old_pass(a, self.cfg.rollout.top_p) else None
         init = None
         if self.init_anchor is not None:
             with self.init_anchor.use(self.model) as init_model:
                 init = self._logprobs(init_model, mb).logp_tok
         elif self.cfg.log_kl_to_init:  # the anchor is the initial policy (eta = 1 since step 0)
             init = st.logp_tok
-        return AnchorStats(logp_tok=st.logp_tok, logp_q=logp_q, q_ids=q_ids, old_logp=old, init_logp_tok=init)
+        return algo.anchor_stats(st, ids, mb, old, init)
 
     def micro_loss(self, mb: RolloutBatch, anc: AnchorStats, counts: dict[str, Any]) -> tuple[Tensor, dict]:
-        """The loss of one micro-batch (already divided by the whole mini-batch's counts) and stats."""
-        a = self.cfg.algo
-        valid = mb.response_mask.bool()
-        pol = self._logprobs(self.model, mb, ids=anc.q_ids)
-        samp = mb.samp_logp[valid]  # s = pi/pi_samp: 1 up to rounding on-policy, the true weight off it
-        kl_tok = klmod.kl_from_logprobs(
-            a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=samp, policy_logp_q=pol.logp_ids,
-            anchor_logp_q=anc.logp_q,
-            in_q=None if anc.q_ids is None or a.kl in klmod.EXACT_ESTIMATORS
-            else (anc.q_ids == mb.response_ids[valid][:, None]).any(-1),
-            form=a.form, is_clip=a.is_clip)
-        sur = clipped_surrogate(_scatter(pol.logp_tok, valid), _scatter(anc.old_logp, valid), mb.advantages,
-                                a.eps_low, a.eps_high, a.dual_clip)
-        mask = mb.response_mask
-        pg = aggregate(sur.loss, mask, a.agg, **counts)
-        kl = aggregate(_scatter(kl_tok, valid), mask, a.agg, **counts)
-        loss = pg + a.beta * kl
-        sums = {
-            "pg_loss": pg.item(), "kl": kl.item(),
-            "clip_frac": float((sur.clipped * mask).sum()), "dual_clip_frac": float((sur.dual_clipped * mask).sum()),
-            "ratio_max": float(sur.ratio[valid].max()) if valid.any() else 1.0,
-            "tokens": float(valid.sum()),
-        }
-        if anc.init_logp_tok is not None:
-            sums["kl_to_init"] = float(klmod.kl_from_logprobs("k3", pol.logp_tok.detach(), anc.init_logp_tok,
-                                                                samp_logp_tok=mb.samp_logp[valid]).sum())
-        return loss, sums
+        """The policy pass of one micro-batch, at the anchor's head ids, and :func:`emapg.algo.loss`."""
+        return algo.loss(self._logprobs(self.model, mb, ids=anc.head_ids), anc, mb, self.cfg.algo, counts)
 
     def train_step(self, step: int) -> dict[str, Any]:
         """Rollout, then :meth:`update`; the metrics row of the step."""
@@ -401,99 +338,60 @@ class Trainer:
         """Learn from this rank's share of a scored rollout batch: anchor pass, PPO epochs over
         mini-batches of micro-batches, optimizer steps, EMA update. Returns the metrics (global:
         reduced over ranks)."""
-        cfg, a, world = self.cfg, self.cfg.algo, self.dist.world
+        cfg, a = self.cfg, self.cfg.algo
         t0 = time.perf_counter()
-        micro = self._micro_batches(range(batch.num_prompts))
-        micro_batches = [batch.micro_batch(sl) for sl in micro]
+        micro_batches = [batch.micro_batch(sl) for sl in self._micro_batches(range(batch.num_prompts))]
         anchors = [self.anchor_pass(mb) for mb in micro_batches]
         t_anchor = time.perf_counter() - t0
         mini = cfg.mini_batch_prompts or cfg.prompts_per_step  # global; each rank holds mini / world
-        per_mini = mini // world // cfg.micro_batch_prompts
-        acc: dict[str, float] = {}
+        per_mini = mini // self.dist.world // cfg.micro_batch_prompts
+        stats: dict[str, float] = {}
         grad_norms, skipped = [], 0
-        max_len = response_budget(self.task, cfg.rollout.max_new_tokens)
         for _epoch in range(a.ppo_epochs):
             for m0 in range(0, len(micro_batches), per_mini):
-                group = list(range(m0, m0 + per_mini))
-                local_tokens = float(sum(micro_batches[i].response_mask.sum() for i in group))
-                counts = {"num_tokens": distributed.all_reduce([local_tokens])[0],
-                          "num_seqs": float(mini * cfg.rollout.n), "max_len": max_len}
-                self.optimizer.zero_grad(set_to_none=True)
-                finite = True
-                update_stats: list[dict[str, float]] = []  # logged only if this update is applied
-                for i in group:
-                    loss, sums = self.micro_loss(micro_batches[i], anchors[i], counts)
-                    # every rank must agree, or one would skip a backward the others wait in
-                    if distributed.all_reduce([float(torch.isfinite(loss))])[0] < world:
-                        finite = False
-                        break
-                    # the loss is this rank's share of the global mean; FSDP averages gradients over ranks
-                    (loss * world if world > 1 else loss).backward()
-                    update_stats.append(sums)
-                norm = torch.tensor(math.nan)
-                if finite:
-                    norm = torch.nn.utils.clip_grad_norm_(self.params, a.max_grad_norm)
-                    norm = distributed.whole(norm)
-                if not finite or not torch.isfinite(norm):
-                    skipped += 1  # a non-finite loss or gradient: drop this update, keep training
-                    self.optimizer.zero_grad(set_to_none=True)
-                    distributed.reshard(self.model)  # a skipped backward leaves units gathered
+                done = self._optimizer_step(micro_batches[m0 : m0 + per_mini], anchors[m0 : m0 + per_mini], mini)
+                if done is None:  # a non-finite loss or gradient: this update is dropped, training goes on
+                    skipped += 1
                     continue
-                for sums in update_stats:
-                    for key, v in sums.items():
-                        acc[key] = max(acc.get(key, v), v) if key.endswith("_max") else acc.get(key, 0.0) + v
-                grad_norms.append(float(norm))
-                self.optimizer.step()
-                self.scheduler.step()
+                for part in done[0]:
+                    add_stats(stats, part)
+                grad_norms.append(done[1])
         self.optimizer.zero_grad(set_to_none=True)
         ema_updated = self.anchor.step(self.model)
         self.skipped_steps += skipped
-        n_updates = a.ppo_epochs * (cfg.prompts_per_step // mini)
-        # Reduce over ranks: sums of the loss terms and counts, max of ratio_max, the whole batch's rewards.
-        present = [k for k in SUM_STATS if k in acc]
-        acc.update(zip(present, distributed.all_reduce([acc[k] for k in present]), strict=True))
-        if "ratio_max" in acc:
-            acc["ratio_max"] = distributed.all_reduce([acc["ratio_max"]], op="max")[0]
-        mask = batch.response_mask
-        local = {"rewards": batch.rewards.tolist(), "lengths": mask.sum(1).tolist(),
-                 "stats": {k: v.tolist() for k, v in batch.stats.items()},
-                 "truncated": batch.truncated.tolist(), "mask": float(mask.sum()),
-                 "entropy": float((batch.entropy * mask).sum()),
-                 "tail_lost": None if batch.tail_lost is None else float((batch.tail_lost * mask).sum())}
-        parts = distributed.all_gather_objects(local)
-        rewards = torch.tensor([x for p in parts for x in p["rewards"]], dtype=torch.float32)
-        lengths = torch.tensor([x for p in parts for x in p["lengths"]], dtype=torch.float32)
-        truncated = torch.tensor([x for p in parts for x in p["truncated"]], dtype=torch.float32)
-        positions = max(sum(p["mask"] for p in parts), 1.0)
-        tokens = max(acc.get("tokens", 0.0), 1.0)
-        groups = rewards.view(-1, cfg.rollout.n)
-        row = {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "solve_none": float((groups.max(1).values == groups.min(1).values).float().mean()),
-            "kl": acc.get("kl", math.nan) / max(n_updates - skipped, 1),
-            "pg_loss": acc.get("pg_loss", math.nan) / max(n_updates - skipped, 1),
-            "entropy": sum(p["entropy"] for p in parts) / positions,
-            "clip_frac": acc.get("clip_frac", 0.0) / tokens,
-            "dual_clip_frac": acc.get("dual_clip_frac", 0.0) / tokens,
-            "ratio_max": acc.get("ratio_max", math.nan),
-            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-            "response_length": float(lengths.mean()),
-            "truncated_frac": float(truncated.mean()),
-            "lr": self.scheduler.get_last_lr()[0],
-            "ema_updated": int(ema_updated),
-            "skipped_updates": skipped,
-            "skipped_total": self.skipped_steps,
-            "anchor_seconds": t_anchor,
-        }
-        if all(p["tail_lost"] is not None for p in parts):  # the vLLM backend does not measure it
-            row["tail_lost"] = sum(p["tail_lost"] for p in parts) / positions
-        for key in batch.stats:  # rollout diagnostics, e.g. searches per episode
-            values = [x for p in parts for x in p["stats"][key]]
-            row[f"{key}_mean"] = sum(values) / max(len(values), 1)
-        if "kl_to_init" in acc:
-            row["kl_to_init"] = acc["kl_to_init"] / tokens  # both summed over the epochs
-        return row
+        applied = a.ppo_epochs * (cfg.prompts_per_step // mini) - skipped
+        return {**rollout_row(batch, cfg.rollout.n), **update_row(stats, applied, grad_norms),
+                "lr": self.scheduler.get_last_lr()[0], "ema_updated": int(ema_updated), "skipped_updates": skipped,
+                "skipped_total": self.skipped_steps, "anchor_seconds": t_anchor}
+
+    def _optimizer_step(self, mbs: list[RolloutBatch], anchors: list[AnchorStats],
+                        mini: int) -> tuple[list[dict[str, float]], float] | None:
+        """One optimizer step on a mini-batch of micro-batches (gradients accumulate). Returns their
+        statistics and the grad norm, or None when the update was dropped as non-finite."""
+        world = self.dist.world
+        local_tokens = float(sum(mb.response_mask.sum() for mb in mbs))
+        counts = {"num_tokens": distributed.all_reduce([local_tokens])[0],
+                  "num_seqs": float(mini * self.cfg.rollout.n),
+                  "max_len": response_budget(self.task, self.cfg.rollout.max_new_tokens)}
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = []
+        for mb, anc in zip(mbs, anchors, strict=True):
+            loss, part = self.micro_loss(mb, anc, counts)
+            if not distributed.all_agree(bool(torch.isfinite(loss))):
+                return self._drop_update()
+            # the loss is this rank's share of the global mean; FSDP averages gradients over ranks
+            (loss * world if world > 1 else loss).backward()
+            stats.append(part)
+        norm = distributed.clip_grad_norm(self.params, self.cfg.algo.max_grad_norm)
+        if not math.isfinite(norm):
+            return self._drop_update()
+        self.optimizer.step()
+        self.scheduler.step()
+        return stats, norm
+
+    def _drop_update(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        distributed.reshard(self.model)  # a skipped backward leaves units gathered
 
     # ---- evaluation and the run ----------------------------------------------------------------
 
@@ -588,8 +486,6 @@ class Trainer:
         distributed.barrier()
 
     def _final_table(self) -> dict[str, Any]:
-        from emapg.metrics import read_metrics, write_eval_table
-
         last = {}
         for row in read_metrics(self.run_dir):
             last.update({k: v for k, v in row.items() if k.startswith("eval/")})

@@ -10,16 +10,13 @@ so an existing index is replaced only once the new one is complete.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 
+from emapg.atomic import folder_atomic
 from emapg.data import DataError, load_rows
 from emapg.retrieval import Passage
 
@@ -93,10 +90,7 @@ def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | No
     retriever.index(tokens, show_progress=False)
     del tokens
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        os.chmod(tmp, 0o755)
+    with folder_atomic(out) as tmp:  # a rebuilt index replaces the old one only when complete
         retriever.save(tmp, show_progress=False)
         with open(tmp / PASSAGES_FILE, "w", encoding="utf-8") as f:
             for pid, title, text in zip(ids, titles, texts, strict=True):
@@ -111,20 +105,6 @@ def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | No
             "build_seconds": round(time.perf_counter() - start, 3),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            old = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.old"
-            os.replace(out, old)
-            try:
-                os.replace(tmp, out)
-            except BaseException:
-                os.replace(old, out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 

@@ -13,7 +13,6 @@ entropies and top-k ids are recorded only for model tokens.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,56 +22,12 @@ from torch import Tensor, nn
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.hf import HFSampler
 from emapg.rollout.sampling import Sampled, eos_ids, format_prompt, pad_left
-from emapg.tasks.base import Example
-
-SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.S)
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
-INFO_RE = re.compile(r"<information>.*?(</information>|$)", re.S)
-TAG_RE = re.compile(r"</?(search|answer|information|think)>")
-STOPS = ["</search>", "</answer>"]
-
-
-@dataclass
-class AgentConfig:
-    """Budgets of one episode."""
-
-    max_turns: int = 4
-    """At most this many searches; a search request beyond them ends the episode."""
-    topk: int = 3
-    """Passages per search."""
-    max_turn_tokens: int = 128
-    """New model tokens per turn."""
-    max_total_tokens: int = 1024
-    """All response tokens of an episode: model turns plus retrieved information."""
-    max_info_tokens: int = 384
-    """Tokens of one <information> block (longer ones are cut)."""
-    force_answer: bool = False
-    """After the last allowed search, open the model's next turn with "<answer>" (environment text,
-    mask 0): every episode that uses its searches then ends with an answer attempt."""
-
-
-def format_information(passages) -> str:
-    """Search-R1's observation text; tags inside passages are removed so a document cannot end or
-    answer an episode on the model's behalf."""
-    docs = "".join(f"Doc {i + 1}(Title: {TAG_RE.sub('', p.title)}) {TAG_RE.sub('', p.text)}\n"
-                   for i, p in enumerate(passages))
-    return f"\n\n<information>{docs}</information>\n\n"
-
-
-def model_text(completion: str) -> str:
-    """The model's own text of a response: the information blocks removed."""
-    return INFO_RE.sub(" ", completion)
-
-
-def extract_answer(completion: str) -> str | None:
-    """The content of the last <answer>...</answer> the model wrote, or None."""
-    found = ANSWER_RE.findall(model_text(completion))
-    return found[-1].strip() if found else None
-
+from emapg.tags import ANSWER_RE, SEARCH_RE, STOPS, format_information
+from emapg.tasks.base import AgentConfig, Example
 
 # A sampler continues B contexts (token lists) by at most ``max_new_tokens`` tokens, stopping each row
 # at a stop string or EOS (later positions are padding), and records the per-token statistics
-# (tail_lost may be None: the batch then has none). HFSampler (which keeps each episode's key/value
+# (top_p_cut may be None: the batch then has none). HFSampler (which keeps each episode's key/value
 # cache from one turn to the next) or VLLMRollout.sampler.
 Sampler = Callable[[list[list[int]], int], Sampled]
 
@@ -84,7 +39,7 @@ class _Episode:
     mask: list[int]
     logp: list[float]
     entropy: list[float]
-    tail: list[float]
+    cut: list[float]  # mass top-p cut at each token
     topk: list[list[int]]
     lead: str = ""  # text the prompt or the environment put at the start of the model's next turn
     searches: int = 0
@@ -125,16 +80,16 @@ def agent_rollout(
     eos_set = set(eos if eos is not None else [tokenizer.eos_token_id])
     prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
     leads = [ex.messages[-1]["content"] if ex.messages[-1]["role"] == "response_prefix" else "" for ex in examples]
-    eps = [_Episode(prompt=p, tokens=[], mask=[], logp=[], entropy=[], tail=[], topk=[], lead=lead)
+    eps = [_Episode(prompt=p, tokens=[], mask=[], logp=[], entropy=[], cut=[], topk=[], lead=lead)
            for p, lead in zip(prompts, leads, strict=True) for _ in range(n)]
-    has_tail = True  # False once a sampler gives no tail_lost (vLLM): the batch then has none
+    has_cut = True  # False once a sampler gives no top_p_cut (vLLM): the batch then has none
     while True:
         live = [e for e in eps if not e.done]
         if not live:
             break
         budget = [min(cfg.max_turn_tokens, cfg.max_total_tokens - len(e.tokens)) for e in live]
         out = sampler([e.prompt + e.tokens for e in live], max(budget))
-        has_tail = has_tail and out.tail_lost is not None
+        has_cut = has_cut and out.top_p_cut is not None
         queries: list[tuple[_Episode, str]] = []
         for row, e in enumerate(live):
             # a row's own length when the sampler reports it: with pad = EOS, padding is not an EOS
@@ -145,7 +100,7 @@ def agent_rollout(
             e.mask += [1] * length
             e.logp += out.logp[row, :length].tolist()
             e.entropy += out.entropy[row, :length].tolist()
-            e.tail += out.tail_lost[row, :length].tolist() if has_tail else [0.0] * length
+            e.cut += out.top_p_cut[row, :length].tolist() if has_cut else [0.0] * length
             e.topk += out.topk[row, :length].tolist() if out.topk is not None else [[]] * length
             e.turns += 1
             text = e.lead + tokenizer.decode(new[:length], skip_special_tokens=True)
@@ -158,7 +113,7 @@ def agent_rollout(
                 e.done = True
                 e.truncated = why == "budget"
         if queries:
-            results = retriever.search([q for _, q in queries], cfg.topk)
+            results = retriever.search([q for _, q in queries], cfg.passages)
             for (e, _), passages in zip(queries, results, strict=True):
                 info = tokenizer(format_information(passages), add_special_tokens=False).input_ids
                 info = info[: min(cfg.max_info_tokens, cfg.max_total_tokens - len(e.tokens))]
@@ -171,15 +126,15 @@ def agent_rollout(
                 e.mask += [0] * len(info)
                 e.logp += [0.0] * len(info)
                 e.entropy += [0.0] * len(info)
-                e.tail += [0.0] * len(info)
+                e.cut += [0.0] * len(info)
                 e.topk += [[0] * k if k else []] * len(info)
                 if len(e.tokens) >= cfg.max_total_tokens:
                     e.done, e.truncated = True, True
-    return _to_batch(tokenizer, prompts, eps, n, k, has_tail)
+    return _to_batch(tokenizer, prompts, eps, n, k, has_cut)
 
 
 def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, k: int,
-              has_tail: bool) -> RolloutBatch:
+              has_cut: bool) -> RolloutBatch:
     pad = tokenizer.pad_token_id
     prompt_ids, prompt_mask = pad_left(prompts, pad)
     width = max(1, max(len(e.tokens) for e in eps))
@@ -204,7 +159,7 @@ def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, 
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids,
         response_mask=right([e.mask for e in eps], 0, torch.long),
         samp_logp=right([e.logp for e in eps], 0.0, torch.float32), n=n, samp_topk=topk,
-        tail_lost=right([e.tail for e in eps], 0.0, torch.float32) if has_tail else None,
+        top_p_cut=right([e.cut for e in eps], 0.0, torch.float32) if has_cut else None,
         entropy=right([e.entropy for e in eps], 0.0, torch.float32),
         truncated=torch.tensor([e.truncated for e in eps]), completions=completions,
         stats={"searches": torch.tensor([float(e.searches) for e in eps]),

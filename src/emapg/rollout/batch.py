@@ -17,7 +17,7 @@ class RolloutBatch:
         the token and it counts in the loss (EOS included; padding, tool output excluded).
     samp_logp: [B, L] log-prob of each response token under the sampling distribution (after
         temperature and top-p). samp_topk: [B, L, k] that distribution's top-k ids, or None.
-    tail_lost: [B, L] probability mass the sampler could not draw (outside top-p), 0 when top_p = 1.
+    top_p_cut: [B, L] probability mass the sampler could not draw (outside top-p), 0 when top_p = 1.
     entropy: [B, L] entropy of the sampling distribution at each position (a diagnostic).
     truncated: [B] the response hit the length budget without an end-of-sequence.
     rewards, advantages: [B], filled by the trainer.
@@ -31,7 +31,7 @@ class RolloutBatch:
     samp_logp: Tensor
     n: int
     samp_topk: Tensor | None = None
-    tail_lost: Tensor | None = None
+    top_p_cut: Tensor | None = None
     entropy: Tensor | None = None
     truncated: Tensor | None = None
     completions: list[str] = field(default_factory=list)
@@ -53,16 +53,11 @@ class RolloutBatch:
         """Response rows of a slice of prompts."""
         return slice(prompts.start * self.n, prompts.stop * self.n)
 
-    def micro_batch(self, prompts: slice | list[int]) -> RolloutBatch:
-        """The sub-batch of some prompts (a slice, or a list of indices) with all their responses,
-        trimmed of all-padding columns (so a micro-batch of short answers runs short sequences)."""
-        if isinstance(prompts, slice):
-            rows: slice | Tensor = self.rows(prompts)
-            completions = self.completions[rows]
-        else:
-            rows = torch.tensor([p * self.n + j for p in prompts for j in range(self.n)], dtype=torch.long)
-            completions = [self.completions[i] for i in rows.tolist()] if self.completions else []
-            prompts = torch.tensor(prompts, dtype=torch.long)
+    def micro_batch(self, prompts: slice) -> RolloutBatch:
+        """The sub-batch of a run of prompts with all their responses, trimmed of all-padding columns
+        (so a micro-batch of short answers runs short sequences)."""
+        rows = self.rows(prompts)
+        completions = self.completions[rows]
         pm = self.prompt_mask[prompts]
         p_cols = pm.any(0).nonzero()
         p_start = int(p_cols[0]) if len(p_cols) else pm.shape[1]
@@ -75,7 +70,7 @@ class RolloutBatch:
             prompt_ids=self.prompt_ids[prompts, p_start:], prompt_mask=pm[:, p_start:],
             response_ids=self.response_ids[rows, :r_end], response_mask=rm[:, :r_end],
             samp_logp=self.samp_logp[rows, :r_end], n=self.n, samp_topk=cut(self.samp_topk),
-            tail_lost=cut(self.tail_lost), entropy=cut(self.entropy), truncated=pick(self.truncated),
+            top_p_cut=cut(self.top_p_cut), entropy=cut(self.entropy), truncated=pick(self.truncated),
             completions=completions, rewards=pick(self.rewards), advantages=pick(self.advantages),
             stats={k: v[rows] for k, v in self.stats.items()},
         )

@@ -175,7 +175,7 @@ def decode(
     out_ids = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logp = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
     entropy = torch.zeros_like(logp)
-    tail = torch.zeros_like(logp) if top_p < 1.0 and not greedy else None
+    cut = torch.zeros_like(logp) if top_p < 1.0 and not greedy else None
     topk = torch.zeros((b, max_new_tokens, k), dtype=torch.long, device=device) if k > 0 else None
     unfinished = torch.ones(b, dtype=torch.long, device=device)
     length = torch.zeros(b, dtype=torch.long, device=device)
@@ -197,8 +197,8 @@ def decode(
         live = unfinished[rows]
         tok = tok * live + pad_id * (1 - live)
         out_ids[rows, t], logp[rows, t], entropy[rows, t] = tok, st.logp, st.entropy
-        if tail is not None:
-            tail[rows, t] = lost
+        if cut is not None:
+            cut[rows, t] = lost
         if topk is not None:
             topk[rows, t] = st.topk
         length[rows] += live
@@ -218,7 +218,7 @@ def decode(
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)
         logits = _forward(model, tok[:, None], mask, cache)
     sampled = Sampled(ids=out_ids[:, :steps], logp=logp[:, :steps], entropy=entropy[:, :steps],
-                      tail_lost=None if tail is None else tail[:, :steps],
+                      top_p_cut=None if cut is None else cut[:, :steps],
                       topk=None if topk is None else topk[:, :steps], length=length)
     if not keep_state:
         return sampled, None

@@ -123,7 +123,7 @@ def generate(
     return RolloutBatch(
         prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device), response_ids=out.ids,
         response_mask=mask, samp_logp=out.logp, n=n, samp_topk=out.topk,
-        tail_lost=out.tail_lost if out.tail_lost is not None else out.logp.new_zeros(out.logp.shape),
+        top_p_cut=out.top_p_cut if out.top_p_cut is not None else out.logp.new_zeros(out.logp.shape),
         entropy=out.entropy, truncated=truncated,
         completions=tokenizer.batch_decode(out.ids.masked_fill(mask == 0, tokenizer.pad_token_id),
                                            skip_special_tokens=True),

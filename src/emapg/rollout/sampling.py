@@ -70,7 +70,7 @@ class Sampled:
     ids: Tensor
     logp: Tensor
     entropy: Tensor
-    tail_lost: Tensor | None
+    top_p_cut: Tensor | None
     topk: Tensor | None
     length: Tensor | None = None
 

@@ -17,7 +17,7 @@ What vLLM does not return, and what this backend reports instead:
 
 * entropy: the sampled token's surprisal -log pi_samp(y_t). Its mean over tokens is an unbiased
   estimate of the mean entropy (the HF backend reports the exact entropy).
-* tail_lost (mass outside top-p): not available; None, so the metric is not logged.
+* top_p_cut (mass outside top-p): not available; None, so the metric is not logged.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def to_sampled(completions: Sequence[Any], k: int, pad_id: int) -> Sampled:
     # unbiased per-token entropy estimate: E[-log pi_samp(y)] = H(pi_samp); 0 on padding
     entropy = -logp
     length = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)
-    return Sampled(ids=ids, logp=logp, entropy=entropy, tail_lost=None, topk=topk, length=length)
+    return Sampled(ids=ids, logp=logp, entropy=entropy, top_p_cut=None, topk=topk, length=length)
 
 
 def vllm_name(name: str) -> str:
@@ -268,7 +268,7 @@ class VLLMRollout:
         mask, truncated = response_mask_from_lengths(resp, out.length, self.eos)
         batch = RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=mask,
-            samp_logp=logp * mask, n=n, samp_topk=out.topk, tail_lost=None, entropy=-logp * mask,
+            samp_logp=logp * mask, n=n, samp_topk=out.topk, top_p_cut=None, entropy=-logp * mask,
             truncated=truncated,
             completions=self.tokenizer.batch_decode(resp.masked_fill(mask == 0, self.tokenizer.pad_token_id),
                                                     skip_special_tokens=True),

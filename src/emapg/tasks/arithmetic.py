@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 
-from emapg.tasks.base import Example
+from emapg.tasks.base import Example, Task
 
 _INT = re.compile(r"-?\d[\d,]*")
 EVAL_SEED = 1_000_003
@@ -27,7 +27,7 @@ def parse_last_integer(text: str) -> int | None:
         return None
 
 
-class ArithmeticTask:
+class ArithmeticTask(Task):
     name = "arithmetic"
 
     def __init__(self, digits: int = 2, ops: str = "+", terms: int = 2, eval_size: int = 500,

@@ -1,10 +1,10 @@
-"""What a task is: data, a prompt format, and a reward."""
+"""What a task is: data, a prompt format, a reward, and (for tool tasks) an episode's budgets and a retriever."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 
 @dataclass
@@ -18,22 +18,59 @@ class Example:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class Task(Protocol):
-    """A task provides training prompts, a fixed held-out set, and a reward in [0, 1]."""
+@dataclass
+class AgentConfig:
+    """Budgets of one tool episode (the Search-R1 protocol, :mod:`emapg.rollout.agent`)."""
 
-    name: str
+    max_turns: int = 4
+    """At most this many searches; a search request beyond them ends the episode."""
+    passages: int = 3
+    """Passages per search."""
+    max_turn_tokens: int = 128
+    """New model tokens per turn."""
+    max_total_tokens: int = 1024
+    """All response tokens of an episode: model turns plus retrieved information."""
+    max_info_tokens: int = 384
+    """Tokens of one <information> block (longer ones are cut)."""
+    force_answer: bool = False
+    """After the last allowed search, open the model's next turn with "<answer>" (environment text,
+    mask 0): every episode that uses its searches then ends with an answer attempt."""
+
+
+
+class Task:
+    """A task provides training prompts, a fixed held-out set, and a reward in [0, 1].
+
+    Subclasses implement the first three methods; the rest has defaults for single-turn tasks.
+    Everything the training and evaluation code asks of a task is declared here.
+    """
+
+    name: str = "task"
+    agent: AgentConfig | None = None
+    """The budgets of a multi-turn tool episode; None = one model turn per response."""
 
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
         """``n`` training examples drawn with ``rng`` (deterministic given its state)."""
-        ...
+        raise NotImplementedError
 
     def eval_examples(self, size: int) -> list[Example]:
         """The first ``size`` examples of the fixed held-out set (disjoint from training)."""
-        ...
+        raise NotImplementedError
 
     def reward(self, completion: str, example: Example) -> float:
-        """Score one completion. Must not execute model output."""
-        ...
+        """Score one completion for training. Must not execute model output."""
+        raise NotImplementedError
 
-    # Optional: ``prompt_pools() -> list[list[Example]]``, every example a task hands out (lists the
-    # caller may edit in place), for tasks that read user files whose prompts may not fit the model.
+    def eval_reward(self, completion: str, example: Example) -> float:
+        """Correctness for held-out accuracy, without training-only shaping bonuses (default: the reward)."""
+        return self.reward(completion, example)
+
+    @property
+    def retriever(self) -> Any:
+        """What answers an agent's searches (``search(queries, topk) -> [[Passage]]``); None without tools."""
+        return None
+
+    def prompt_pools(self) -> list[list[Example]]:
+        """Every example the task hands out, as lists the caller may edit in place (cut a prompt
+        that does not fit the model), for tasks that read user files. Generated tasks return []."""
+        return []

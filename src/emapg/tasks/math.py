@@ -13,7 +13,7 @@ import random
 
 from emapg.data import load_rows
 from emapg.rewards.math import boxed_format_reward, math_reward
-from emapg.tasks.base import Example
+from emapg.tasks.base import Example, Task
 
 R1_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TEMPLATES = ("r1", "chat", "plain")
@@ -29,7 +29,7 @@ def format_messages(problem: str, template: str) -> list[dict[str, str]]:
     raise ValueError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
 
 
-class MathTask:
+class MathTask(Task):
     """Args:
         train_file: prompts for training (JSONL/JSON/Parquet/datasets folder), or None for eval only.
         eval_file: held-out problems (default: the training file's last ``eval_size`` rows are not

@@ -19,9 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from emapg.data import load_rows
+from emapg.models import cache_dir
+from emapg.retrieval import open_retriever
 from emapg.rewards.qa import qa_em, qa_f1
-from emapg.rollout.agent import AgentConfig, extract_answer
-from emapg.tasks.base import Example
+from emapg.tags import extract_answer
+from emapg.tasks.base import AgentConfig, Example, Task
+from emapg.tasks.multihop_kb import make_kb
 
 SEARCH_R1 = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
@@ -48,9 +51,7 @@ TEMPLATES = {"search_r1": SEARCH_R1, "fewshot": FEWSHOT}
 
 def synthetic_index(options: dict[str, Any]) -> tuple[Path, dict[str, list[dict]]]:
     """The generated knowledge base and its BM25 index, built once into the emapg cache."""
-    from emapg.models import cache_dir
-    from emapg.retrieval.bm25 import build_index
-    from emapg.tasks.multihop_kb import make_kb
+    from emapg.retrieval.bm25 import build_index  # bm25s: the optional extra emapg[search]
 
     kb = make_kb(**options)
     key = hashlib.sha256(json.dumps(kb["corpus"], sort_keys=True).encode()).hexdigest()[:16]
@@ -63,7 +64,7 @@ def synthetic_index(options: dict[str, Any]) -> tuple[Path, dict[str, list[dict]
     return folder / "index", kb
 
 
-class SearchQATask:
+class SearchQATask(Task):
     """Args:
         train_file (one file or a list), eval_file: QA rows; question_field, answers_field: their column names.
         index: a BM25 index folder; retriever_url: a running retriever (one of index, retriever_url,
@@ -72,7 +73,7 @@ class SearchQATask:
             turn, e.g. "<search>" (it is part of the prompt; the model writes what follows).
         format_weight: training-reward bonus for a well-formed answer (held-out accuracy ignores it).
         force_answer: after the last allowed search the environment opens the next turn with <answer>.
-        max_turns, topk, max_turn_tokens, max_total_tokens, max_info_tokens: episode budgets.
+        max_turns, passages, max_turn_tokens, max_total_tokens, max_info_tokens: episode budgets.
     """
 
     name = "search_qa"
@@ -80,7 +81,7 @@ class SearchQATask:
     def __init__(self, train_file: str | list[str] | None = None, eval_file: str | None = None,
                  index: str | None = None, retriever_url: str | None = None, synthetic: bool | dict | None = None,
                  question_field: str = "question", answers_field: str = "answers", template: str = "search_r1",
-                 reward: str = "em", max_turns: int = 4, topk: int = 3, max_turn_tokens: int = 128,
+                 reward: str = "em", max_turns: int = 4, passages: int = 3, max_turn_tokens: int = 128,
                  max_total_tokens: int = 1024, max_info_tokens: int = 384, eval_size: int = 500,
                  response_prefix: str = "", format_weight: float = 0.0, force_answer: bool = False):
         if template not in TEMPLATES:
@@ -92,7 +93,7 @@ class SearchQATask:
             raise ValueError("task_args: the search_qa task needs exactly one of index, retriever_url, synthetic")
         self.template, self.reward_kind, self.response_prefix = template, reward, response_prefix
         self.format_weight = format_weight
-        self.agent = AgentConfig(max_turns=max_turns, topk=topk, max_turn_tokens=max_turn_tokens,
+        self.agent = AgentConfig(max_turns=max_turns, passages=passages, max_turn_tokens=max_turn_tokens,
                                  max_total_tokens=max_total_tokens, max_info_tokens=max_info_tokens,
                                  force_answer=force_answer)
         self._index, self._url, self._retriever = index, retriever_url, None
@@ -126,8 +127,6 @@ class SearchQATask:
     def retriever(self):
         """The retriever, opened on first use."""
         if self._retriever is None:
-            from emapg.retrieval import open_retriever
-
             self._retriever = open_retriever(index=self._index, url=self._url)
         return self._retriever
 

@@ -1,0 +1,105 @@
+"""One EMA-PG step's math (spec sections 2-4), in the paper's symbols.
+
+pi_theta is the policy being trained, pi_samp the distribution the sampler drew from (pi_old at the
+sampling temperature, after top-p), pi_old the policy before this step's updates (the PPO ratio's
+denominator), pi_ema the anchor (an EMA of pi_theta; frozen at the initial policy when eta = 1), and
+q the head ids of a top-k KL estimator. Per micro-batch:
+
+    rho  = pi_theta(p) / pi_old(p)                                  the PPO ratio of each token
+    PG   = agg(clipped surrogate(rho, A))                           A: group advantages
+    KL   = agg(KL-hat(pi_theta || pi_ema))                          estimator from emapg.kl
+    loss = PG + beta * KL
+
+The trainer runs the passes; this module says what they must gather and composes the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from emapg import kl
+from emapg.config import AlgoConfig
+from emapg.logprobs import TokenLogprobs
+from emapg.objective import aggregate, clipped_surrogate
+from emapg.rollout.batch import RolloutBatch
+
+
+@dataclass
+class AnchorStats:
+    """What the no-grad passes give one micro-batch, at its N valid positions: [N] / [N, k]."""
+
+    logp_tok: Tensor  # log pi_ema(p)
+    logp_head: Tensor | None  # log pi_ema(q), [N, k]
+    head_ids: Tensor | None  # q, [N, k]: the ids the policy pass gathers too (None = no head)
+    old_logp: Tensor  # log pi_old(p)
+    init_logp_tok: Tensor | None = None  # log pi_init(p), for the kl_to_init diagnostic
+
+
+def anchor_request(a: AlgoConfig, mb: RolloutBatch, vocab: int) -> tuple[Tensor | None, int]:
+    """What the anchor pass gathers: ``(ids, k_self)``. q is pi_samp's top-k (recorded at sampling)
+    for an estimator whose head is the sampler's, the anchor's own top-k (``k_self``, found in the
+    pass) for one whose head is the anchor's, every id for the exact ones, nothing otherwise."""
+    head = kl.estimator(a.kl).head
+    valid = mb.response_mask.bool()
+    if head == "all":
+        return torch.arange(vocab, device=valid.device).expand(int(valid.sum()), vocab), 0
+    if head == "sampler_topk" and a.k > 0:
+        return mb.samp_topk[valid], 0
+    if head == "anchor_topk" and a.k > 0:
+        return None, a.k
+    return None, 0
+
+
+def needs_old_pass(a: AlgoConfig, top_p: float) -> bool:
+    """Whether pi_old needs its own no-grad pass. With one PPO epoch and top_p = 1 the sampler's
+    log-probs are pi_old's; under top-p they are the truncated distribution's, not the policy's."""
+    return a.ppo_epochs > 1 or top_p < 1.0
+
+
+def anchor_stats(st: TokenLogprobs, ids: Tensor | None, mb: RolloutBatch, old_logp: Tensor | None,
+                 init_logp_tok: Tensor | None) -> AnchorStats:
+    """The anchor pass's output as :class:`AnchorStats`; ``old_logp=None``: pi_old = pi_samp."""
+    head_ids, logp_head = ids, st.logp_ids
+    if st.topk_ids is not None:  # the anchor chose the head (its own top-k)
+        head_ids, logp_head = st.topk_ids, st.topk_logp
+    old = mb.samp_logp[mb.response_mask.bool()] if old_logp is None else old_logp
+    return AnchorStats(st.logp_tok, logp_head, head_ids, old, init_logp_tok)
+
+
+def _scatter(values: Tensor, mask: Tensor) -> Tensor:
+    """[N] values of the valid positions back into a zero [B, L] tensor (differentiable)."""
+    return values.new_zeros(mask.shape).index_put(mask.nonzero(as_tuple=True), values)
+
+
+def loss(pol: TokenLogprobs, anc: AnchorStats, mb: RolloutBatch, a: AlgoConfig,
+         counts: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
+    """The loss of one micro-batch and its statistics (sums over its tokens; ``ratio_max`` a max).
+
+    pol: the policy pass at the valid positions, with log pi_theta at ``anc.head_ids``.
+    counts: the whole mini-batch's ``num_tokens``, ``num_seqs`` and ``max_len``, so that micro-batch
+    losses add up to the mini-batch's loss exactly.
+    """
+    mask = mb.response_mask
+    valid = mask.bool()
+    p = mb.response_ids[valid]  # the sampled tokens
+    samp = mb.samp_logp[valid]  # log pi_samp(p): the KL's importance weight s = pi_theta / pi_samp
+    has_tail = anc.head_ids is not None and kl.estimator(a.kl).head != "all"
+    kl_tok = kl.kl_from_logprobs(a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=samp,
+                                 policy_logp_q=pol.logp_ids, anchor_logp_q=anc.logp_head,
+                                 in_q=kl.in_head(anc.head_ids, p) if has_tail else None,
+                                 form=a.form, is_clip=a.is_clip)
+    sur = clipped_surrogate(_scatter(pol.logp_tok, valid), _scatter(anc.old_logp, valid), mb.advantages,
+                            a.eps_low, a.eps_high, a.dual_clip)
+    pg = aggregate(sur.loss, mask, a.agg, **counts)
+    kl_term = aggregate(_scatter(kl_tok, valid), mask, a.agg, **counts)
+    total = pg + a.beta * kl_term
+    stats = {"pg_loss": pg.item(), "kl": kl_term.item(),
+             "clip_frac": float((sur.clipped * mask).sum()), "dual_clip_frac": float((sur.dual_clipped * mask).sum()),
+             "ratio_max": float(sur.ratio[valid].max()) if valid.any() else 1.0, "tokens": float(valid.sum())}
+    if anc.init_logp_tok is not None:  # diagnostic: k3 (unbiased, >= 0) of KL(pi_theta || pi_init)
+        stats["kl_to_init"] = float(kl.kl_from_logprobs("k3", pol.logp_tok.detach(), anc.init_logp_tok,
+                                                        samp_logp_tok=samp).sum())
+    return total, stats

@@ -1,0 +1,35 @@
+"""The Search-R1 text protocol (spec section 6), shared by the episode loop and the search task.
+
+The model writes ``<search> query </search>`` and ends with ``<answer> ... </answer>``; the
+environment answers a search with ``<information> ... </information>``.
+"""
+
+from __future__ import annotations
+
+import re
+
+SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.S)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+INFO_RE = re.compile(r"<information>.*?(</information>|$)", re.S)
+TAG_RE = re.compile(r"</?(search|answer|information|think)>")
+STOPS = ["</search>", "</answer>"]
+"""The strings that end a model turn."""
+
+
+def format_information(passages) -> str:
+    """Search-R1's observation text; tags inside passages are removed so a document cannot end or
+    answer an episode on the model's behalf."""
+    docs = "".join(f"Doc {i + 1}(Title: {TAG_RE.sub('', p.title)}) {TAG_RE.sub('', p.text)}\n"
+                   for i, p in enumerate(passages))
+    return f"\n\n<information>{docs}</information>\n\n"
+
+
+def model_text(completion: str) -> str:
+    """The model's own text of a response: the information blocks removed."""
+    return INFO_RE.sub(" ", completion)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The content of the last <answer>...</answer> the model wrote, or None."""
+    found = ANSWER_RE.findall(model_text(completion))
+    return found[-1].strip() if found else None

@@ -1,0 +1,124 @@
+"""emapg.algo: the step's loss equals its reference composition from full logits, and micro-batch
+losses (what the trainer accumulates) add up to the mini-batch's loss, in value and gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emapg import algo, kl
+from emapg.config import AlgoConfig
+from emapg.logprobs import TokenLogprobs
+from emapg.objective import AGG_MODES, aggregate, clipped_surrogate
+from emapg.rollout.batch import RolloutBatch
+
+B, L, V, K = 6, 5, 11, 3
+
+
+def make_case(seed: int, estimator: str):
+    """Full logits [B, L, V] of the policy (a leaf), the anchor and the sampler, and the batch the
+    sampler would have recorded (tokens, their log-probs, its top-K ids)."""
+    g = torch.Generator().manual_seed(seed)
+    samp = torch.randn(B, L, V, generator=g, dtype=torch.float64)
+    policy = (samp + 0.3 * torch.randn(B, L, V, generator=g, dtype=torch.float64)).requires_grad_(True)
+    anchor = samp + 0.5 * torch.randn(B, L, V, generator=g, dtype=torch.float64)
+    tokens = torch.multinomial(samp.softmax(-1).reshape(-1, V), 1, generator=g).reshape(B, L)
+    mask = (torch.rand(B, L, generator=g) > 0.25).long()
+    mask[:, 0] = 1
+    samp_logp = samp.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    ones = torch.ones(B, 1, dtype=torch.long)
+    batch = RolloutBatch(prompt_ids=ones, prompt_mask=ones, response_ids=tokens, response_mask=mask,
+                         samp_logp=samp_logp * mask, n=1, samp_topk=samp.topk(K, -1).indices,
+                         advantages=torch.randn(B, generator=g, dtype=torch.float64))
+    return policy, anchor, samp, batch
+
+
+def rows(batch: RolloutBatch, sl: slice) -> RolloutBatch:
+    pick = lambda t: None if t is None else t[sl]  # noqa: E731
+    return RolloutBatch(prompt_ids=batch.prompt_ids[sl], prompt_mask=batch.prompt_mask[sl],
+                        response_ids=batch.response_ids[sl], response_mask=batch.response_mask[sl],
+                        samp_logp=batch.samp_logp[sl], n=1, samp_topk=pick(batch.samp_topk),
+                        advantages=batch.advantages[sl])
+
+
+def passes(policy: torch.Tensor, anchor: torch.Tensor, mb: RolloutBatch, a: AlgoConfig):
+    """What the trainer's passes give algo.loss: gathered statistics at the valid positions, with
+    the head ids algo.anchor_request names."""
+    valid = mb.response_mask.bool()
+    tok = mb.response_ids[valid]
+    logp, loga = policy[valid].log_softmax(-1), anchor[valid].log_softmax(-1)
+    ids, k_self = algo.anchor_request(a, mb, V)
+    topk = loga.topk(k_self, -1) if k_self else None
+    st = TokenLogprobs(logp_tok=loga.gather(-1, tok[:, None])[:, 0], lse=torch.zeros(len(tok)),
+                       logp_ids=None if ids is None else loga.gather(-1, ids),
+                       topk_ids=None if topk is None else topk.indices,
+                       topk_logp=None if topk is None else topk.values)
+    anc = algo.anchor_stats(st, ids, mb, None, None)
+    pol = TokenLogprobs(logp_tok=logp.gather(-1, tok[:, None])[:, 0], lse=torch.zeros(len(tok)),
+                        logp_ids=None if anc.head_ids is None else logp.gather(-1, anc.head_ids))
+    return pol, anc
+
+
+CASES = [(name, form) for name, est in kl.ESTIMATORS.items() for form in (kl.FORMS if est.paper else ("unbiased",))]
+
+
+@pytest.mark.parametrize("estimator,form", CASES)
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_loss_equals_its_reference_composition_from_full_logits(estimator, form, agg):
+    """loss = agg(clipped surrogate) + beta * agg(token_kl), the KL from kl.token_kl on full logits
+    (pi_samp the sampler, s its importance weight), pi_old = pi_samp."""
+    policy, anchor, samp, batch = make_case(0, estimator)
+    a = AlgoConfig(kl=estimator, k=K, form=form, beta=0.3, agg=agg)
+    counts = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(B), "max_len": L}
+    pol, anc = passes(policy, anchor, batch, a)
+    got, stats = algo.loss(pol, anc, batch, a, counts)
+    mask = batch.response_mask
+    logp_tok = policy.log_softmax(-1).gather(-1, batch.response_ids[..., None])[..., 0]
+    pg = clipped_surrogate(logp_tok, batch.samp_logp, batch.advantages, a.eps_low, a.eps_high, a.dual_clip).loss
+    kl_tok = kl.token_kl(policy, anchor, batch.response_ids, estimator=estimator, k=K, sampling_logits=samp,
+                         form=form)
+    want = aggregate(pg, mask, agg, **counts) + 0.3 * aggregate(kl_tok, mask, agg, **counts)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    (g_got,) = torch.autograd.grad(got, policy)
+    (g_want,) = torch.autograd.grad(want, policy)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
+    assert stats["tokens"] == float(mask.sum())
+    assert stats["kl"] == pytest.approx(float(aggregate(kl_tok, mask, agg, **counts)), rel=1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(micro=st.integers(1, 4), seed=st.integers(0, 1000), agg=st.sampled_from(AGG_MODES),
+       case=st.sampled_from(CASES))
+def test_micro_batch_losses_add_up_to_the_mini_batch_loss(micro, seed, agg, case):
+    estimator, form = case
+    policy, anchor, _, batch = make_case(seed, estimator)
+    a = AlgoConfig(kl=estimator, k=K, form=form, beta=0.05, agg=agg)
+    counts = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(B), "max_len": L}
+
+    def loss_of(sl: slice):
+        mb = rows(batch, sl)
+        return algo.loss(*passes(policy[sl], anchor[sl], mb, a), mb, a, counts)[0]
+
+    whole = loss_of(slice(0, B))
+    (g_whole,) = torch.autograd.grad(whole, policy)
+    total = sum(loss_of(slice(i, i + micro)) for i in range(0, B, micro))
+    (g_acc,) = torch.autograd.grad(total, policy)
+    torch.testing.assert_close(total, whole)
+    torch.testing.assert_close(g_acc, g_whole)
+
+
+def test_what_the_passes_gather_follows_the_estimators_declaration():
+    _, _, _, batch = make_case(0, "k3")
+    n = int(batch.response_mask.sum())
+    ids, k_self = algo.anchor_request(AlgoConfig(kl="topk_reverse", k=K), batch, V)
+    assert torch.equal(ids, batch.samp_topk[batch.response_mask.bool()]) and k_self == 0
+    assert algo.anchor_request(AlgoConfig(kl="topk_forward", k=K), batch, V) == (None, K)
+    ids, k_self = algo.anchor_request(AlgoConfig(kl="exact_forward", k=K), batch, V)
+    assert ids.shape == (n, V) and torch.equal(ids[3], torch.arange(V)) and k_self == 0
+    assert algo.anchor_request(AlgoConfig(kl="k3", k=K), batch, V) == (None, 0)
+    assert algo.anchor_request(AlgoConfig(kl="topk_reverse", k=0), batch, V) == (None, 0)
+    assert [kl.sampler_k(name, 32) for name in ("topk_reverse", "topk_forward", "exact_reverse", "k3")] == [32, 0, 0, 0]
+    assert not algo.needs_old_pass(AlgoConfig(), 1.0)
+    assert algo.needs_old_pass(AlgoConfig(), 0.9) and algo.needs_old_pass(AlgoConfig(ppo_epochs=2), 1.0)

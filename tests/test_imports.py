@@ -1,0 +1,91 @@
+"""The package's import graph has no cycles, counting imports inside functions too (so no lazy import
+can hide one), and the rollout code depends on the task protocol alone."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def import_graph(src: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (anywhere in its code). Importing ``a.b.c`` runs
+    ``a.b``'s ``__init__`` too, so each import also counts for the packages above it, except the
+    importing module's own packages, which Python has already started."""
+    modules = {}
+    for path in (src / package).rglob("*.py"):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        edges = set()
+        for target in targets:
+            parts = target.split(".")
+            for i in range(2, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in modules and dep != name and not name.startswith(dep + "."):
+                    edges.add(dep)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every back edge's cycle found by a depth-first search (empty when the graph is acyclic)."""
+    found, state, stack = [], {}, []
+
+    def visit(u: str) -> None:
+        state[u] = "open"
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == "open":
+                found.append(stack[stack.index(v):] + [v])
+            elif v not in state:
+                visit(v)
+        stack.pop()
+        state[u] = "done"
+
+    for u in sorted(graph):
+        if u not in state:
+            visit(u)
+    return found
+
+
+def test_the_checker_finds_a_cycle_through_a_package_init_and_a_lazy_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from pkg.sub.b import B\n")
+    (pkg / "sub" / "b.py").write_text("B = 1\n")
+    (pkg / "a.py").write_text("def f():\n    from pkg.sub.b import B\n    return B\n")
+    assert cycles(import_graph(tmp_path, "pkg")) == []
+    (pkg / "sub" / "b.py").write_text("def g():\n    import pkg.a\n")  # a -> pkg.sub -> b -> a
+    assert cycles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.sub", "pkg.sub.b", "pkg.a"]]
+
+
+def test_emapg_has_no_import_cycle():
+    assert cycles(import_graph(SRC, "emapg")) == []
+
+
+def test_rollout_code_knows_tasks_only_through_their_protocol():
+    for path in (SRC / "emapg" / "rollout").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert not name.startswith("emapg.tasks") or name == "emapg.tasks.base", f"{path.name}: {name}"
+
+
+def test_the_once_cyclic_modules_import_first_in_a_fresh_interpreter():
+    for module in ("emapg.rollout.agent", "emapg.tasks.search_qa", "emapg.algo", "emapg.distributed"):
+        subprocess.run([sys.executable, "-c", f"import {module}"], check=True, env={"PYTHONPATH": str(SRC)})
