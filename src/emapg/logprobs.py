@@ -61,7 +61,12 @@ PLAIN = HeadTransform()
 
 def head_logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float, tf: HeadTransform) -> Tensor:
     """Tempered logits of a chunk, in fp32 at least (fp64 inputs stay fp64)."""
-    z = torch.nn.functional.linear(h, w, None if b is None else b.to(w.dtype))
+    return transform_logits(torch.nn.functional.linear(h, w, None if b is None else b.to(w.dtype)), temperature, tf)
+
+
+def transform_logits(z: Tensor, temperature: float, tf: HeadTransform) -> Tensor:
+    """The model's transform and the temperature applied to raw head outputs ``h . W_j + b_j``, in
+    fp32 at least."""
     z = z.float() if z.dtype in (torch.bfloat16, torch.float16) else z
     if tf.scale != 1.0:
         z = z * tf.scale

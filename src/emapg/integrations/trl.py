@@ -1,0 +1,283 @@
+"""EMA-PG for TRL users: :class:`EMAPGTrainer`, a ``trl.GRPOTrainer`` whose reference model is an
+exponential moving average of the policy and whose KL term is an emapg estimator (extra ``emapg[trl]``).
+
+    trainer = EMAPGTrainer(model, reward_funcs, args=GRPOConfig(..., beta=0.001), train_dataset=ds,
+                           eta=0.9, kl="topk_reverse", k=32)
+
+What changes against GRPOTrainer, and nothing else:
+
+* **The reference is an EMA of the policy**, theta_ref <- eta * theta_ref + (1 - eta) * theta, applied
+  after the optimizer step every ``ema_every`` optimizer steps. The average is held in fp32 (or the
+  parameters' own precision if higher), also for a bf16 policy. With a PEFT model the reference is
+  the frozen base plus an EMA of the adapters, kept in a second adapter named ``ref`` (TRL's
+  reference pass already runs with an adapter of that name), never a second copy of the base.
+* **The per-token KL is emapg's** (:mod:`emapg.kl`), inside TRL's own loss and with its
+  aggregation for every ``loss_type``. The head of a top-k estimator is the reference's own top-k
+  at each position, found in TRL's reference pass from the hidden states that pass already
+  computes (no extra forward pass): any head set chosen without looking at the sampled token keeps
+  the unbiased form unbiased. The policy's log-probs at those ids come from its hidden states in
+  the loss's own forward, ``log pi(j) = z_j - z_y + log pi(y)`` with z the tempered logits, so only
+  k logits per position are formed. Off-policy samples (``num_iterations > 1``, vLLM) get the
+  importance weight s = pi / pi_old (pi_samp under vLLM's correction).
+* **Checkpoints** hold the average (``emapg_ema.safetensors``) and resume restores it.
+
+``use_bias_correction_kl`` is TRL's switch between k3 and k3 times the ratio (emapg's ``k3pp`` on
+policy); here ``kl`` chooses the estimator and that switch is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+
+from emapg import kl as klmod
+from emapg.anchor import EMAAnchor
+from emapg.atomic import write_json_atomic
+from emapg.lm import head_transform
+from emapg.logprobs import token_logprobs, transform_logits
+
+EMA_FILE = "emapg_ema.safetensors"
+TESTED_TRL = ">=1.16,<1.17"
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class _EMAStep(TrainerCallback):
+    """Moves the reference after each optimizer step (``on_step_end`` follows the step)."""
+
+    def __init__(self, trainer: EMAPGTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.ema_step()
+
+
+class EMAPGTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` with an EMA reference and an emapg KL estimator; constructed like it.
+
+    Args (besides GRPOTrainer's):
+        eta: EMA decay in (0, 1]; 1 keeps the initial reference (GRPO).
+        ema_every: update the reference every this many optimizer steps.
+        kl: an emapg estimator name (:data:`emapg.kl.ESTIMATORS`), default the unbiased top-k reverse KL.
+        k: head size of the top-k estimators.
+        form: ``"unbiased"`` (default) or ``"paper"``.
+    """
+
+    def __init__(self, model, reward_funcs, args=None, *pos, eta: float = 0.9, ema_every: int = 1,
+                 kl: str = "topk_reverse", k: int = 32, form: str = "unbiased", **kwargs):
+        est = klmod.check_estimator(kl, form, k)
+        if est.head == "all":
+            raise ValueError(f"EMAPGTrainer: kl={kl!r} needs the reference's log-probs at every vocabulary id of "
+                             "every token between generation and loss; use topk_reverse or topk_forward with a "
+                             "large k instead")
+        if args is None or args.beta == 0.0:
+            raise ValueError("EMAPGTrainer: GRPOConfig.beta is 0, so there is no KL term for the EMA reference "
+                             "to anchor; set beta (e.g. GRPOConfig(beta=0.001))")
+        if args.sync_ref_model:
+            raise ValueError("EMAPGTrainer: GRPOConfig.sync_ref_model mixes the reference every "
+                             "ref_model_sync_steps; the EMA reference replaces it (set eta, ema_every instead)")
+        if not 0.0 < eta <= 1.0 or ema_every < 1:
+            raise ValueError(f"EMAPGTrainer: eta must be in (0, 1] and ema_every >= 1, got {eta}, {ema_every}")
+        self.kl_name, self.kl_k, self.kl_form = kl, (k if est.head != "none" else 0), form
+        self._capture: list[tuple[Tensor, Tensor]] | None = None
+        self._ref_head: dict[str, Tensor] | None = None
+        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        policy = self.accelerator.unwrap_model(self.model)
+        self.peft = hasattr(policy, "peft_config")
+        if self.peft:
+            if "ref" not in policy.peft_config:
+                policy.add_adapter("ref", policy.peft_config["default"])
+            self.anchor = EMAAnchor(policy, eta=eta, every=ema_every, mode="lora")
+            self._ref_params = {n: p for n, p in policy.named_parameters() if ".ref." in n}
+            for p in self._ref_params.values():
+                p.requires_grad_(False)
+            self._write_ref_adapter()
+        else:
+            ref = self.accelerator.unwrap_model(self.ref_model)
+            ref.load_state_dict(policy.state_dict())  # the average starts at this policy, whatever TRL loaded
+            self.anchor = EMAAnchor(policy, eta=eta, every=ema_every, mode="full", module=ref)
+        self.add_callback(_EMAStep(self))
+
+    # ---- the EMA reference ---------------------------------------------------------------------
+
+    def _write_ref_adapter(self) -> None:
+        with torch.no_grad():
+            for name, avg in self.anchor.average.items():
+                self._ref_params[name.replace(".default.", ".ref.")].copy_(avg)
+
+    def ema_step(self) -> bool:
+        """Count one optimizer step; move the reference when due. Returns whether it moved."""
+        moved = self.anchor.step(self.accelerator.unwrap_model(self.model))
+        if moved and self.peft:
+            self._write_ref_adapter()
+        return moved
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            state = {k: v.detach().contiguous().cpu() for k, v in self.anchor.state_dict().items()}
+            tmp = os.path.join(folder, f".{EMA_FILE}.tmp-{os.getpid()}")
+            save_file(state, tmp)
+            os.replace(tmp, os.path.join(folder, EMA_FILE))
+            write_json_atomic(os.path.join(folder, "emapg_ema.json"),
+                              {"eta": self.anchor.eta, "every": self.anchor.every, "kl": self.kl_name,
+                               "k": self.kl_k, "form": self.kl_form, "mode": self.anchor.mode})
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, EMA_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: this checkpoint holds no EMA reference (was it written by "
+                                    "EMAPGTrainer?)")
+        self.anchor.load_state_dict(load_file(path))
+        if self.peft:
+            self._write_ref_adapter()
+        else:
+            self.anchor._sync_module()
+
+    # ---- the reference's head, and the policy's log-probs at it ---------------------------------
+
+    @contextlib.contextmanager
+    def _hidden(self, model: nn.Module) -> Iterator[list[Tensor]]:
+        """Collect the final hidden states of ``model``'s backbone during the block."""
+        backbone = _unwrap_peft(self.accelerator.unwrap_model(model)).base_model
+        seen: list[Tensor] = []
+
+        def hook(_module, _inputs, output):
+            seen.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+        handle = backbone.register_forward_hook(hook)
+        try:
+            yield seen
+        finally:
+            handle.remove()
+
+    def _is_ref_call(self, model: nn.Module) -> bool:
+        if self.peft:
+            return getattr(self.accelerator.unwrap_model(model), "active_adapter", None) == "ref"
+        return model is self.ref_model
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           *args, **kwargs):
+        ref_call = self._is_ref_call(model)
+        if not ref_call and self._capture is None:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              *args, **kwargs)
+        with self._hidden(model) as seen:
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                             *args, **kwargs)
+        hidden = torch.cat(seen, 0)[:, -logits_to_keep - 1 : -1]  # position t predicts token t + 1
+        if ref_call:
+            if self.kl_k > 0:
+                self._ref_head = self._ref_topk(model, hidden, input_ids[:, -logits_to_keep:])
+        else:
+            self._capture.append((out[0], hidden))
+        return out
+
+    def _head(self, model: nn.Module) -> tuple[Tensor, Tensor | None]:
+        head = _unwrap_peft(self.accelerator.unwrap_model(model)).get_output_embeddings()
+        return head.weight, head.bias
+
+    @torch.no_grad()
+    def _ref_topk(self, model: nn.Module, hidden: Tensor, tokens: Tensor) -> dict[str, Tensor]:
+        """The reference's own top-k ids and log-probs at every completion position: [B, C, k]."""
+        w, b = self._head(model)
+        b_, c, h = hidden.shape
+        tf = head_transform(_unwrap_peft(self.accelerator.unwrap_model(model)))
+        with self.accelerator.autocast():  # the precision of the forward that made ``hidden`` (bf16 under bf16=True)
+            st = token_logprobs(hidden.reshape(-1, h), w, tokens.reshape(-1), bias=b, temperature=self.temperature,
+                                k_self=self.kl_k, transform=tf)
+        return {"ref_head_ids": st.topk_ids.view(b_, c, -1), "ref_head_logps": st.topk_logp.view(b_, c, -1)}
+
+    def _policy_logps_at(self, model: nn.Module, hidden: Tensor, logp_tok: Tensor, tokens: Tensor,
+                         ids: Tensor) -> Tensor:
+        """log pi at ``ids`` [B, C, k] from the policy's hidden states and its log-prob of the sampled
+        token: log pi(j) = z_j - z_y + log pi(y) (one log-sum-exp), differentiable in all three."""
+        w, b = self._head(model)
+        tf = head_transform(_unwrap_peft(self.accelerator.unwrap_model(model)))
+        both = torch.cat([tokens.unsqueeze(-1), ids], -1)  # [B, C, 1 + k]
+        rows = torch.nn.functional.embedding(both, w)  # [B, C, 1 + k, H]
+        with self.accelerator.autocast():  # the precision of the forward that made ``hidden``
+            z = torch.matmul(rows, hidden.unsqueeze(-1).to(rows.dtype)).squeeze(-1)
+        if b is not None:
+            z = z + b[both]
+        z = transform_logits(z, self.temperature, tf)
+        return z[..., 1:] - z[..., :1] + logp_tok.unsqueeze(-1)
+
+    # ---- generation adds the head; the loss adds emapg's KL --------------------------------------
+
+    def _generate_and_score_completions(self, inputs):
+        self._ref_head = None
+        output = super()._generate_and_score_completions(inputs)
+        if self._ref_head is not None:
+            output.update(self._ref_head)
+            self._ref_head = None
+        return output
+
+    def _compute_loss(self, model, inputs):
+        beta, self.beta = self.beta, 0.0  # TRL's loss without its k3 term ...
+        self._capture = []
+        try:
+            loss = super()._compute_loss(model, inputs)
+            (logp, hidden), = self._capture
+        finally:
+            self.beta, self._capture = beta, None
+        kl_tok = self._token_kl(model, inputs, logp, hidden)
+        mask = inputs["completion_mask"]
+        mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+        mode = "train" if self.model.training else "eval"
+        m = mask.to(kl_tok.dtype)
+        totals = self.accelerator.reduce(torch.stack([(kl_tok.detach() * m).sum(), m.sum()]), reduction="sum")
+        self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        return loss + beta * self._aggregate(kl_tok, mask, inputs, mode)  # ... plus emapg's, aggregated alike
+
+    def _token_kl(self, model, inputs, logp: Tensor, hidden: Tensor) -> Tensor:
+        """emapg's per-token KL estimate [B, C] of the policy against the EMA reference."""
+        tokens = inputs["completion_ids"]
+        samp = inputs.get("sampling_per_token_logps") if self.use_vllm else None
+        samp = inputs.get("old_per_token_logps") if samp is None else samp
+        pol_q = anc_q = in_q = None
+        if "ref_head_ids" in inputs:
+            ids = inputs["ref_head_ids"]
+            pol_q = self._policy_logps_at(model, hidden, logp, tokens, ids)
+            anc_q = inputs["ref_head_logps"]
+            in_q = klmod.in_head(ids, tokens)
+        return klmod.kl_from_logprobs(self.kl_name, logp, inputs["ref_per_token_logps"], samp_logp_tok=samp,
+                                      policy_logp_q=pol_q, anchor_logp_q=anc_q, in_q=in_q, form=self.kl_form)
+
+    def _aggregate(self, values: Tensor, mask: Tensor, inputs: dict[str, Any], mode: str) -> Tensor:
+        """TRL 1.16's reduction of a per-token loss for ``self.loss_type`` (GRPOTrainer._compute_loss)."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        t = self.loss_type
+        if t in ("grpo", "sapo"):
+            return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+        if t == "bnpo":
+            return (values * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        if t == "dr_grpo":
+            return (values * mask).sum() / (values.size(0) * self.max_completion_length) / accumulation
+        if t in ("cispo", "dapo", "vespo"):
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return (values * mask).sum() / normalizer
+        if t == "luspo":
+            return (values * mask).sum(-1).mean() / accumulation
+        raise ValueError(f"EMAPGTrainer: loss_type {t!r} is not one TRL {TESTED_TRL} has")
+
+
+__all__ = ["EMAPGTrainer"]

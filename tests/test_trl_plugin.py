@@ -1,0 +1,228 @@
+"""emapg.integrations.trl against real TRL on a tiny random model: the loss equals GRPOTrainer's
+where they coincide, the reference follows the EMA's closed form (adapters only under LoRA), the
+top-k term equals emapg's estimator on full logits, and resuming keeps the EMA reference."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from emapg import kl as klmod  # noqa: E402
+from emapg.integrations.trl import EMA_FILE, EMAPGTrainer  # noqa: E402
+from emapg.models import load_model, save_hf_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    model, tok = load_model("tiny-llama", "float32", seed=0)
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    save_hf_folder(model, tok, path)
+    return str(path)
+
+
+def dataset(n: int = 8) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"add {i} and {i + 1}"}] for i in range(n)]})
+
+
+def reward(completions, **kwargs):
+    return [float(len(str(c)) % 3) for c in completions]
+
+
+def config(out: Path, **kw) -> GRPOConfig:
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                max_steps=2, learning_rate=1e-2, beta=0.1, report_to=[], use_cpu=True, logging_steps=1,
+                save_strategy="no", seed=0, temperature=1.0, bf16=False)
+    return GRPOConfig(**{**base, **kw})
+
+
+def make(cls, tiny, out, tokenizer=None, **kw):
+    from transformers import AutoTokenizer
+
+    args = {k: kw.pop(k) for k in list(kw) if k in GRPOConfig.__dataclass_fields__}
+    tok = tokenizer or AutoTokenizer.from_pretrained(tiny)
+    return cls(tiny, [reward], args=config(out, **args), train_dataset=dataset(), processing_class=tok, **kw)
+
+
+def batch_of(trainer):
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+    return trainer._generate_and_score_completions([dataset()[i] for i in range(4)])
+
+
+def loss_and_grads(trainer, inputs):
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
+@pytest.mark.parametrize("estimator,bias_correction", [("k3", False), ("k3pp", True)])
+def test_eta_one_k3_equals_grpo_trainer_with_beta(tiny, tmp_path, loss_type, estimator, bias_correction):
+    """TRL's k3 (times the ratio when use_bias_correction_kl) is emapg's k3 (k3pp): same loss, same
+    gradients, on the same batch, under every aggregation."""
+    ours = make(EMAPGTrainer, tiny, tmp_path / "a", eta=1.0, kl=estimator, loss_type=loss_type,
+                use_bias_correction_kl=bias_correction)
+    theirs = make(GRPOTrainer, tiny, tmp_path / "b", loss_type=loss_type, use_bias_correction_kl=bias_correction)
+    inputs = batch_of(ours)
+    with torch.no_grad():  # the policy moves away from the reference, so the KL term is not zero
+        for p, q in zip(ours.model.parameters(), theirs.model.parameters(), strict=True):
+            p.add_(0.05 * torch.randn_like(p))
+            q.copy_(p)
+    loss_a, grads_a = loss_and_grads(ours, inputs)
+    loss_b, grads_b = loss_and_grads(theirs, inputs)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
+    assert ours._metrics["train"]["kl"][-1] == pytest.approx(theirs._metrics["train"]["kl"][-1], rel=1e-5)
+    assert ours._metrics["train"]["kl"][-1] > 1e-4
+
+
+def full_logits(model, inputs, temperature):
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    c = inputs["completion_ids"].shape[1]
+    return model(input_ids=ids, attention_mask=att).logits[:, -c - 1 : -1].double() / temperature
+
+
+@pytest.mark.parametrize("estimator", ["topk_forward", "topk_reverse"])
+@pytest.mark.parametrize("form", ["unbiased", "paper"])
+def test_topk_term_equals_emapgs_estimator_on_full_logits(tiny, tmp_path, estimator, form):
+    """The per-token KL from TRL's passes (the reference's top-k found in its pass, the policy's
+    log-probs at those ids from its hidden states) equals emapg.kl on the models' full logits, in
+    value and gradient. topk_forward's head is the anchor's top-k, as in kl.token_kl; for
+    topk_reverse the head is the same ids, which keeps it unbiased (any head not chosen by the token)."""
+    tr = make(EMAPGTrainer, tiny, tmp_path, eta=0.5, kl=estimator, k=5, form=form, temperature=0.7)
+    inputs = batch_of(tr)
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tr._capture = []
+    logp, _, _ = tr._get_per_token_logps_and_entropies(
+        tr.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].shape[1])
+    (logp, hidden), = tr._capture
+    tr._capture = None
+    got = tr._token_kl(tr.model, inputs, logp, hidden)
+    policy = full_logits(tr.model, inputs, 0.7)
+    with torch.no_grad():
+        anchor = full_logits(tr.ref_model, inputs, 0.7)
+    tokens = inputs["completion_ids"]
+    if estimator == "topk_forward":
+        want = klmod.token_kl(policy, anchor, tokens, estimator=estimator, k=5, form=form)
+    else:
+        lp, la = policy.log_softmax(-1), anchor.log_softmax(-1)
+        ids = anchor.topk(5, -1).indices
+        assert torch.equal(ids, inputs["ref_head_ids"])
+        g = lambda t, i: t.gather(-1, i)  # noqa: E731
+        want = klmod.kl_from_logprobs(estimator, g(lp, tokens[..., None])[..., 0], g(la, tokens[..., None])[..., 0],
+                                      policy_logp_q=g(lp, ids), anchor_logp_q=g(la, ids),
+                                      in_q=klmod.in_head(ids, tokens), form=form)
+    mask = inputs["completion_mask"].bool()
+    torch.testing.assert_close(got[mask].double(), want[mask], rtol=1e-4, atol=1e-6)
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    g_got = torch.autograd.grad(got[mask].sum(), params, allow_unused=True)
+    g_want = torch.autograd.grad(want[mask].sum(), params, allow_unused=True)
+    for a, b in zip(g_got, g_want, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None or float((a if b is None else b).abs().max()) == 0
+            continue
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-3, atol=2e-5)  # fp32 model passes
+
+
+class Record(TrainerCallback):
+    """The trainable parameters after each optimizer step (runs after EMAPGTrainer's EMA update)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.seen = trainer, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append({n: p.detach().double().clone() for n, p in self.trainer.model.named_parameters()
+                          if p.requires_grad})
+
+
+def closed_form(theta0, thetas, eta):
+    """theta_ema after n updates: eta^n theta_0 + sum_j (1 - eta) eta^(n - j) theta_j."""
+    n = len(thetas)
+    return {k: eta**n * theta0[k] + sum((1 - eta) * eta ** (n - j) * t[k] for j, t in enumerate(thetas, 1))
+            for k in theta0}
+
+
+def test_reference_follows_the_emas_closed_form(tiny, tmp_path):
+    tr = make(EMAPGTrainer, tiny, tmp_path, eta=0.6, max_steps=3)
+    theta0 = {n: p.detach().double().clone() for n, p in tr.model.named_parameters()}
+    rec = Record(tr)
+    tr.add_callback(rec)
+    tr.train()
+    want = closed_form(theta0, rec.seen, 0.6)
+    ref = dict(tr.ref_model.named_parameters())
+    moved = 0.0
+    for name, value in want.items():
+        torch.testing.assert_close(ref[name].double(), value.double(), rtol=0, atol=1e-6)
+        moved = max(moved, float((value - theta0[name]).abs().max()))
+    assert moved > 1e-3 and tr.anchor.num_updates == 3
+
+
+def test_lora_reference_is_the_base_plus_an_ema_of_the_adapters(tiny, tmp_path):
+    from peft import LoraConfig
+
+    tr = make(EMAPGTrainer, tiny, tmp_path, eta=0.5, max_steps=3,
+              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert tr.ref_model is None  # no second copy of the base
+    policy = tr.model
+    frozen = {n: p.detach().clone() for n, p in policy.named_parameters() if not p.requires_grad and "lora_" not in n}
+    adapters0 = {n: p.detach().double().clone() for n, p in policy.named_parameters() if p.requires_grad}
+    rec = Record(tr)
+    tr.add_callback(rec)
+    tr.train()
+    assert all(torch.equal(p, frozen[n]) for n, p in policy.named_parameters() if n in frozen)  # base untouched
+    want = closed_form(adapters0, rec.seen, 0.5)
+    params = dict(policy.named_parameters())
+    for name, value in want.items():
+        ref = params[name.replace(".default.", ".ref.")]
+        assert not ref.requires_grad
+        torch.testing.assert_close(ref.double(), value.double(), rtol=0, atol=1e-6)
+    # what the reference costs: the ref adapter's tensors, a small fraction of the model
+    ref_bytes = sum(p.numel() * p.element_size() for n, p in params.items() if ".ref." in n)
+    adapter_bytes = sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad)
+    base_bytes = sum(t.numel() * t.element_size() for t in frozen.values())
+    assert ref_bytes == adapter_bytes and ref_bytes < 0.05 * base_bytes
+
+
+def test_resume_keeps_the_ema_reference(tiny, tmp_path):
+    whole = make(EMAPGTrainer, tiny, tmp_path / "whole", eta=0.5, max_steps=3)
+    whole.train()
+    part = make(EMAPGTrainer, tiny, tmp_path / "part", eta=0.5, max_steps=3, save_strategy="steps", save_steps=2)
+    part.train()
+    ckpt = tmp_path / "part" / "checkpoint-2"
+    assert (ckpt / EMA_FILE).exists()
+    resumed = make(EMAPGTrainer, tiny, tmp_path / "part", eta=0.5, max_steps=3)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.anchor.num_updates == 3
+    for (name, a), b in zip(whole.ref_model.named_parameters(), resumed.ref_model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+def test_bad_combinations_are_refused(tiny, tmp_path):
+    with pytest.raises(ValueError, match="beta is 0"):
+        make(EMAPGTrainer, tiny, tmp_path, beta=0.0)
+    with pytest.raises(ValueError, match="sync_ref_model"):
+        make(EMAPGTrainer, tiny, tmp_path, sync_ref_model=True)
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        make(EMAPGTrainer, tiny, tmp_path, kl="k7")
+    with pytest.raises(ValueError, match="every vocabulary id"):
+        make(EMAPGTrainer, tiny, tmp_path, kl="exact_reverse")
+    assert math.isclose(make(EMAPGTrainer, tiny, tmp_path, eta=0.9).anchor.eta, 0.9)
