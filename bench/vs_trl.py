@@ -43,19 +43,21 @@ def step_examples(task, seed: int, steps: int):
     return out
 
 
+def arithmetic_reward(completions, answer, **kwargs):
+    """TRL reward function: 1 if the last integer of the completion is the answer (emapg's arithmetic reward)."""
+    out = []
+    for comp, ans in zip(completions, answer, strict=True):
+        nums = _INT.findall(comp[-1]["content"] if isinstance(comp, list) else comp)
+        out.append(float(bool(nums) and int(nums[-1]) == int(ans)))
+    return out
+
+
 def run_trl(model_dir: str, examples, steps: int, threads: int) -> tuple[list[float], list[float]]:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(threads)
-
-    def reward(completions, answer, **kwargs):
-        out = []
-        for comp, ans in zip(completions, answer, strict=True):
-            nums = _INT.findall(comp[-1]["content"] if isinstance(comp, list) else comp)
-            out.append(float(bool(nums) and int(nums[-1]) == int(ans)))
-        return out
 
     class StepTimer(TrainerCallback):
         # on_step_begin .. on_step_end brackets training_step, in which GRPOTrainer generates,
@@ -85,8 +87,8 @@ def run_trl(model_dir: str, examples, steps: int, threads: int) -> tuple[list[fl
             save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
         )
         timer = StepTimer()
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
-                              callbacks=[timer])
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=arithmetic_reward, args=cfg, train_dataset=ds,
+                              processing_class=tok, callbacks=[timer])
         assert trainer.args.generation_batch_size == PROMPTS * SAMPLES and trainer.ref_model is not None
         trainer.train()
     return timer.times, timer.lengths

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-.venv/bin/ruff check src tests bench
+.venv/bin/ruff check src tests bench examples
 .venv/bin/python -m pytest -q "$@"
