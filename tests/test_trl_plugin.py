@@ -141,6 +141,24 @@ def test_topk_term_equals_emapgs_estimator_on_full_logits(tiny, tmp_path, estima
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-3, atol=2e-5)  # fp32 model passes
 
 
+def test_vllm_importance_weight_and_its_unscored_tokens(tiny, tmp_path):
+    """Under vLLM the KL's weight is s = pi / pi_samp (vLLM's log-probs); a token vLLM could not
+    score (NaN) is weighed by pi_old instead, and the term stays finite."""
+    tr = make(EMAPGTrainer, tiny, tmp_path, eta=0.5, kl="k3")
+    inputs = batch_of(tr)
+    logp = inputs["ref_per_token_logps"] + 0.1
+    hidden = torch.zeros(*logp.shape, 64)
+    samp = inputs["ref_per_token_logps"].clone()
+    samp[0, 0] = float("nan")
+    tr.use_vllm = True
+    got = tr._token_kl(tr.model, {**inputs, "sampling_per_token_logps": samp}, logp, hidden)
+    tr.use_vllm = False
+    k3 = klmod.ESTIMATORS["k3"].sample(logp, inputs["ref_per_token_logps"])
+    want = torch.exp(logp - samp) * k3
+    want[0, 0] = k3[0, 0]  # no pi_old in this batch: the policy's own log-prob, s = 1
+    torch.testing.assert_close(got, want)
+
+
 class Record(TrainerCallback):
     """The trainable parameters after each optimizer step (runs after EMAPGTrainer's EMA update)."""
 
@@ -172,6 +190,19 @@ def test_reference_follows_the_emas_closed_form(tiny, tmp_path):
         torch.testing.assert_close(ref[name].double(), value.double(), rtol=0, atol=1e-6)
         moved = max(moved, float((value - theta0[name]).abs().max()))
     assert moved > 1e-3 and tr.anchor.num_updates == 3
+
+
+def test_a_bf16_policy_keeps_an_fp32_average(tiny, tmp_path):
+    tr = make(EMAPGTrainer, tiny, tmp_path, eta=0.9, max_steps=2, model_init_kwargs={"dtype": torch.bfloat16})
+    tr.train()
+    ref = dict(tr.ref_model.named_parameters())
+    assert all(avg.dtype == torch.float32 for avg in tr.anchor.average.values())
+    assert all(p.dtype == torch.bfloat16 for p in ref.values())
+    for name, avg in tr.anchor.average.items():
+        if name in ref:
+            assert torch.equal(ref[name], avg.to(torch.bfloat16))  # the reference is the rounded average
+    # (1 - eta) times a bf16 step is below bf16's resolution for most weights: only fp32 keeps it
+    assert any(not torch.equal(avg, avg.to(torch.bfloat16).float()) for avg in tr.anchor.average.values())
 
 
 def test_lora_reference_is_the_base_plus_an_ema_of_the_adapters(tiny, tmp_path):

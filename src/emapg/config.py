@@ -169,6 +169,12 @@ class TrainConfig:
     """A data file's prompt that, with the response budget, does not fit the model's context
     (max_position_embeddings), checked before the first step: ``error`` (names the file and the row)
     or ``truncate`` (cut the prompt's text to fit, with a warning naming it)."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Where the metrics go besides metrics.jsonl: ``tensorboard``, ``wandb`` (Weights & Biases, extra
+    emapg[wandb]: the same metrics, the config and the eval tables; W&B's environment variables choose
+    the entity and the mode, e.g. WANDB_MODE=offline), or [] for neither."""
+    wandb_project: str = "emapg"
+    """The W&B project of runs with ``report_to: [wandb]``; the run is named after its folder."""
     save_every: int = 20
     """Write a checkpoint every this many steps (and at the end); 0 = never (the run cannot be
     resumed: for short runs whose checkpoints nobody needs)."""
@@ -325,6 +331,8 @@ def validate(cfg: TrainConfig) -> None:
          "must be >= 1 or null", cfg.mini_batch_prompts),
         (cfg.chunk_size >= 1, "chunk_size", "must be >= 1", cfg.chunk_size),
         (cfg.long_prompts in ("error", "truncate"), "long_prompts", "expected error or truncate", cfg.long_prompts),
+        (set(cfg.report_to) <= {"tensorboard", "wandb"}, "report_to", "expected a list of tensorboard, wandb",
+         cfg.report_to),
         (cfg.threads is None or cfg.threads >= 1, "threads", "must be >= 1 or null", cfg.threads),
         (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay", "must be >= 0",
          cfg.weight_decay),

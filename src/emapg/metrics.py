@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -75,31 +76,68 @@ def rollout_row(batch, group_size: int) -> dict[str, Any]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors the scalars to TensorBoard and
+    W&B (``report_to``). ``config``: the run's configuration, recorded by W&B."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, resume_step: int | None = None, report_to: tuple[str, ...] = ("tensorboard",),
+                 config: dict[str, Any] | None = None, wandb_project: str = "emapg"):
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # Drop rows past the checkpoint we resume from: those steps are re-run.
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             write_text_atomic(self.path, "".join(line + "\n" for line in kept))  # a kill keeps the old file
-        from torch.utils.tensorboard import SummaryWriter
+        self.tb = self.wandb = None
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step)
+            self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step)
+        if "wandb" in report_to:
+            self.wandb = _wandb_run(Path(run_dir), config or {}, wandb_project)
 
     def write(self, row: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        scalars = {k: v for k, v in row.items()
+                   if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
         if self.tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
-                    self.tb.add_scalar(key, value, row["step"])
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, row["step"])
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=row["step"])
+
+    def write_table(self, table: dict[str, dict[str, Any] | None]) -> None:
+        """The final eval table (initial model, policy, anchor), as a W&B table and run summary."""
+        if self.wandb is None:
+            return
+        import wandb
+
+        rows = [[name, None if not res else res.get("accuracy")] for name, res in table.items()]
+        self.wandb.log({"eval/table": wandb.Table(columns=["model", "held-out accuracy"], data=rows)})
+        self.wandb.summary.update({f"final/{name}_accuracy": acc for name, acc in rows if acc is not None})
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(run_dir: Path, config: dict[str, Any], project: str):
+    """A W&B run for this run folder; a resumed run continues the same W&B run (its id is kept in
+    the folder)."""
+    try:
+        import wandb
+    except ImportError:
+        from emapg.config import ConfigError
+
+        raise ConfigError("report_to: wandb needs Weights & Biases: pip install 'emapg[wandb]'") from None
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+    write_text_atomic(id_file, run_id + "\n")
+    return wandb.init(project=project, id=run_id, name=run_dir.name, dir=str(run_dir), config=config,
+                      resume="allow")
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

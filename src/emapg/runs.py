@@ -24,10 +24,10 @@ MARKER = ".emapg-run"
 # What a run writes into its folder (removed when a run that never checkpointed starts again;
 # anything else there, such as emapg compare's log of the run, stays).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "resumes.jsonl", "tensorboard", "checkpoints", "export", "vllm",
-             "eval.json", "eval.md", *(f"{name}.png" for name in PLOTS))
+             "eval.json", "eval.md", "wandb", "wandb_id", *(f"{name}.png" for name in PLOTS))
 # What a resume may change without altering the steps it replays: how long, how often to save or
-# evaluate, how to export, how many threads.
-REPLAY_SAFE = ("steps", "save_every", "keep_checkpoints", "export", "threads", "eval.")
+# evaluate, how to export, how many threads, where the metrics go.
+REPLAY_SAFE = ("steps", "save_every", "keep_checkpoints", "export", "threads", "eval.", "report_to", "wandb_project")
 
 
 def claim_run_folder(run_dir: Path, has_checkpoint: bool) -> None:

@@ -14,6 +14,7 @@ normalises the loss by global token counts and reduces the metrics.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import sys
@@ -132,7 +133,9 @@ class Trainer:
             del ckpt
         elif self.main:
             save_config(cfg, self.run_dir / "config.yaml")
-        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None) if self.main else None
+        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None,
+                                     report_to=tuple(cfg.report_to), config=dataclasses.asdict(cfg),
+                                     wandb_project=cfg.wandb_project) if self.main else None
 
     def _build_model(self):
         cfg = self.cfg
@@ -457,8 +460,9 @@ class Trainer:
             self.export()
         if not self.main:
             return None
-        self.metrics.close()
         table = self._final_table()
+        self.metrics.write_table(table)
+        self.metrics.close()
         plot_run(self.run_dir)
         return table
 

@@ -92,6 +92,11 @@ class EMAPGTrainer(GRPOTrainer):
         self._capture: list[tuple[Tensor, Tensor]] | None = None
         self._ref_head: dict[str, Tensor] | None = None
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        if self.is_fsdp_enabled or zero3:
+            raise ValueError("EMAPGTrainer: parameters sharded by FSDP or DeepSpeed ZeRO-3 are not supported yet "
+                             "(the EMA and the head gathers read whole tensors); use DDP or ZeRO-1/2, or "
+                             "emapg's own trainer (emapg train --nproc N, FSDP2)")
         policy = self.accelerator.unwrap_model(self.model)
         self.peft = hasattr(policy, "peft_config")
         if self.peft:
@@ -249,8 +254,11 @@ class EMAPGTrainer(GRPOTrainer):
     def _token_kl(self, model, inputs, logp: Tensor, hidden: Tensor) -> Tensor:
         """emapg's per-token KL estimate [B, C] of the policy against the EMA reference."""
         tokens = inputs["completion_ids"]
-        samp = inputs.get("sampling_per_token_logps") if self.use_vllm else None
-        samp = inputs.get("old_per_token_logps") if samp is None else samp
+        old = inputs.get("old_per_token_logps")  # pi_old, when it differs from the policy being trained
+        samp = inputs.get("sampling_per_token_logps") if self.use_vllm else None  # vLLM's pi_samp
+        if samp is not None:  # a token vLLM could not score is NaN: weigh it by pi_old instead
+            samp = torch.where(torch.isnan(samp), logp.detach() if old is None else old, samp)
+        samp = old if samp is None else samp
         pol_q = anc_q = in_q = None
         if "ref_head_ids" in inputs:
             ids = inputs["ref_head_ids"]
