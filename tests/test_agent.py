@@ -296,6 +296,58 @@ def test_force_answer_opens_the_turn_after_the_last_search():
     assert batch.stats["turns"].tolist() == [2.0] and not bool(batch.truncated[0])
 
 
+def test_turn_prefix_opens_each_turn_after_information_while_searches_remain():
+    """With turn_prefix "<search>" the model writes only the next query; after the last allowed
+    search force_answer opens the turn with "<answer>" instead. Support stats: which of the
+    question's passages the episode retrieved, the bridge (the last) among them."""
+    facts = {"Tomas": "Tomas was born in Kadrin.", "Kadrin": "Kadrin is a city in Ostavia."}
+    sampler = ScriptedSampler({"QP?": ["<search> Tomas </search>", " Kadrin </search>", " Ostavia </answer>"],
+                               "QM?": ["<search> Tomas </search>", " Tomas </search>", " Kadrin </answer>"]})
+    ex = [Example(id=q, messages=[{"role": "raw", "content": f"Question: {q}\n"}], answer=["Ostavia"],
+                  meta={"support": ["Tomas", "Kadrin"]}) for q in ("QP?", "QM?")]
+    batch = agent_rollout(sampler, TOK, ex, FakeRetriever(facts), n=1, eos=[EOS],
+                          config=AgentConfig(max_turns=2, passages=1, force_answer=True, turn_prefix="<search>"))
+    info1 = format_information([Passage(id="Tomas", title="Tomas", text=facts["Tomas"])]) + "<search>"
+    n1, n_info = len(tokens("<search> Tomas </search>")), len(tokens(info1))
+    assert batch.response_ids[0, n1 : n1 + n_info].tolist() == tokens(info1)  # environment text, mask 0
+    assert batch.response_mask[0, n1 : n1 + n_info].sum() == 0
+    assert "<search> Kadrin </search>" in batch.completions[0] and "<answer> Ostavia </answer>" in batch.completions[0]
+    assert extract_answer(batch.completions[0]) == "Ostavia"
+    assert batch.stats["searches"].tolist() == [2.0, 2.0] and batch.stats["turns"].tolist() == [3.0, 3.0]
+    assert batch.stats["support_recall"].tolist() == [1.0, 0.5]  # the second episode searched Tomas twice
+    assert batch.stats["bridge_hit"].tolist() == [1.0, 0.0]
+    plain = agent_rollout(ScriptedSampler({"QX?": ["<search> Tomas </search>", "<answer> no </answer>"]}), TOK,
+                          [example("QX?")], FakeRetriever(facts), n=1, eos=[EOS], config=AgentConfig(passages=1))
+    assert "support_recall" not in plain.stats  # no support titles, no support stats
+
+
+def test_one_hop_and_mixed_questions_from_the_knowledge_base(tmp_path, monkeypatch):
+    from emapg.tasks.multihop_kb import make_kb
+    from emapg.tasks.search_qa import SearchQATask
+
+    kb = make_kb(seed=1, people=30, cities=8, countries=4, books=10)
+    texts = {d["title"]: d["text"] for d in kb["corpus"]}
+    for row in kb["eval_one_hop"] + kb["train_one_hop"]:
+        (title,) = row["support"]
+        assert row["answers"][0] in texts[title]  # one passage answers it
+    for row in kb["eval"]:
+        first, bridge = row["support"]
+        assert bridge in texts[first] and row["answers"][0] in texts[bridge]  # the bridge links the two
+    held_people = {r["support"][0] for r in kb["eval"]}
+    assert not held_people & {r["support"][0] for r in kb["train_one_hop"]}  # held out from either training set
+    monkeypatch.setenv("EMAPG_CACHE", str(tmp_path))
+    opts = {"seed": 1, "people": 30, "cities": 8, "countries": 4, "books": 10}
+    mix = SearchQATask(synthetic=opts, hops="mix", one_hop_frac=0.5, eval_hops="one")
+    drawn = mix.train_examples(__import__("random").Random(0), 200)
+    one = sum(len(e.meta["support"]) == 1 for e in drawn)
+    assert 70 < one < 130  # about half
+    assert all(len(e.meta["support"]) == 1 for e in mix.eval_examples(100))
+    with pytest.raises(ValueError, match="hops"):
+        SearchQATask(synthetic=opts, hops="three")
+    with pytest.raises(ValueError, match="only the synthetic"):
+        SearchQATask(eval_file=str(tmp_path / "x.jsonl"), index="x", hops="one")
+
+
 def test_seq_mean_token_sum_norm_divides_an_episode_by_its_whole_budget(tmp_path, monkeypatch):
     """An agent's response is bounded by max_total_tokens (turns and information), not by the
     single-turn rollout.max_new_tokens."""

@@ -76,7 +76,35 @@ def test_mean_and_spread_over_seeds(tmp_path):
     assert plot(s, tmp_path / "f.png").stat().st_size > 1000
     # paired with the group's first config, seed by seed, only over seeds both finished
     assert "Paired with A (same seed)" in md
-    assert "| b | +10.0 | s0 +10.0 | +5.0 | s0 +5.0 |" in md
+    assert "| b | +10.0 | s0 +10.0 | +5.0 | s0 +5.0 | +10.0 | +0.0 | +5.0 |" in md  # AUC: 0.35 - 0.3
+
+
+def test_stability_metrics_and_paired_intervals(tmp_path):
+    """Peak, drawdown (peak - final) and the area under the policy's accuracy curve per seed, and
+    paired differences with 95% t-intervals."""
+    from emapg.compare import interval95
+
+    spec = load_spec(write_spec(tmp_path, SPEC))
+    out = tmp_path / "out"
+    curves = {("a", 0): [0.2, 0.6, 0.4], ("a", 1): [0.2, 0.5, 0.3], ("a", 2): [0.2, 0.7, 0.5],
+              ("b", 0): [0.2, 0.6, 0.6], ("b", 1): [0.2, 0.4, 0.4], ("b", 2): [0.2, 0.8, 0.7]}
+    for (name, seed), accs in curves.items():
+        folder = out / name / f"seed{seed}"
+        fake_run(folder, [accs[0], accs[-1]], [0.1, 0.2, 0.3, 0.4])
+        rows = read_metrics(folder)
+        rows[2]["eval/policy_accuracy"] = accs[1]  # step 2 of 4: a middle evaluation
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec.seeds = [0, 1, 2]
+    s = summarize(spec, out)
+    assert s["a"]["per_seed"]["0"]["peak"] == 0.6 and s["a"]["per_seed"]["0"]["drawdown"] == pytest.approx(0.2)
+    # trapezoids over steps 0, 2, 4: ((0.2 + 0.6) / 2 * 2 + (0.6 + 0.4) / 2 * 2) / 4
+    assert s["a"]["per_seed"]["0"]["auc"] == pytest.approx(0.45)
+    assert s["a"]["drawdown"][0] == pytest.approx(0.2)
+    lo, hi = interval95([0.0, 0.1, 0.2])
+    assert (lo, hi) == pytest.approx((0.1 - 4.303 * 0.1 / 3**0.5, 0.1 + 4.303 * 0.1 / 3**0.5))
+    md = markdown(spec, s)
+    # b - a final policy, seed by seed: +0.2, +0.1, +0.2
+    assert "| b | +16.7 ± 5.8 [+2.3, +31.0] | s0 +20.0, s1 +10.0, s2 +20.0 |" in md
 
 
 def test_one_compare_at_a_time_per_output_folder(tmp_path):

@@ -92,6 +92,24 @@ def _anchor_evaluations(tr, monkeypatch):
     return calls
 
 
+def test_eval_anchor_evaluates_the_anchor_at_every_periodic_evaluation(tmp_path, monkeypatch):
+    tr = Trainer(cfg("steps=4", "eval.every=2", "eval.size=4", "eval.anchor=true", "algo.eta=0.5"), tmp_path,
+                 progress=False)
+    calls = _anchor_evaluations(tr, monkeypatch)
+    tr.train()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows if "eval/anchor_accuracy" in r] == [2, 4]
+    assert calls == ["policy", "policy", "anchor", "policy", "anchor"]
+    frozen = Trainer(cfg("steps=4", "eval.every=2", "eval.size=4", "eval.anchor=true", "algo.eta=1.0"),
+                     tmp_path / "frozen", progress=False)
+    calls = _anchor_evaluations(frozen, monkeypatch)
+    frozen.train()
+    assert calls == ["policy"] * 3  # the frozen anchor is the initial policy: its step-0 evaluation serves
+    rows = read_metrics(tmp_path / "frozen")
+    initial = rows[0]["eval/policy_accuracy"]
+    assert all(r["eval/anchor_accuracy"] == initial for r in rows if "eval/anchor_accuracy" in r)
+
+
 def test_resumed_frozen_anchor_is_reused_only_if_it_is_still_the_initial_policy(tmp_path, monkeypatch):
     """The checkpoint says whether the anchor has been the initial policy since step 0: a run resumed
     at eta = 1 after steps at eta < 1, or with other evaluation settings, measures for real."""

@@ -35,6 +35,7 @@ from emapg.runs import claim_run_folder
 
 CURVES = {  # panel title -> metrics key
     "held-out accuracy (policy)": "eval/policy_accuracy",
+    "held-out accuracy (anchor)": "eval/anchor_accuracy",
     "reward": "reward_mean",
     "KL to the anchor": "kl",
     "KL to the initial policy": "kl_to_init",
@@ -173,6 +174,32 @@ def _curve(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
     return {r["step"]: float(r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])}
 
 
+def _auc(curve: dict[int, float]) -> float:
+    """The area under an accuracy curve over its steps (trapezoids), divided by the steps it spans:
+    the curve's mean height, so runs of the same length compare."""
+    steps = sorted(curve)
+    if len(steps) < 2:
+        return curve[steps[0]] if steps else math.nan
+    area = sum((b - a) * (curve[a] + curve[b]) / 2 for a, b in zip(steps, steps[1:], strict=False))
+    return area / (steps[-1] - steps[0])
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (the nearest lower one is used).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
+
+
+def interval95(values: list[float]) -> tuple[float, float]:
+    """The 95% t-interval of the mean of ``values`` (seed-by-seed differences)."""
+    n = len(values)
+    m = statistics.fmean(values)
+    if n < 2:
+        return m, m
+    t = T975[max(d for d in T975 if d <= n - 1)]
+    half = t * statistics.stdev(values) / math.sqrt(n)
+    return m - half, m + half
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return math.nan, math.nan
@@ -204,18 +231,23 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
         tail = [statistics.fmean(x["reward_mean"] for x in m if "reward_mean" in x and x["step"] > m[-1]["step"] - 5)
                 for m in metrics]
         peak = [max(_curve(m, "eval/policy_accuracy").values()) for m in metrics]
+        final = [f["policy"]["accuracy"] for f in finals]
+        drawdown = [pk - fi for pk, fi in zip(peak, final, strict=True)]
+        auc = [_auc(_curve(m, "eval/policy_accuracy")) for m in metrics]
         compute = [json.loads((r / "compute.json").read_text())["seconds"] for r in runs
                    if (r / "compute.json").exists()]
         summary[name] = {
             "label": spec.labels.get(name, name), "seeds": len(runs), "curves": curves,
             "init": _mean_std(accuracies("init")), "policy": _mean_std(accuracies("policy")),
             "anchor": _mean_std(accuracies("anchor")),
-            "peak": _mean_std(peak), "reward_last5": _mean_std(tail),
+            "peak": _mean_std(peak), "drawdown": _mean_std(drawdown), "auc": _mean_std(auc),
+            "reward_last5": _mean_std(tail),
             "kl_to_init": _mean_std([x["kl_to_init"] for x in last if "kl_to_init" in x]),
             "entropy": _mean_std([x["entropy"] for x in last if "entropy" in x]),
             "minutes": _mean_std([c / 60 for c in compute]),
-            "per_seed": {str(seed): {w: (f.get(w) or {}).get("accuracy") for w in ("policy", "anchor")}
-                         for seed, f in zip(done, finals, strict=True)},
+            "per_seed": {str(seed): {**{w: (f.get(w) or {}).get("accuracy") for w in ("policy", "anchor")},
+                                     "peak": pk, "drawdown": dd, "auc": a}
+                         for seed, f, pk, dd, a in zip(done, finals, peak, drawdown, auc, strict=True)},
         }
     return summary
 
@@ -229,15 +261,17 @@ def _pm(ms: tuple[float, float], scale: float = 100.0, digits: int = 1, spread: 
 
 
 # The table's numeric columns after config and seeds: summary key, scale, decimals.
-COLUMNS = (("init", 100, 1), ("policy", 100, 1), ("anchor", 100, 1), ("peak", 100, 1), ("reward_last5", 1, 3),
+COLUMNS = (("init", 100, 1), ("policy", 100, 1), ("anchor", 100, 1), ("peak", 100, 1), ("drawdown", 100, 1),
+           ("auc", 100, 1), ("reward_last5", 1, 3),
            ("kl_to_init", 1, 4), ("entropy", 1, 3), ("minutes", 1, 1))
 
 
 def markdown(spec: Spec, summary: dict[str, Any]) -> str:
     """One table per group (or one table), mean ± std over seeds."""
     head = ("| config | seeds | initial acc % | final policy acc % | final anchor acc % | peak policy acc % | "
-            "reward (last 5 steps) | KL to init (last step) | entropy (last step) | minutes per run |")
-    sep = "|" + "---|" * 10
+            "drawdown (peak - final) | policy AUC % | reward (last 5 steps) | KL to init (last step) | "
+            "entropy (last step) | minutes per run |")
+    sep = "|" + "---|" * 12
     groups = spec.groups or {"all": list(summary)}
     lines = []
     for group, names in groups.items():
@@ -257,24 +291,32 @@ def markdown(spec: Spec, summary: dict[str, Any]) -> str:
 
 
 def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
-    """Final accuracy minus the first config's, seed by seed (the same prompts and samples up to the
-    first difference), in points: seed-to-seed spread cancels, which unpaired mean ± std cannot show."""
+    """Differences from the first config, seed by seed (the same prompts and samples up to the first
+    difference), in points, with 95% t-intervals over seeds: seed-to-seed spread cancels, which
+    unpaired mean ± std cannot show. Final policy and anchor accuracy (and each seed's), the policy's
+    peak, its drawdown (peak minus final) and its area under the accuracy curve (the mean height)."""
     if len(rows) < 2:
         return []
     ref = summary[rows[0]]
-    lines = [f"Paired with {ref['label']} (same seed), final accuracy difference in points:", "",
-             "| config | policy: mean ± std | policy: per seed | anchor: mean ± std | anchor: per seed |",
-             "|" + "---|" * 5]
+    lines = [f"Paired with {ref['label']} (same seed), differences in points, mean ± std [95% interval]:", "",
+             "| config | policy | policy: per seed | anchor | anchor: per seed | peak | drawdown | AUC |",
+             "|" + "---|" * 8]
     for n in rows[1:]:
         cells = [summary[n]["label"]]
-        for which in ("policy", "anchor"):
+        for which in ("policy", "anchor", "peak", "drawdown", "auc"):
             seeds = [k for k, v in summary[n]["per_seed"].items()
                      if v.get(which) is not None and ref["per_seed"].get(k, {}).get(which) is not None]
             diffs = [summary[n]["per_seed"][k][which] - ref["per_seed"][k][which] for k in seeds]
-            mean, std = _mean_std(diffs)
-            pm = f"{round(100 * mean, 1) + 0.0:+.1f}" + (f" ± {100 * std:.1f}" if len(diffs) > 1 else "")
-            cells += [pm if diffs else "n/a",
-                      ", ".join(f"s{k} {100 * d:+.1f}" for k, d in zip(seeds, diffs, strict=True)) or "n/a"]
+            cell = "n/a"
+            if diffs:
+                mean, std = _mean_std(diffs)
+                cell = f"{round(100 * mean, 1) + 0.0:+.1f}"
+                if len(diffs) > 1:
+                    lo, hi = interval95(diffs)
+                    cell += f" ± {100 * std:.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+            cells.append(cell)
+            if which in ("policy", "anchor"):
+                cells.append(", ".join(f"s{k} {100 * d:+.1f}" for k, d in zip(seeds, diffs, strict=True)) or "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]
 

@@ -101,6 +101,8 @@ class EvalConfig:
     """Greedy decoding (True) or sampling at the rollout temperature."""
     max_new_tokens: int | None = None
     """Length budget at eval; None = the rollout's."""
+    anchor: bool = False
+    """Evaluate the anchor too at every periodic evaluation (it is always evaluated at the end)."""
 
 
 @dataclass

@@ -425,6 +425,13 @@ class Trainer:
                     res = evaluate(g, self.tokenizer, self.task, mine, **kw)
         return _combine_evals(distributed.all_gather_objects(res)) if self.dist.enabled else res
 
+    def _evaluate_anchor(self) -> dict[str, Any]:
+        """The anchor's evaluation. An anchor that is the initial policy, evaluated at step 0 with the
+        same settings, has that evaluation: it is reused, not run again."""
+        same = (self.anchor_is_initial and self.initial_eval is not None
+                and self.initial_eval_settings == self._eval_settings())
+        return self.initial_eval if same else self.evaluate("anchor")
+
     def train(self) -> dict[str, Any] | None:
         """Run to ``cfg.steps``; returns the final eval table {'init'|'policy'|'anchor': results}
         (on rank 0; None on the other ranks)."""
@@ -441,15 +448,11 @@ class Trainer:
             step = self.step + 1
             row = self.train_step(step)
             self.step = step
-            if self.eval_set and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
-                res = self.evaluate("policy")
-                row.update(_eval_row("policy", res))
-            if step == cfg.steps and self.eval_set:
+            periodic = bool(self.eval_set and cfg.eval.every and step % cfg.eval.every == 0)
+            if self.eval_set and (periodic or step == cfg.steps):
                 row.update(_eval_row("policy", self.evaluate("policy")))
-                # the anchor is the initial policy, evaluated at step 0 alike: that evaluation is this one
-                same = (self.anchor_is_initial and self.initial_eval is not None
-                        and self.initial_eval_settings == self._eval_settings())
-                row.update(_eval_row("anchor", self.initial_eval if same else self.evaluate("anchor")))
+                if step == cfg.steps or cfg.eval.anchor:
+                    row.update(_eval_row("anchor", self._evaluate_anchor()))
             self._write(row)
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                 self.save()

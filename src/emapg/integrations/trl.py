@@ -260,6 +260,9 @@ class EMAPGTrainer(GRPOTrainer):
             samp = torch.where(torch.isnan(samp), logp.detach() if old is None else old, samp)
         samp = old if samp is None else samp
         pol_q = anc_q = in_q = None
+        if self.kl_k > 0 and "ref_head_ids" not in inputs:
+            raise RuntimeError("EMAPGTrainer: the batch has no reference top-k (the reference pass was not seen); "
+                               "this TRL version may compute the reference differently than 1.16")
         if "ref_head_ids" in inputs:
             ids = inputs["ref_head_ids"]
             pol_q = self._policy_logps_at(model, hidden, logp, tokens, ids)

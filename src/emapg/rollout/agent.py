@@ -14,7 +14,7 @@ entropies and top-k ids are recorded only for model tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,8 @@ class _Episode:
     topk: list[list[int]]
     lead: str = ""  # text the prompt or the environment put at the start of the model's next turn
     searches: int = 0
+    support: list[str] = field(default_factory=list)  # titles of the passages that answer the question
+    found: set[str] = field(default_factory=set)  # titles of the passages retrieved so far
     turns: int = 0
     done: bool = False
     truncated: bool = False
@@ -80,8 +82,9 @@ def agent_rollout(
     eos_set = set(eos if eos is not None else [tokenizer.eos_token_id])
     prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
     leads = [ex.messages[-1]["content"] if ex.messages[-1]["role"] == "response_prefix" else "" for ex in examples]
-    eps = [_Episode(prompt=p, tokens=[], mask=[], logp=[], entropy=[], cut=[], topk=[], lead=lead)
-           for p, lead in zip(prompts, leads, strict=True) for _ in range(n)]
+    eps = [_Episode(prompt=p, tokens=[], mask=[], logp=[], entropy=[], cut=[], topk=[], lead=lead,
+                    support=ex.meta.get("support", []))
+           for p, lead, ex in zip(prompts, leads, examples, strict=True) for _ in range(n)]
     has_cut = True  # False once a sampler gives no top_p_cut (vLLM): the batch then has none
     while True:
         live = [e for e in eps if not e.done]
@@ -118,9 +121,13 @@ def agent_rollout(
                 info = tokenizer(format_information(passages), add_special_tokens=False).input_ids
                 info = info[: min(cfg.max_info_tokens, cfg.max_total_tokens - len(e.tokens))]
                 e.searches += 1
+                e.found.update(p.title for p in passages)
                 e.lead = ""
                 if cfg.force_answer and e.searches == cfg.max_turns:
                     e.lead = "<answer>"
+                elif cfg.turn_prefix and e.searches < cfg.max_turns:
+                    e.lead = cfg.turn_prefix
+                if e.lead:
                     info += tokenizer(e.lead, add_special_tokens=False).input_ids
                 e.tokens += info
                 e.mask += [0] * len(info)
@@ -164,8 +171,18 @@ def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, 
         truncated=torch.tensor([e.truncated for e in eps]), completions=completions,
         stats={"searches": torch.tensor([float(e.searches) for e in eps]),
                "turns": torch.tensor([float(e.turns) for e in eps]),
-               "info_tokens": torch.tensor([float(len(e.mask) - sum(e.mask)) for e in eps])},
+               "info_tokens": torch.tensor([float(len(e.mask) - sum(e.mask)) for e in eps]),
+               **_support_stats(eps)},
     )
+
+
+def _support_stats(eps: list[_Episode]) -> dict[str, Tensor]:
+    """With support titles on every example (the synthetic knowledge base): the share of an episode's
+    support passages it retrieved, and whether it retrieved the last one (a two-hop question's bridge)."""
+    if not eps or not all(e.support for e in eps):
+        return {}
+    return {"support_recall": torch.tensor([sum(t in e.found for t in e.support) / len(e.support) for e in eps]),
+            "bridge_hit": torch.tensor([float(e.support[-1] in e.found) for e in eps])}
 
 
 def rollout_model(model: nn.Module, tokenizer, examples: list[Example], retriever, *, n: int = 1,

@@ -35,6 +35,9 @@ class AgentConfig:
     force_answer: bool = False
     """After the last allowed search, open the model's next turn with "<answer>" (environment text,
     mask 0): every episode that uses its searches then ends with an answer attempt."""
+    turn_prefix: str = ""
+    """Text the environment writes (mask 0) to open every turn that follows an information block while
+    searches remain, e.g. "<search>": the model then only has to write the next query."""
 
 
 

@@ -38,7 +38,10 @@ def _names(rng: random.Random, count: int, make) -> list[str]:
 
 def make_kb(seed: int = 0, people: int = 300, cities: int = 40, countries: int = 12, books: int = 200,
             eval_fraction: float = 0.2) -> dict[str, list[dict]]:
-    """{'corpus': [{id, title, text}], 'train': [{id, question, answers}], 'eval': [...]}."""
+    """{'corpus': [{id, title, text}], 'train' / 'eval': two-hop questions, 'train_one_hop' /
+    'eval_one_hop': one-hop questions about the same people and books; each question row is
+    {id, question, answers, support}, ``support`` the titles of the passages that answer it, in order
+    (for two hops the second is the bridge entity's passage)."""
     rng = random.Random(seed)
     words = _names(rng, countries + cities, lambda: _word(rng, rng.choice([2, 3])))
     country_names = [w + rng.choice(["ia", "land", "or", "ara"]) for w in words[:countries]]
@@ -64,13 +67,27 @@ def make_kb(seed: int = 0, people: int = 300, cities: int = 40, countries: int =
     questions = {"train": [], "eval": []}
     for i, p in enumerate(person_names):
         split = "eval" if i >= people - n_eval_people else "train"
-        questions[split].append({"question": f"In which country was {p} born?", "answers": [city_country[born[p]]]})
+        questions[split].append({"question": f"In which country was {p} born?", "answers": [city_country[born[p]]],
+                                 "support": [p, born[p]]})
     for i, b in enumerate(book_names):
         split = "eval" if i >= books - n_eval_books else "train"
         questions[split].append({"question": f"In which city was the author of {b} born?",
-                                 "answers": [born[author[b]]]})
+                                 "answers": [born[author[b]]], "support": [b, author[b]]})
+    # One-hop questions about the same people and books (the first passage holds the answer), for a
+    # curriculum and for measuring the copying skill apart from the second search.
+    one_hop = {"train": [], "eval": []}
+    for i, p in enumerate(person_names):
+        split = "eval" if i >= people - n_eval_people else "train"
+        one_hop[split].append({"question": f"In which city was {p} born?", "answers": [born[p]], "support": [p]})
+    for i, b in enumerate(book_names):
+        split = "eval" if i >= books - n_eval_books else "train"
+        one_hop[split].append({"question": f"Who wrote {b}?", "answers": [author[b]], "support": [b]})
     for split, rows in questions.items():
         random.Random(seed + (split == "eval")).shuffle(rows)
         for i, row in enumerate(rows):
             row["id"] = f"{split}-{i}"
-    return {"corpus": corpus, **questions}
+    for split, rows in one_hop.items():
+        random.Random(seed + 2 + (split == "eval")).shuffle(rows)
+        for i, row in enumerate(rows):
+            row["id"] = f"{split}-1hop-{i}"
+    return {"corpus": corpus, **questions, "train_one_hop": one_hop["train"], "eval_one_hop": one_hop["eval"]}

@@ -73,6 +73,11 @@ class SearchQATask(Task):
             turn, e.g. "<search>" (it is part of the prompt; the model writes what follows).
         format_weight: training-reward bonus for a well-formed answer (held-out accuracy ignores it).
         force_answer: after the last allowed search the environment opens the next turn with <answer>.
+        turn_prefix: text the environment writes to open every turn that follows an information block
+            while searches remain, e.g. "<search>" (the first turn's is ``response_prefix``).
+        hops (synthetic only): the training questions: ``two`` (two-hop), ``one`` (one-hop: the
+            first passage holds the answer) or ``mix`` (a share ``one_hop_frac`` of one-hop ones).
+        eval_hops (synthetic only): the held-out questions, ``two`` or ``one``.
         max_turns, passages, max_turn_tokens, max_total_tokens, max_info_tokens: episode budgets.
     """
 
@@ -83,7 +88,8 @@ class SearchQATask(Task):
                  question_field: str = "question", answers_field: str = "answers", template: str = "search_r1",
                  reward: str = "em", max_turns: int = 4, passages: int = 3, max_turn_tokens: int = 128,
                  max_total_tokens: int = 1024, max_info_tokens: int = 384, eval_size: int = 500,
-                 response_prefix: str = "", format_weight: float = 0.0, force_answer: bool = False):
+                 response_prefix: str = "", format_weight: float = 0.0, force_answer: bool = False,
+                 turn_prefix: str = "", hops: str = "two", one_hop_frac: float = 0.5, eval_hops: str = "two"):
         if template not in TEMPLATES:
             raise ValueError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
         if reward not in ("em", "f1"):
@@ -95,12 +101,24 @@ class SearchQATask(Task):
         self.format_weight = format_weight
         self.agent = AgentConfig(max_turns=max_turns, passages=passages, max_turn_tokens=max_turn_tokens,
                                  max_total_tokens=max_total_tokens, max_info_tokens=max_info_tokens,
-                                 force_answer=force_answer)
+                                 force_answer=force_answer, turn_prefix=turn_prefix)
         self._index, self._url, self._retriever = index, retriever_url, None
+        if hops not in ("two", "one", "mix") or eval_hops not in ("two", "one"):
+            raise ValueError(f"task_args.hops / eval_hops: expected two, one or mix / two or one, got {hops!r}, "
+                             f"{eval_hops!r}")
+        if not 0.0 <= one_hop_frac <= 1.0:
+            raise ValueError(f"task_args.one_hop_frac: must be in [0, 1], got {one_hop_frac}")
+        if not synthetic and (hops, eval_hops) != ("two", "two"):
+            raise ValueError("task_args.hops, eval_hops: only the synthetic knowledge base has one-hop questions")
+        self.hops, self.one_hop_frac = hops, one_hop_frac
+        self._train_one_hop: list[Example] = []
         if synthetic:
             path, kb = synthetic_index(synthetic if isinstance(synthetic, dict) else {})
             self._index = str(path)
-            train, held = kb["train"], kb["eval"]
+            train = kb["train"] if hops != "one" else kb["train_one_hop"]
+            held = kb["eval"] if eval_hops == "two" else kb["eval_one_hop"]
+            if hops == "mix":
+                self._train_one_hop = [self._example(r, "train") for r in kb["train_one_hop"]]
         else:
             if train_file is None and eval_file is None:
                 raise ValueError("task_args: the search_qa task needs train_file and/or eval_file (or synthetic)")
@@ -120,8 +138,10 @@ class SearchQATask(Task):
         messages = [{"role": "user", "content": prompt}]
         if self.response_prefix:  # the model's turn starts with this text, e.g. "<search>"
             messages.append({"role": "response_prefix", "content": self.response_prefix})
-        return Example(id=f"{prefix}-{row['id']}", messages=messages, answer=answers,
-                       meta={"question": row["question"], "source": row.get("_source")})
+        meta = {"question": row["question"], "source": row.get("_source")}
+        if row.get("support"):  # titles of the passages that answer it, the bridge's last
+            meta["support"] = list(row["support"])
+        return Example(id=f"{prefix}-{row['id']}", messages=messages, answer=answers, meta=meta)
 
     @property
     def retriever(self):
@@ -133,6 +153,10 @@ class SearchQATask(Task):
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
         if not self._train:
             raise ValueError("task_args.train_file: the search_qa task has no training rows")
+        if self._train_one_hop:  # mix: each draw is one-hop with probability one_hop_frac
+            return [self._train_one_hop[rng.randrange(len(self._train_one_hop))]
+                    if rng.random() < self.one_hop_frac else self._train[rng.randrange(len(self._train))]
+                    for _ in range(n)]
         return [self._train[rng.randrange(len(self._train))] for _ in range(n)]
 
     def eval_examples(self, size: int) -> list[Example]:
@@ -140,7 +164,7 @@ class SearchQATask(Task):
 
     def prompt_pools(self) -> list[list[Example]]:
         """Every example this task can hand out (training, held-out), for checks before training."""
-        return [self._train, self._eval]
+        return [self._train, self._train_one_hop, self._eval]
 
     def eval_reward(self, completion: str, example: Example) -> float:
         """EM (or F1) of the final answer: held-out accuracy, without the format bonus."""
