@@ -21,6 +21,9 @@ The checkpoints come from the demo run with its step-10 checkpoint kept:
 
     emapg train --out runs/demo keep_checkpoints=3
     python bench/estimator_lab.py --run runs/demo
+    # or, with a demo run that kept only its last two checkpoints, a 10-step run of the same seed:
+    emapg train --out runs/demo10 steps=10 eval.size=0 save_every=10 export=false
+    python bench/estimator_lab.py --run runs/demo --early-run runs/demo10
 """
 
 from __future__ import annotations
@@ -172,6 +175,9 @@ def markdown(results: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, required=True, help="a demo run folder with checkpoints at steps 10 and 30")
+    p.add_argument("--early-run", type=Path, default=None,
+                   help="the run folder holding the step-10 checkpoint, if not --run (a 10-step run of the same "
+                        "seed has the same step 10: every step seeds itself)")
     p.add_argument("--positions", type=int, default=200, help="positions per dataset and pair")
     p.add_argument("--out", type=Path, default=Path("runs/estimator_lab"))
     p.add_argument("--threads", type=int, default=2)
@@ -184,7 +190,7 @@ def main() -> None:
     random.seed(0)
     results = {}
     for pair, step in (("early", 10), ("trained", 30)):
-        policy, anchor, tok = load_pair(args.run, step, pair)
+        policy, anchor, tok = load_pair(args.early_run or args.run if pair == "early" else args.run, step, pair)
         logits = [positions(policy, anchor, tok, ex, max_new, seed=0, cap=args.positions)
                   for ex, max_new in data.values()]
         pol = torch.cat([x[0] for x in logits])

@@ -31,6 +31,10 @@ SCAFFOLDS = {
                                                                      "task_args.max_total_tokens=400"]),
     "mix-0.5": ("as turn-prefix, half the training questions one-hop",
                 ["task_args.turn_prefix=<search>", "task_args.hops=mix", "task_args.one_hop_frac=0.5"]),
+    "turn-prefix-t0.7": ("as turn-prefix, sampling temperature 0.7", ["task_args.turn_prefix=<search>",
+                                                                      "rollout.temperature=0.7"]),
+    "turn-prefix-t0.5": ("as turn-prefix, sampling temperature 0.5", ["task_args.turn_prefix=<search>",
+                                                                      "rollout.temperature=0.5"]),
 }
 
 
@@ -58,7 +62,7 @@ def measure(name: str, overrides: list[str], prompts: int, n: int, held_out: int
                if two_hop.any() else float("nan"),
                "em": float(em.mean()), "searches": float(batch.stats["searches"].mean()),
                "bridge_hit": float(batch.stats["bridge_hit"].mean()) if "bridge_hit" in batch.stats else float("nan")}
-        for hops in ("one", "two"):
+        for hops in ("one", "two") if held_out else ():
             args = {**cfg.task_args, "eval_hops": hops, "hops": "two"}
             task = make_task(cfg.task, **args)
             res = evaluate(tr.model, tr.tokenizer, task, task.eval_examples(held_out), greedy=True)
@@ -81,6 +85,9 @@ def main() -> None:
         print(name, rows[name], flush=True)
     print(f"\nstep-1 rollout: {args.prompts} training questions x {args.n} episodes (sampled); held-out: "
           f"{args.held_out} one-hop and {args.held_out} two-hop questions (greedy)\n")
+    for r in rows.values():
+        for key in ("held_one", "held_two", "held_two_searches", "held_two_bridge"):
+            r.setdefault(key, float("nan"))
     print("| scaffold | groups with no signal | two-hop groups with no signal | EM (sampled) | searches | "
           "bridge hit | held-out one-hop EM | held-out two-hop EM | two-hop searches | two-hop bridge hit |")
     print("|---|---|---|---|---|---|---|---|---|---|")

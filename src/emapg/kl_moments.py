@@ -47,7 +47,7 @@ def exact_kl(policy_logits: Tensor, anchor_logits: Tensor, direction: str) -> tu
     lp, la = torch.log_softmax(z, -1), torch.log_softmax(anchor_logits.double(), -1)
     value = (lp.exp() * (lp - la)).sum() if direction == "reverse" else (la.exp() * (la - lp)).sum()
     (grad,) = torch.autograd.grad(value, z)
-    return float(value), grad
+    return float(value.detach()), grad
 
 
 def head_ids(name: str, k: int, policy_logits: Tensor, anchor_logits: Tensor) -> Tensor:
