@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -81,12 +82,18 @@ def init(device: str = "auto") -> DistInfo:
 
 
 def shutdown() -> None:
-    """Leave the process group together: a rank that tears gloo down while another still works (rank 0
-    writing files after the last collective) can abort the other (seen as SIGABRT, "terminate called
-    without an active exception")."""
+    """Leave the process group together, then, with several processes, exit at once (the last call of
+    a run). A rank that tears gloo down while another still works (rank 0 writing files after the
+    last collective), or the interpreter's own teardown of gloo's threads, can abort a rank (seen as
+    SIGABRT, "terminate called without an active exception")."""
     if dist.is_initialized():
+        multi = dist.get_world_size() > 1
         dist.barrier()
         dist.destroy_process_group()
+        if multi:  # gloo's threads can still abort the interpreter's teardown: leave without it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def _is_sharded(model: nn.Module) -> bool:
