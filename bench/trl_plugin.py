@@ -18,57 +18,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-import torch
-from vs_trl import BETA, LR, MAX_NEW, PROMPTS, SAMPLES, arithmetic_reward, step_examples
+from vs_trl import BETA, MAX_NEW, PROMPTS, SAMPLES, run_trl, step_examples
 
 
 def run(cls_name: str, model_dir: str, examples, steps: int, threads: int) -> tuple[list[float], list[float]]:
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
+    """bench/vs_trl.py's TRL run (same config, timer and reward), with either trainer."""
     from emapg.integrations.trl import EMAPGTrainer
 
-    torch.set_num_threads(threads)
-
-    class StepTimer(TrainerCallback):  # training_step: generate, score, reference pass, loss, backward, step
-        def __init__(self):
-            self.times, self.lengths, self.t0 = [], [], 0.0
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):  # EMAPGTrainer's EMA update ran just before
-            self.times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                self.lengths.append(logs["completions/mean_length"])
-
-    ds = Dataset.from_list([{"prompt": ex.messages, "answer": int(ex.answer)} for ex in examples])
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    with tempfile.TemporaryDirectory() as out:
-        cfg = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
-            num_generations=SAMPLES, num_iterations=1, max_steps=steps, max_completion_length=MAX_NEW,
-            temperature=1.0, top_k=0, top_p=1.0, beta=BETA, learning_rate=LR, lr_scheduler_type="constant",
-            gradient_checkpointing=False, activation_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
-            model_init_kwargs={"dtype": torch.float32}, shuffle_dataset=False, report_to="none",
-            save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
-        )
-        timer = StepTimer()
-        kw = dict(model=model_dir, reward_funcs=arithmetic_reward, args=cfg, train_dataset=ds, processing_class=tok,
-                  callbacks=[timer])
-        trainer = (EMAPGTrainer(**kw, eta=0.9, kl="topk_reverse", k=32) if cls_name == "EMAPGTrainer"
-                   else GRPOTrainer(**kw))
-        trainer.train()
-    return timer.times, timer.lengths
+    make = None
+    if cls_name == "EMAPGTrainer":
+        def make(**kw):
+            return EMAPGTrainer(**kw, eta=0.9, kl="topk_reverse", k=32)
+    return run_trl(model_dir, examples, steps, threads, make=make)
 
 
 def main() -> None:

@@ -52,7 +52,9 @@ def arithmetic_reward(completions, answer, **kwargs):
     return out
 
 
-def run_trl(model_dir: str, examples, steps: int, threads: int) -> tuple[list[float], list[float]]:
+def run_trl(model_dir: str, examples, steps: int, threads: int, make=None) -> tuple[list[float], list[float]]:
+    """Seconds of each step and mean response lengths of a TRL trainer on the work; ``make(**kwargs)``
+    builds it from GRPOTrainer's arguments (default: GRPOTrainer itself)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -87,8 +89,8 @@ def run_trl(model_dir: str, examples, steps: int, threads: int) -> tuple[list[fl
             save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
         )
         timer = StepTimer()
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=arithmetic_reward, args=cfg, train_dataset=ds,
-                              processing_class=tok, callbacks=[timer])
+        trainer = (make or GRPOTrainer)(model=model_dir, reward_funcs=arithmetic_reward, args=cfg, train_dataset=ds,
+                                        processing_class=tok, callbacks=[timer])
         assert trainer.args.generation_batch_size == PROMPTS * SAMPLES and trainer.ref_model is not None
         trainer.train()
     return timer.times, timer.lengths
