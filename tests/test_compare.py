@@ -107,6 +107,33 @@ def test_stability_metrics_and_paired_intervals(tmp_path):
     assert "| b | +16.7 ± 5.8 [+2.3, +31.0] | s0 +20.0, s1 +10.0, s2 +20.0 |" in md
 
 
+def test_anchor_against_its_own_policy(tmp_path):
+    """Which model to ship: each run's final anchor minus its final policy, seed by seed, and the two
+    curves' areas where the anchor was evaluated along the way (from step 0, where it is the policy)."""
+    spec = load_spec(write_spec(tmp_path, SPEC))
+    out = tmp_path / "out"
+    for seed, (pol, anc) in enumerate([((0.2, 0.6, 0.4), (0.5, 0.7)), ((0.2, 0.5, 0.5), (0.4, 0.4))]):
+        folder = out / "a" / f"seed{seed}"
+        fake_run(folder, [pol[0], pol[-1]], [0.1, 0.2, 0.3, 0.4])
+        rows = read_metrics(folder)
+        rows[2]["eval/policy_accuracy"], rows[2]["eval/anchor_accuracy"] = pol[1], anc[0]
+        rows[4]["eval/anchor_accuracy"] = anc[1]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / "eval.json").write_text(json.dumps({"init": {"accuracy": 0.2}, "policy": {"accuracy": pol[-1]},
+                                                      "anchor": {"accuracy": anc[-1]}}))
+    fake_run(out / "b" / "seed0", [0.2, 0.5], [0.2, 0.2])  # anchor only at the end (0.25): no AUC
+    s = summarize(spec, out)
+    # seed 0: anchor curve 0.2 (step 0, the initial policy), 0.5, 0.7 -> area (0.35 * 2 + 0.6 * 2) / 4
+    assert s["a"]["per_seed"]["0"]["anchor_auc"] == pytest.approx(0.475)
+    assert s["a"]["curves"]["eval/anchor_accuracy"]["steps"] == [0, 2, 4]
+    assert s["b"]["per_seed"]["0"]["anchor_auc"] is None
+    md = markdown(spec, s)
+    assert "Each run's anchor against its own policy" in md
+    # a: final +30, -10 (mean +10, std 28.3); AUC +2.5 (0.475 - 0.45), -7.5 (0.35 - 0.425)
+    assert "| A | +10.0 ± 28.3 [-244.1, +264.1] | s0 +30.0, s1 -10.0 | -2.5 ± 7.1 [-66.0, +61.0] |" in md
+    assert "| b | -25.0 | s0 -25.0 | n/a |" in md
+
+
 def test_one_compare_at_a_time_per_output_folder(tmp_path):
     """A second compare into the same folder would restart the first one's live runs: it refuses."""
     import fcntl

@@ -174,6 +174,13 @@ def _curve(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
     return {r["step"]: float(r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])}
 
 
+def _anchor_curve(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """The anchor's accuracy curve; at step 0 the anchor is the initial policy, evaluated as the policy."""
+    curve = _curve(rows, "eval/anchor_accuracy")
+    init = _curve(rows, "eval/policy_accuracy").get(0)
+    return {0: init, **curve} if curve and 0 not in curve and init is not None else curve
+
+
 def _auc(curve: dict[int, float]) -> float:
     """The area under an accuracy curve over its steps (trapezoids), divided by the steps it spans:
     the curve's mean height, so runs of the same length compare."""
@@ -217,7 +224,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
         metrics = [read_metrics(r) for r in runs]
         curves = {}
         for key in CURVES.values():
-            per_seed = [_curve(m, key) for m in metrics]
+            per_seed = [_anchor_curve(m) if key == "eval/anchor_accuracy" else _curve(m, key) for m in metrics]
             steps = sorted(set.intersection(*(set(c) for c in per_seed))) if per_seed else []
             curves[key] = {"steps": steps,
                            "mean": [_mean_std([c[s] for c in per_seed])[0] for s in steps],
@@ -231,6 +238,9 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
         tail = [statistics.fmean(x["reward_mean"] for x in m if "reward_mean" in x and x["step"] > m[-1]["step"] - 5)
                 for m in metrics]
         peak = [max(_curve(m, "eval/policy_accuracy").values()) for m in metrics]
+        # only where the anchor was evaluated along the way, not just at the end
+        anchor_auc = [_auc(_anchor_curve(m)) if len(_curve(m, "eval/anchor_accuracy")) > 1 else None
+                      for m in metrics]
         final = [f["policy"]["accuracy"] for f in finals]
         drawdown = [pk - fi for pk, fi in zip(peak, final, strict=True)]
         auc = [_auc(_curve(m, "eval/policy_accuracy")) for m in metrics]
@@ -246,8 +256,9 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
             "entropy": _mean_std([x["entropy"] for x in last if "entropy" in x]),
             "minutes": _mean_std([c / 60 for c in compute]),
             "per_seed": {str(seed): {**{w: (f.get(w) or {}).get("accuracy") for w in ("policy", "anchor")},
-                                     "peak": pk, "drawdown": dd, "auc": a}
-                         for seed, f, pk, dd, a in zip(done, finals, peak, drawdown, auc, strict=True)},
+                                     "peak": pk, "drawdown": dd, "auc": a, "anchor_auc": aa}
+                         for seed, f, pk, dd, a, aa in zip(done, finals, peak, drawdown, auc, anchor_auc,
+                                                           strict=True)},
         }
     return summary
 
@@ -287,7 +298,42 @@ def markdown(spec: Spec, summary: dict[str, Any]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += _paired(summary, rows)
+    lines += _anchor_vs_policy(summary)
     return "\n".join(lines)
+
+
+def _diff_cell(diffs: list[float]) -> str:
+    """Mean difference in points, with std and the 95% t-interval over seeds when there are several."""
+    if not diffs:
+        return "n/a"
+    mean, std = _mean_std(diffs)
+    cell = f"{round(100 * mean, 1) + 0.0:+.1f}"
+    if len(diffs) > 1:
+        lo, hi = interval95(diffs)
+        cell += f" ± {100 * std:.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    return cell
+
+
+def _anchor_vs_policy(summary: dict[str, Any]) -> list[str]:
+    """Which model to ship: each run's anchor against its own policy, seed by seed (final accuracy,
+    and the areas under the two curves where the anchor was evaluated along the way)."""
+    rows = []
+    for s in summary.values():
+        seeds = [k for k, v in s["per_seed"].items() if v.get("anchor") is not None and v.get("policy") is not None]
+        if not seeds:
+            continue
+        final = [s["per_seed"][k]["anchor"] - s["per_seed"][k]["policy"] for k in seeds]
+        aucs = [s["per_seed"][k]["anchor_auc"] - s["per_seed"][k]["auc"] for k in seeds
+                if s["per_seed"][k].get("anchor_auc") is not None]
+        rows.append("| " + " | ".join([s["label"], _diff_cell(final),
+                                        ", ".join(f"s{k} {100 * d:+.1f}" for k, d in zip(seeds, final, strict=True)),
+                                        _diff_cell(aucs)]) + " |")
+    if not rows:
+        return []
+    return ["Each run's anchor against its own policy (anchor minus policy, same run), in points, "
+            "mean ± std [95% interval]:", "",
+            "| config | final | final: per seed | AUC (anchor evaluated along the way) |", "|" + "---|" * 4,
+            *rows, ""]
 
 
 def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
@@ -307,14 +353,7 @@ def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
             seeds = [k for k, v in summary[n]["per_seed"].items()
                      if v.get(which) is not None and ref["per_seed"].get(k, {}).get(which) is not None]
             diffs = [summary[n]["per_seed"][k][which] - ref["per_seed"][k][which] for k in seeds]
-            cell = "n/a"
-            if diffs:
-                mean, std = _mean_std(diffs)
-                cell = f"{round(100 * mean, 1) + 0.0:+.1f}"
-                if len(diffs) > 1:
-                    lo, hi = interval95(diffs)
-                    cell += f" ± {100 * std:.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-            cells.append(cell)
+            cells.append(_diff_cell(diffs))
             if which in ("policy", "anchor"):
                 cells.append(", ".join(f"s{k} {100 * d:+.1f}" for k, d in zip(seeds, diffs, strict=True)) or "n/a")
         lines.append("| " + " | ".join(cells) + " |")
