@@ -136,6 +136,13 @@ def test_tiny_model_math_eval_end_to_end(tmp_path):
     assert [r["dataset"] for r in out["rows"]] == ["mini", "mini"]
     assert out["rows"][0]["num"] == 8 and "pass@2" in out["rows"][0]
     assert "| mini | 4 | 2 |" in res.stdout and "| average |" in res.stdout
+    # the transcripts behind each row: every sample, its reward, and the row's accuracy is their mean
+    for name, row in (("mini", out["rows"][0]), ("mini-2", out["rows"][1])):
+        recs = [json.loads(line) for line in (tmp_path / "out" / f"{name}.samples.jsonl").read_text().splitlines()]
+        assert len(recs) == 8 and sorted({r["id"] for r in recs}) == ["eval-0", "eval-1", "eval-2", "eval-3"]
+        assert all(f"What is {i}+{i}?" in r["prompt"] and r["answer"] == str(2 * i)
+                   for r in recs for i in [int(r["id"].split("-")[1])])
+        assert sum(r["reward"] for r in recs) / 8 == pytest.approx(row["accuracy"])
 
 
 def test_format_reward_adds_to_training_reward_not_to_accuracy(tmp_path):

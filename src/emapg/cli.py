@@ -116,14 +116,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     temperature = args.temperature or 1.0
     datasets = [(Path(d).stem, {**task_args, "eval_file": d}) for d in args.data] if args.data else [
         (args.task, task_args)]
-    rows = []
+    rows, records = [], {}
     for name, targs in datasets:
         task = make_task(args.task, **targs)
         fit_prompts(task, tok, context_length(model), args.max_new_tokens, "error")
         examples = task.eval_examples(args.size)
         res = evaluate(model, tok, task, examples, max_new_tokens=args.max_new_tokens, greedy=greedy,
                        temperature=temperature, top_p=args.top_p, samples=args.samples, batch_size=args.batch_size,
-                       progress=f"eval {name} ({len(examples)} problems)")
+                       progress=f"eval {name} ({len(examples)} problems)", record=bool(args.out))
+        records[name if name not in records else f"{name}-{len(rows) + 1}"] = res.pop("records", [])
         rows.append({"dataset": name, **res})
         print(f"emapg eval: {name}: {100 * res['accuracy']:.1f}% over {res['num']} samples", file=sys.stderr)
     md = eval_markdown(args.model, rows)
@@ -136,6 +137,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     "max_new_tokens": args.max_new_tokens}
         (out / "eval.json").write_text(json.dumps({**settings, "rows": rows}, indent=1))
         (out / "eval.md").write_text(md)
+        for name, recs in records.items():  # the transcripts: what the model wrote, problem by problem
+            (out / f"{name}.samples.jsonl").write_text("".join(json.dumps(r, default=str) + "\n" for r in recs))
     return 0
 
 
@@ -216,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=32)
     e.add_argument("--dtype", default="float32")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--out", help="folder for eval.json and eval.md")
+    e.add_argument("--out", help="folder for eval.json, eval.md and DATASET.samples.jsonl (every completion)")
     e.set_defaults(func=cmd_eval)
     ix = sub.add_parser("index", help="retrieval indexes").add_subparsers(dest="index_command", required=True)
     b = ix.add_parser("build", help="build a BM25 index (bm25s + PyStemmer) from a JSONL corpus of {id, title, text}")

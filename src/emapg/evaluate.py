@@ -36,12 +36,15 @@ def evaluate(
     samples: int = 1,
     batch_size: int = 64,
     progress: str | None = None,
+    record: bool = False,
 ) -> dict[str, Any]:
     """Mean reward over ``examples`` x ``samples`` (avg@n: pass@1 averaged over n samples).
 
     Returns {'accuracy' (= avg@n), 'pass@k' for k = 1, 2, 4, ... <= n, 'mean_length', 'num'}.
     A reward >= 1 counts as correct for pass@k. Greedy decoding uses one sample per example.
     ``progress``: a label for a progress bar over the problems (on stderr), or None for none.
+    ``record``: also return 'records', one {id, prompt, answer, completion, reward} per sample (the
+    transcripts behind the number; an agent's completion includes the environment's information blocks).
     """
     from tqdm.auto import tqdm
 
@@ -49,6 +52,7 @@ def evaluate(
     total, length, count = 0.0, 0.0, 0
     correct: list[int] = []
     stats: dict[str, float] = {}
+    records: list[dict[str, Any]] = []
     # Batches of similar prompt length waste less compute on left padding (order does not matter here).
     examples = sorted(examples, key=lambda ex: sum(len(m["content"]) for m in ex.messages))
     bar = tqdm(total=len(examples), desc=progress, unit="problem", leave=False, disable=progress is None)
@@ -59,6 +63,10 @@ def evaluate(
         rewards = score_completions(task, batch.completions, chunk, n, evaluation=True)
         total += float(rewards.sum())
         correct += (rewards >= 1.0).view(-1, n).sum(1).tolist()
+        if record:
+            records += [{"id": ex.id, "prompt": ex.messages[-1]["content"], "answer": ex.answer,
+                         "completion": batch.completions[i * n + j], "reward": float(rewards[i * n + j])}
+                        for i, ex in enumerate(chunk) for j in range(n)]
         length += float(batch.response_mask.sum())
         count += len(batch.completions)
         for key, v in batch.stats.items():
@@ -70,4 +78,6 @@ def evaluate(
     out.update({f"{key}_mean": v / max(count, 1) for key, v in stats.items()})  # e.g. searches per episode
     for k in ks:
         out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
+    if record:
+        out["records"] = records
     return out
