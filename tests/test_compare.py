@@ -122,7 +122,11 @@ def test_anchor_against_its_own_policy(tmp_path):
         (folder / "eval.json").write_text(json.dumps({"init": {"accuracy": 0.2}, "policy": {"accuracy": pol[-1]},
                                                       "anchor": {"accuracy": anc[-1]}}))
     fake_run(out / "b" / "seed0", [0.2, 0.5], [0.2, 0.2])  # anchor only at the end (0.25): no AUC
+    rows = read_metrics(out / "b" / "seed0")
+    rows[-1]["eval/anchor_accuracy"] = 0.25
+    (out / "b" / "seed0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = summarize(spec, out)
+    assert s["b"]["curves"]["eval/anchor_accuracy"]["steps"] == [2]  # one point: no line from step 0
     # seed 0: anchor curve 0.2 (step 0, the initial policy), 0.5, 0.7 -> area (0.35 * 2 + 0.6 * 2) / 4
     assert s["a"]["per_seed"]["0"]["anchor_auc"] == pytest.approx(0.475)
     assert s["a"]["curves"]["eval/anchor_accuracy"]["steps"] == [0, 2, 4]

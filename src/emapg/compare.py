@@ -175,10 +175,12 @@ def _curve(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
 
 
 def _anchor_curve(rows: list[dict[str, Any]]) -> dict[int, float]:
-    """The anchor's accuracy curve; at step 0 the anchor is the initial policy, evaluated as the policy."""
+    """The anchor's accuracy curve. Where it was evaluated along the way, the curve starts at step 0,
+    where the anchor is the initial policy (evaluated as the policy); an anchor evaluated only at the
+    end stays one point (no line drawn through steps it was not evaluated at)."""
     curve = _curve(rows, "eval/anchor_accuracy")
     init = _curve(rows, "eval/policy_accuracy").get(0)
-    return {0: init, **curve} if curve and 0 not in curve and init is not None else curve
+    return {0: init, **curve} if len(curve) > 1 and 0 not in curve and init is not None else curve
 
 
 def _auc(curve: dict[int, float]) -> float:
@@ -239,8 +241,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
                 for m in metrics]
         peak = [max(_curve(m, "eval/policy_accuracy").values()) for m in metrics]
         # only where the anchor was evaluated along the way, not just at the end
-        anchor_auc = [_auc(_anchor_curve(m)) if len(_curve(m, "eval/anchor_accuracy")) > 1 else None
-                      for m in metrics]
+        anchor_auc = [_auc(c) if len(c := _anchor_curve(m)) > 1 else None for m in metrics]
         final = [f["policy"]["accuracy"] for f in finals]
         drawdown = [pk - fi for pk, fi in zip(peak, final, strict=True)]
         auc = [_auc(_curve(m, "eval/policy_accuracy")) for m in metrics]
