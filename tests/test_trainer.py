@@ -110,6 +110,23 @@ def test_eval_anchor_evaluates_the_anchor_at_every_periodic_evaluation(tmp_path,
     assert all(r["eval/anchor_accuracy"] == initial for r in rows if "eval/anchor_accuracy" in r)
 
 
+@pytest.mark.parametrize("lora", [0, 2])
+def test_evaluating_the_anchor_leaves_training_untouched(tmp_path, lora):
+    """The anchor evaluated at every evaluation (full: its own copy; LoRA: the averaged adapters swapped
+    into the policy and back) against only at the end: the same run, step for step."""
+    def run(folder, anchor):
+        Trainer(cfg("steps=4", "eval.every=2", "eval.size=4", f"eval.anchor={anchor}", "algo.eta=0.5",
+                    f"lora.r={lora}"), folder, progress=False).train()
+        rows = read_metrics(folder)
+        return rows, [{k: v for k, v in r.items() if "seconds" not in k and "eval/anchor" not in k} for r in rows]
+
+    every, every_plain = run(tmp_path / "every", "true")
+    end, end_plain = run(tmp_path / "end", "false")
+    assert [r["step"] for r in every if "eval/anchor_accuracy" in r] == [2, 4]
+    assert [r["step"] for r in end if "eval/anchor_accuracy" in r] == [4]
+    assert every_plain == end_plain
+
+
 def test_resumed_frozen_anchor_is_reused_only_if_it_is_still_the_initial_policy(tmp_path, monkeypatch):
     """The checkpoint says whether the anchor has been the initial policy since step 0: a run resumed
     at eta = 1 after steps at eta < 1, or with other evaluation settings, measures for real."""

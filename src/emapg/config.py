@@ -101,8 +101,9 @@ class EvalConfig:
     """Greedy decoding (True) or sampling at the rollout temperature."""
     max_new_tokens: int | None = None
     """Length budget at eval; None = the rollout's."""
-    anchor: bool = False
-    """Evaluate the anchor too at every periodic evaluation (it is always evaluated at the end)."""
+    anchor: bool = True
+    """Evaluate the anchor too at every periodic evaluation, so that both curves show (it is always
+    evaluated at the end; a frozen anchor is the initial policy, whose step-0 evaluation serves)."""
 
 
 @dataclass
