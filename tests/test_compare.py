@@ -177,3 +177,30 @@ def test_compare_cli_runs_a_tiny_comparison(tmp_path, jobs):
     if jobs > 1:  # runs at once share the cores
         threads = max(1, (os.cpu_count() or 1) // jobs)
         assert f"threads: {threads}" in (out / "a" / "seed0" / "config.yaml").read_text()
+
+
+def test_a_study_continues_from_records_kept_in_the_repository(tmp_path):
+    """bench/study_records.py: a finished run's record files are what `emapg compare` needs to skip it
+    and to report it; an unfinished run is not kept; a different finished run is never overwritten."""
+    import importlib.util
+
+    spec_file = importlib.util.spec_from_file_location("study_records", ROOT / "bench" / "study_records.py")
+    records = importlib.util.module_from_spec(spec_file)
+    spec_file.loader.exec_module(records)
+    spec = load_spec(write_spec(tmp_path, SPEC))
+    out, kept, again = tmp_path / "out", tmp_path / "kept", tmp_path / "again"
+    fake_run(out / "a" / "seed0", [0.2, 0.4], [0.1, 0.3])
+    fake_run(out / "b" / "seed0", [0.2, 0.5], [0.2, 0.2])
+    (out / "a" / "seed1").mkdir()  # unfinished: a checkpoint-only folder
+    (out / "a" / "seed1" / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "b" / "seed0" / "tensorboard").mkdir()
+    assert records.main(["save", str(out), str(kept)]) == 0
+    assert sorted(str(p) for p in records.finished_runs(kept)) == ["a/seed0", "b/seed0"]
+    assert not (kept / "a" / "seed1").exists() and not (kept / "b" / "seed0" / "tensorboard").exists()
+    assert records.main(["restore", str(kept), str(again)]) == 0
+    assert summarize(spec, again) == summarize(spec, out)
+    assert records.copy_runs(kept, again) == []  # already there, the same: nothing to do
+    (out / "a" / "seed0" / "eval.json").write_text(json.dumps({"init": {"accuracy": 0.2}, "policy": {"accuracy": 0.9},
+                                                               "anchor": {"accuracy": 0.1}}))
+    with pytest.raises(SystemExit, match="already holds a different finished run"):
+        records.copy_runs(out, kept)
