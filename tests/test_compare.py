@@ -68,6 +68,7 @@ def test_mean_and_spread_over_seeds(tmp_path):
     assert s["a"]["seeds"] == 2 and s["b"]["seeds"] == 1
     assert s["a"]["policy"] == pytest.approx((0.5, 0.1414213562), rel=1e-6)
     assert s["a"]["minutes"][0] == pytest.approx(2.0)
+    assert s["a"]["kl_to_init"] == (pytest.approx(0.03), 0.0)  # each run's median of steps 1-2: (0.02 + 0.04) / 2
     assert s["a"]["curves"]["reward_mean"] == {"steps": [1, 2], "mean": [0.2, 0.4],
                                               "std": pytest.approx([0.1414213562, 0.1414213562])}
     md = markdown(spec, s)
