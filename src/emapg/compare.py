@@ -183,6 +183,12 @@ def _anchor_curve(rows: list[dict[str, Any]]) -> dict[int, float]:
     return {0: init, **curve} if len(curve) > 1 and 0 not in curve and init is not None else curve
 
 
+def _last_steps(rows: list[dict[str, Any]], key: str, n: int = 5) -> list[float]:
+    """``key``'s values over a run's last ``n`` steps."""
+    end = rows[-1]["step"]
+    return [r[key] for r in rows if key in r and r["step"] > end - n]
+
+
 def _auc(curve: dict[int, float]) -> float:
     """The area under an accuracy curve over its steps (trapezoids), divided by the steps it spans:
     the curve's mean height, so runs of the same length compare."""
@@ -237,8 +243,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
             return [f[which]["accuracy"] for f in finals if f.get(which) and f[which].get("accuracy") is not None]
 
         last = [m[-1] for m in metrics]
-        tail = [statistics.fmean(x["reward_mean"] for x in m if "reward_mean" in x and x["step"] > m[-1]["step"] - 5)
-                for m in metrics]
+        tail = [statistics.fmean(_last_steps(m, "reward_mean")) for m in metrics]
         peak = [max(_curve(m, "eval/policy_accuracy").values()) for m in metrics]
         # only where the anchor was evaluated along the way, not just at the end
         anchor_auc = [_auc(c) if len(c := _anchor_curve(m)) > 1 else None for m in metrics]
@@ -254,9 +259,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
             "peak": _mean_std(peak), "drawdown": _mean_std(drawdown), "auc": _mean_std(auc),
             "reward_last5": _mean_std(tail),
             # a sampled estimate with single-step spikes: each run's median over its last 5 steps
-            "kl_to_init": _mean_std([statistics.median(v) for m in metrics
-                                     if (v := [x["kl_to_init"] for x in m if "kl_to_init" in x
-                                               and x["step"] > m[-1]["step"] - 5])]),
+            "kl_to_init": _mean_std([statistics.median(v) for m in metrics if (v := _last_steps(m, "kl_to_init"))]),
             "entropy": _mean_std([x["entropy"] for x in last if "entropy" in x]),
             "minutes": _mean_std([c / 60 for c in compute]),
             "per_seed": {str(seed): {**{w: (f.get(w) or {}).get("accuracy") for w in ("policy", "anchor")},
@@ -318,6 +321,11 @@ def _diff_cell(diffs: list[float]) -> str:
     return cell
 
 
+def _per_seed_cell(seeds: list[str], diffs: list[float]) -> str:
+    """Each seed's difference in points: "s0 +1.0, s1 -2.0"."""
+    return ", ".join(f"s{k} {100 * d:+.1f}" for k, d in zip(seeds, diffs, strict=True)) or "n/a"
+
+
 def _anchor_vs_policy(summary: dict[str, Any]) -> list[str]:
     """Which model to ship: each run's anchor against its own policy, seed by seed (final accuracy,
     and the areas under the two curves where the anchor was evaluated along the way)."""
@@ -329,8 +337,7 @@ def _anchor_vs_policy(summary: dict[str, Any]) -> list[str]:
         final = [s["per_seed"][k]["anchor"] - s["per_seed"][k]["policy"] for k in seeds]
         aucs = [s["per_seed"][k]["anchor_auc"] - s["per_seed"][k]["auc"] for k in seeds
                 if s["per_seed"][k].get("anchor_auc") is not None]
-        rows.append("| " + " | ".join([s["label"], _diff_cell(final),
-                                        ", ".join(f"s{k} {100 * d:+.1f}" for k, d in zip(seeds, final, strict=True)),
+        rows.append("| " + " | ".join([s["label"], _diff_cell(final), _per_seed_cell(seeds, final),
                                         _diff_cell(aucs)]) + " |")
     if not rows:
         return []
@@ -359,7 +366,7 @@ def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
             diffs = [summary[n]["per_seed"][k][which] - ref["per_seed"][k][which] for k in seeds]
             cells.append(_diff_cell(diffs))
             if which in ("policy", "anchor"):
-                cells.append(", ".join(f"s{k} {100 * d:+.1f}" for k, d in zip(seeds, diffs, strict=True)) or "n/a")
+                cells.append(_per_seed_cell(seeds, diffs))
         lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]
 
