@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from emapg.compare import load_spec, markdown, plot, run_all, summarize
+from emapg.compare import load_spec, markdown, plot, report, run_all, summarize
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
 
@@ -78,6 +78,9 @@ def test_mean_and_spread_over_seeds(tmp_path):
     # paired with the group's first config, seed by seed, only over seeds both finished
     assert "Paired with A (same seed)" in md
     assert "| b | +10.0 | s0 +10.0 | +5.0 | s0 +5.0 | +10.0 | +0.0 | +5.0 |" in md  # AUC: 0.35 - 0.3
+    spec.groups["later"] = ["c"]  # a group with no finished run yet: no empty figure
+    report(spec, out)
+    assert (out / "main.png").stat().st_size > 1000 and not (out / "later.png").exists()
 
 
 def test_stability_metrics_and_paired_intervals(tmp_path):

@@ -407,5 +407,6 @@ def report(spec: Spec, out: Path) -> str:
     md = markdown(spec, summary)
     (out / "results.md").write_text(md)
     for group, names in (spec.groups or {"compare": list(summary)}).items():
-        plot(summary, out / f"{group}.png", names)
+        if any(n in summary for n in names):  # a group none of whose runs has finished gets no empty figure
+            plot(summary, out / f"{group}.png", names)
     return md
