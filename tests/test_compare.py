@@ -183,14 +183,20 @@ def test_compare_cli_runs_a_tiny_comparison(tmp_path, jobs):
         assert f"threads: {threads}" in (out / "a" / "seed0" / "config.yaml").read_text()
 
 
+def _bench_module(name):
+    import importlib.util
+
+    spec_file = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec_file)
+    sys.modules[name] = module  # a dataclass looks its module up there
+    spec_file.loader.exec_module(module)
+    return module
+
+
 def test_a_study_continues_from_records_kept_in_the_repository(tmp_path):
     """bench/study_records.py: a finished run's record files are what `emapg compare` needs to skip it
     and to report it; an unfinished run is not kept; a different finished run is never overwritten."""
-    import importlib.util
-
-    spec_file = importlib.util.spec_from_file_location("study_records", ROOT / "bench" / "study_records.py")
-    records = importlib.util.module_from_spec(spec_file)
-    spec_file.loader.exec_module(records)
+    records = _bench_module("study_records")
     spec = load_spec(write_spec(tmp_path, SPEC))
     out, kept, again = tmp_path / "out", tmp_path / "kept", tmp_path / "again"
     fake_run(out / "a" / "seed0", [0.2, 0.4], [0.1, 0.3])
@@ -208,3 +214,43 @@ def test_a_study_continues_from_records_kept_in_the_repository(tmp_path):
                                                                "anchor": {"accuracy": 0.1}}))
     with pytest.raises(SystemExit, match="already holds a different finished run"):
         records.copy_runs(out, kept)
+
+
+def test_the_stability_verdicts_follow_the_paired_intervals():
+    """bench/stability_verdicts.py judges H1-H5 from compare's per-seed summary: holds when the 95%
+    interval excludes 0 in the stated direction, fails when in the other, undecided otherwise;
+    provisional with fewer seeds than the study's."""
+    v = _bench_module("stability_verdicts")
+    assert set(c.config for cs in v.HYPOTHESES.values() for c in cs) <= set(load_spec(v.SPEC).configs)
+
+    def run(**per_metric):  # metric -> one value per seed
+        n = len(next(iter(per_metric.values())))
+        return {"per_seed": {str(k): {m: vals[k] for m, vals in per_metric.items()} for k in range(n)}}
+
+    base = dict(policy=[0.6, 0.7, 0.5, 0.65, 0.55], anchor=[0.7, 0.72, 0.6, 0.7, 0.6],
+                peak=[0.7, 0.75, 0.6, 0.7, 0.6], drawdown=[0.1, 0.05, 0.1, 0.05, 0.05])
+    noise = (0.01, -0.01, 0.02, -0.02, 0.0)
+    shifted = {m: [x + d for x, d in zip(vals, noise, strict=True)] for m, vals in base.items()}
+    summary = {
+        "no-kl": run(**base),
+        "ema-0.05": run(**{**base, "drawdown": [x - 0.04 for x in base["drawdown"]]}),  # H1: smaller, every seed
+        "frozen-0.2": run(**{**base, "peak": [x - 0.1 for x in base["peak"]]}),
+        "ema-0.2": run(**{**base, "peak": [x - 0.05 for x in base["peak"]]}),  # below 0: H3 fails
+        "ema-0.001": run(**shifted),  # no difference: H5 holds
+        "no-kl-hi": run(**base),
+        "frozen-0.05-hi": run(**base),
+        "ema-0.05-hi": run(**{**base, "policy": [x - 0.03 for x in base["policy"]],
+                               "anchor": [0.5, 0.8, 0.4, 0.8, 0.5]}),  # lower: H4 fails; anchor mixed
+    }
+    rows, result = v.verdicts(summary, seeds=5)
+    assert result == {"H1": "holds", "H2": "undecided", "H3": "fails", "H4": "fails", "H5": "holds"}
+    assert any("| H2 | final anchor minus its policy > 0: no-kl | 5 | +6.4 |" in r and r.endswith("| holds |")
+               for r in rows)
+    three = {k: {"per_seed": {s: x for s, x in r["per_seed"].items() if int(s) < 3}} for k, r in summary.items()}
+    assert v.verdicts(three, seeds=5)[1]["H1"] == "holds (provisional: 3 of 5 seeds)"
+    del summary["no-kl-hi"]
+    assert v.verdicts(summary, seeds=5)[1]["H4"] == "fails (provisional: 0 of 5 seeds)"
+    assert v.claim_verdict([0.05], +1) == "undecided"  # one seed decides nothing
+    assert v.claim_verdict([0.05, -0.01, 0.03], +1) == "undecided"
+    assert v.claim_verdict([-0.05, -0.04, -0.06], "no lower") == "fails"
+    assert v.claim_verdict([0.1, 0.12, 0.11], 0) == "fails"

@@ -331,10 +331,9 @@ def _anchor_vs_policy(summary: dict[str, Any]) -> list[str]:
     and the areas under the two curves where the anchor was evaluated along the way)."""
     rows = []
     for s in summary.values():
-        seeds = [k for k, v in s["per_seed"].items() if v.get("anchor") is not None and v.get("policy") is not None]
+        seeds, final = anchor_minus_policy(s)
         if not seeds:
             continue
-        final = [s["per_seed"][k]["anchor"] - s["per_seed"][k]["policy"] for k in seeds]
         aucs = [s["per_seed"][k]["anchor_auc"] - s["per_seed"][k]["auc"] for k in seeds
                 if s["per_seed"][k].get("anchor_auc") is not None]
         rows.append("| " + " | ".join([s["label"], _diff_cell(final), _per_seed_cell(seeds, final),
@@ -345,6 +344,20 @@ def _anchor_vs_policy(summary: dict[str, Any]) -> list[str]:
             "mean ± std [95% interval]:", "",
             "| config | final | final: per seed | AUC (anchor evaluated along the way) |", "|" + "---|" * 4,
             *rows, ""]
+
+
+def paired_diffs(run: dict[str, Any], ref: dict[str, Any], which: str) -> tuple[list[str], list[float]]:
+    """Seed by seed, ``run``'s per-seed value of ``which`` (policy, anchor, peak, drawdown, auc) minus
+    ``ref``'s, over the seeds both have: (seeds, differences)."""
+    seeds = [k for k, v in run["per_seed"].items()
+             if v.get(which) is not None and ref["per_seed"].get(k, {}).get(which) is not None]
+    return seeds, [run["per_seed"][k][which] - ref["per_seed"][k][which] for k in seeds]
+
+
+def anchor_minus_policy(run: dict[str, Any]) -> tuple[list[str], list[float]]:
+    """Seed by seed, the final anchor's accuracy minus its own policy's, same run: (seeds, differences)."""
+    seeds = [k for k, v in run["per_seed"].items() if v.get("anchor") is not None and v.get("policy") is not None]
+    return seeds, [run["per_seed"][k]["anchor"] - run["per_seed"][k]["policy"] for k in seeds]
 
 
 def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
@@ -361,9 +374,7 @@ def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
     for n in rows[1:]:
         cells = [summary[n]["label"]]
         for which in ("policy", "anchor", "peak", "drawdown", "auc"):
-            seeds = [k for k, v in summary[n]["per_seed"].items()
-                     if v.get(which) is not None and ref["per_seed"].get(k, {}).get(which) is not None]
-            diffs = [summary[n]["per_seed"][k][which] - ref["per_seed"][k][which] for k in seeds]
+            seeds, diffs = paired_diffs(summary[n], ref, which)
             cells.append(_diff_cell(diffs))
             if which in ("policy", "anchor"):
                 cells.append(_per_seed_cell(seeds, diffs))
