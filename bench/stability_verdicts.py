@@ -99,8 +99,8 @@ def verdicts(summary: dict[str, Any], seeds: int) -> tuple[list[str], dict[str, 
             v = claim_verdict(diffs, c.sign)
             found.append(v)
             interval = "n/a" if len(diffs) < 2 else "[{:+.1f}, {:+.1f}]".format(*(100 * x for x in interval95(diffs)))
-            rows.append(f"| {name} | {c.text} | {len(diffs)} | {100 * statistics.fmean(diffs):+.1f} | {interval} "
-                        f"| {v} |")
+            mean = round(100 * statistics.fmean(diffs), 1) + 0.0  # + 0.0: no "-0.0"
+            rows.append(f"| {name} | {c.text} | {len(diffs)} | {mean:+.1f} | {interval} | {v} |")
         n = min(len(g[1]) if (g := claim_diffs(summary, c)) else 0 for c in claims)  # seeds behind every claim
         verdict = combine(found)
         result[name] = verdict if n >= seeds else f"{verdict} (provisional: {n} of {seeds} seeds)"
