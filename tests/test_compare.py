@@ -183,20 +183,10 @@ def test_compare_cli_runs_a_tiny_comparison(tmp_path, jobs):
         assert f"threads: {threads}" in (out / "a" / "seed0" / "config.yaml").read_text()
 
 
-def _bench_module(name):
-    import importlib.util
-
-    spec_file = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec_file)
-    sys.modules[name] = module  # a dataclass looks its module up there
-    spec_file.loader.exec_module(module)
-    return module
-
-
-def test_a_study_continues_from_records_kept_in_the_repository(tmp_path):
+def test_a_study_continues_from_records_kept_in_the_repository(tmp_path, bench_module):
     """bench/study_records.py: a finished run's record files are what `emapg compare` needs to skip it
     and to report it; an unfinished run is not kept; a different finished run is never overwritten."""
-    records = _bench_module("study_records")
+    records = bench_module("study_records")
     spec = load_spec(write_spec(tmp_path, SPEC))
     out, kept, again = tmp_path / "out", tmp_path / "kept", tmp_path / "again"
     fake_run(out / "a" / "seed0", [0.2, 0.4], [0.1, 0.3])
@@ -216,11 +206,11 @@ def test_a_study_continues_from_records_kept_in_the_repository(tmp_path):
         records.copy_runs(out, kept)
 
 
-def test_the_stability_verdicts_follow_the_paired_intervals():
+def test_the_stability_verdicts_follow_the_paired_intervals(bench_module):
     """bench/stability_verdicts.py judges H1-H5 from compare's per-seed summary: holds when the 95%
     interval excludes 0 in the stated direction, fails when in the other, undecided otherwise;
     provisional with fewer seeds than the study's."""
-    v = _bench_module("stability_verdicts")
+    v = bench_module("stability_verdicts")
     assert set(c.config for cs in v.HYPOTHESES.values() for c in cs) <= set(load_spec(v.SPEC).configs)
 
     def run(**per_metric):  # metric -> one value per seed

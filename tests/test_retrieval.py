@@ -24,7 +24,6 @@ from emapg.retrieval.bm25 import BM25Index, build_index  # noqa: E402
 from emapg.retrieval.client import HTTPRetriever, parse_contents  # noqa: E402
 from emapg.retrieval.server import make_server  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "flashrag_wiki_sample.jsonl"
 
 CORPUS = [
@@ -380,14 +379,10 @@ def test_server_errors_are_json_for_every_status(server_url):
     assert reply.startswith("HTTP/1.1 400") and '{"error": ' in reply
 
 
-def test_200_valid_requests_succeed_while_300_idle_and_slow_connections_are_held(index):
+def test_200_valid_requests_succeed_while_300_idle_and_slow_connections_are_held(index, bench_module):
     """The server's connections cost no thread each, and its header deadline closes the clients that
     drip or say nothing (bench/retriever_load.py prints the same measurement)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("retriever_load", ROOT / "bench" / "retriever_load.py")
-    load = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(load)
+    load = bench_module("retriever_load")
     url, stop = start_server(index, header_timeout=1.0)
     try:
         res = load.run_load(url, [q for q, _ in QUERIES], valid=200, idle=250, slow=50, drip_every=0.3, settle=2.0)
