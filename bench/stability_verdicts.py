@@ -33,7 +33,7 @@ class Claim:
     text: str
     config: str
     ref: str | None  # None: the config's anchor minus its own policy
-    metric: str  # policy, anchor, peak, drawdown, auc (per-seed values of compare's summary)
+    metric: str  # policy, anchor, peak, drawdown, auc (per-seed values of compare's summary); unused without ref
     sign: int | str
 
 
@@ -88,10 +88,11 @@ def verdicts(summary: dict[str, Any], seeds: int) -> tuple[list[str], dict[str, 
     rows = ["| hypothesis | claim | seeds | mean (points) | 95% interval | claim's verdict |", "|" + "---|" * 6]
     result = {}
     for name, claims in HYPOTHESES.items():
-        found = []
+        found, counts = [], []  # each claim's verdict and its number of seeds
         for c in claims:
             got = claim_diffs(summary, c)
-            if got is None or not got[1]:
+            counts.append(len(got[1]) if got else 0)
+            if not counts[-1]:
                 rows.append(f"| {name} | {c.text} | 0 | n/a | n/a | undecided |")
                 found.append("undecided")
                 continue
@@ -101,7 +102,7 @@ def verdicts(summary: dict[str, Any], seeds: int) -> tuple[list[str], dict[str, 
             interval = "n/a" if len(diffs) < 2 else "[{:+.1f}, {:+.1f}]".format(*(100 * x for x in interval95(diffs)))
             mean = round(100 * statistics.fmean(diffs), 1) + 0.0  # + 0.0: no "-0.0"
             rows.append(f"| {name} | {c.text} | {len(diffs)} | {mean:+.1f} | {interval} | {v} |")
-        n = min(len(g[1]) if (g := claim_diffs(summary, c)) else 0 for c in claims)  # seeds behind every claim
+        n = min(counts)  # the seeds behind every claim
         verdict = combine(found)
         result[name] = verdict if n >= seeds else f"{verdict} (provisional: {n} of {seeds} seeds)"
     return rows, result
