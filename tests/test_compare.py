@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from emapg.compare import load_spec, markdown, plot, report, run_all, summarize
+from emapg.compare import STOP_FILE, load_spec, markdown, plot, report, run_all, summarize
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
 
@@ -154,6 +154,34 @@ def test_one_compare_at_a_time_per_output_folder(tmp_path):
         with pytest.raises(ConfigError, match="another emapg compare is running into it"):
             run_all(spec, out, log=lambda m: None)
     assert not (out / "a").exists()  # nothing started
+
+
+def test_a_stop_file_lets_the_running_run_finish_and_starts_no_other(tmp_path):
+    """`touch OUT/.compare.stop` while a run trains: that run finishes and is recorded, the next is not
+    started, the file is removed, and the next call carries on with the run left."""
+    text = SPEC.replace("seeds: [0, 1]", "seeds: [0]")
+    spec = load_spec(write_spec(tmp_path, text))
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / STOP_FILE).touch()  # left from before: meant for a compare no longer running, not for this one
+    lines: list[str] = []
+
+    def log(line):
+        lines.append(line)
+        if line.startswith("[1/2] a seed 0: train"):  # the first run has just been launched
+            (out / STOP_FILE).touch()
+
+    run_all(spec, out, log=log)
+    assert (out / "a" / "seed0" / "eval.json").exists() and (out / "a" / "seed0" / "compute.json").exists()
+    assert not (out / "b" / "seed0").exists()
+    assert not (out / STOP_FILE).exists()
+    assert lines[0] == f"removed {out / STOP_FILE}, left from an earlier call", lines
+    assert any("starting none of the 1 runs left, letting the 1 running finish" in x for x in lines), lines
+    assert "a" in report(spec, out)  # a partial study still reports what finished
+    again: list[str] = []
+    run_all(spec, out, log=again.append)
+    assert (out / "b" / "seed0" / "eval.json").exists()
+    assert again[0] == "[1/2] a seed 0: done already" and not any("found" in x for x in again), again
 
 
 @pytest.mark.parametrize("jobs", [1, 2])

@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--report-only", action="store_true", help="summarise finished runs, start none")
     c.add_argument("--jobs", type=int, default=1,
                    help="runs at once, each with CPU cores / jobs torch threads (default 1)")
+    c.epilog = ("To stop a long comparison without losing its live runs, `touch OUT/.compare.stop`: it starts "
+                "no new run, lets the running ones finish, and the next call carries on. Ctrl-C stops the "
+                "running runs too; they resume from their last checkpoint next time.")
     c.set_defaults(func=cmd_compare)
     return p
 

@@ -103,6 +103,11 @@ def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
 
     jobs > 1 runs that many at once, each with threads = CPU cores // jobs (torch's threads; a
     run's numbers can differ in the last bits with the thread count, so compare runs made alike).
+
+    A file named STOP_FILE in `out` (`touch OUT/.compare.stop`) stops it gently: it starts no new run,
+    lets the running ones finish (recorded as usual) and returns; the file is removed, so the next
+    call carries on. (Ctrl-C instead stops the running runs at once; they resume from their last
+    checkpoint on the next call.)
     """
     if jobs < 1:
         raise ConfigError(f"--jobs: must be >= 1, got {jobs}")
@@ -115,7 +120,14 @@ def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
         _run_locked(spec, out, log, jobs)
 
 
+STOP_FILE = ".compare.stop"
+
+
 def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
+    stop = out / STOP_FILE
+    if stop.exists():  # left from before this call: it was meant for a compare that is no longer running
+        stop.unlink()
+        log(f"removed {stop}, left from an earlier call")
     total = len(spec.configs) * len(spec.seeds)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     pending: list[tuple[Path, list[str], str]] = []
@@ -137,8 +149,13 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
                 run.rename(stale)
             pending.append((run, cmd, f"[{done}/{total}] {name} seed {seed}: {' '.join(cmd[3:])}"))
     running: list[tuple[Path, subprocess.Popen, float, Any]] = []
+    left = 0
     try:
         while pending or running:
+            if pending and stop.exists():
+                left = len(pending)
+                log(f"{stop} found: starting none of the {left} runs left, letting the {len(running)} running finish")
+                pending.clear()
             while pending and len(running) < max(1, jobs):
                 run, cmd, line = pending.pop(0)
                 log(line)
@@ -154,6 +171,10 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
                 _finish(*item)
                 if spec.prune_checkpoints:  # finished: its metrics and eval stay, its ~2 GB of checkpoints go
                     shutil.rmtree(item[0] / "checkpoints", ignore_errors=True)
+        if stop.exists():
+            stop.unlink()  # honoured, or too late to matter: either way the next call carries on
+            log(f"stopped by {stop} (removed): {left} runs left for the next call" if left else
+                f"removed {stop}: it came after the last run had started")
     finally:
         for _, proc, _, err in running:  # interrupted: stop the runs; their checkpoints let the next call resume
             proc.terminate()
