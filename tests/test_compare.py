@@ -177,7 +177,8 @@ def test_a_stop_file_lets_the_running_run_finish_and_starts_no_other(tmp_path):
     assert not (out / STOP_FILE).exists()
     assert lines[0] == f"removed {out / STOP_FILE}, left from an earlier call", lines
     assert any("starting none of the 1 runs left, letting the 1 running finish" in x for x in lines), lines
-    assert "a" in report(spec, out)  # a partial study still reports what finished
+    partial = report(spec, out)  # a partial study still reports what finished, and only that
+    assert "| A | 1 |" in partial and "| b |" not in partial, partial
     again: list[str] = []
     run_all(spec, out, log=again.append)
     assert (out / "b" / "seed0" / "eval.json").exists()
