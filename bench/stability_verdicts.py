@@ -5,6 +5,8 @@ prompts and sampling seeds): its mean and 95% t-interval, from `emapg compare`'s
 directional claim "holds" when the interval excludes 0 in the stated direction, "fails" when it excludes
 0 in the other, and is "undecided" otherwise; H5's claim of no difference holds when every interval
 includes 0. With fewer seeds than the study's, a verdict is marked provisional.
+Last, one cut made after seeing the runs, reported and not judged: EMA-PG's final anchor minus its
+policy, by whether the run ended below its policy's peak.
 
     python bench/study_records.py restore docs/results/stability runs/stability
     python bench/stability_verdicts.py --out runs/stability        # prints the markdown table
@@ -108,6 +110,25 @@ def verdicts(summary: dict[str, Any], seeds: int) -> tuple[list[str], dict[str, 
     return rows, result
 
 
+EMA_PG = ("ema-0.001", "ema-0.05", "ema-0.2", "ema-0.05-hi")  # the configs with an EMA anchor in the loss
+
+
+def past_peak(summary: dict[str, Any], configs: tuple[str, ...] = EMA_PG) -> list[str]:
+    """A cut made after seeing the runs, reported, not judged: each EMA-PG run's final anchor minus its
+    policy (points), split by whether the run ended below its policy's peak (drawdown > 0) or at it."""
+    below: list[int] = []
+    at: list[int] = []
+    for c in configs:
+        if c not in summary:
+            continue
+        seeds, diffs = anchor_minus_policy(summary[c])
+        for s, d in zip(seeds, diffs, strict=True):
+            (below if summary[c]["per_seed"][s]["drawdown"] > 0 else at).append(round(100 * d))
+    return [f"- {name}: {len(ds)} runs, the anchor at or above its policy in {sum(d >= 0 for d in ds)}"
+            + ("" if not ds else ": " + ", ".join(f"{d:+d}" for d in ds))
+            for name, ds in (("ended below the policy's peak", below), ("ended at the peak", at))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("runs/stability"), help="the study's output folder")
@@ -119,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"stability_verdicts: {e}")
     if not args.out.is_dir():
         sys.exit(f"stability_verdicts: {args.out} is not a folder (restore the kept records first)")
-    rows, result = verdicts(summarize(spec, args.out), len(spec.seeds))
+    summary = summarize(spec, args.out)
+    rows, result = verdicts(summary, len(spec.seeds))
     print("\n".join(rows))
     print()
     print("\n".join(f"- **{h}**: {v}" for h, v in result.items()))
+    print()
+    print("Post hoc (not pre-stated): EMA-PG runs' final anchor minus policy, by whether the run passed its peak:")
+    print("\n".join(past_peak(summary)))
     return 0
 
 

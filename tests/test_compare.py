@@ -273,3 +273,7 @@ def test_the_stability_verdicts_follow_the_paired_intervals(bench_module):
     assert v.claim_verdict([0.05, -0.01, 0.03], +1) == "undecided"
     assert v.claim_verdict([-0.05, -0.04, -0.06], "no lower") == "fails"
     assert v.claim_verdict([0.1, 0.12, 0.11], 0) == "fails"
+    # the post-hoc cut: anchor minus policy, by whether the run ended below its peak
+    cut = v.past_peak({"ema-0.05": run(policy=[0.6, 0.7], anchor=[0.7, 0.65], drawdown=[0.1, 0.0])})
+    assert cut == ["- ended below the policy's peak: 1 runs, the anchor at or above its policy in 1: +10",
+                   "- ended at the peak: 1 runs, the anchor at or above its policy in 0: -5"], cut
