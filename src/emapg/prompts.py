@@ -1,9 +1,12 @@
 """Prompts that do not fit: a data file's prompt plus its response budget beyond the model's context
-is found before the first step, and refused (naming the file and the row) or cut to fit."""
+is found before the first step, and refused (naming the file and the row) or cut to fit. Also the
+longest sequence a run can make (prompt + response budget), which sizes the vLLM engine."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 import sys
 
 from emapg.config import ConfigError
@@ -68,3 +71,19 @@ def fit_prompts(task: Task, tokenizer, context: int | None, budget: int, mode: s
                 print(f"emapg: warning: {where}: prompt of {n} tokens cut to fit the model's context of {context} "
                       f"(response budget {budget})", file=sys.stderr)
     return cut
+
+
+def engine_model_len(task: Task, tokenizer, context: int | None, budget: int, sample: int = 64) -> int:
+    """The longest prompt + response a run's training rollouts can make, for an engine that plans its
+    cache by it (held-out evaluation samples with the HF backend): a task that reads files is measured
+    whole; a generated one on ``sample`` training prompts, with half again as margin. Rounded up to 64
+    tokens, never past the model's ``context``."""
+    pools = task.prompt_pools()
+    measured = bool(pools)
+    if not measured:
+        pools = [task.train_examples(random.Random(0), sample)]
+    longest = max((len(format_prompt(tokenizer, ex.messages)) for pool in pools for ex in pool), default=0)
+    if not measured:
+        longest = math.ceil(1.5 * longest)
+    total = 64 * math.ceil((longest + budget) / 64)
+    return min(total, context) if context else total

