@@ -17,9 +17,15 @@ warm-up rollout (for torch.compile the warm-up includes compiling, reported on i
                      every row to the end: generate's work through our loop
   loop               our decode loop as shipped: inverse-CDF draw, reserved cache, finished rows
                      leave the batch, prompt shared per group
+  vllm               vLLM's CPU build (rollout.backend=vllm): the engine emapg starts (dummy weights,
+                     the policy's pushed, eager, fp32, prefix caching), sampled log-prob and top-32 ids
+                     returned per token; its start and weight push are the warm-up. Needs .venv-vllm.
 
     python bench/generation.py --reps 3
     python bench/generation.py --reps 3 --skip-compile
+    # vLLM against our loop (in the vLLM venv, which has the project too), several shapes in one run:
+    .venv-vllm/bin/python bench/generation.py --reps 3 --variants loop vllm \
+        --shapes smollm2-135m:32 smollm2-135m:256 random-qwen2.5-0.5b:32
 """
 
 from __future__ import annotations
@@ -97,11 +103,40 @@ def _loop(model, tok, ids, mask, *, multinomial: bool = False):
                                 pad_id=tok.pad_token_id, k=K, keep_state=False)
         finally:
             dec.draw, dec.COMPACT_BELOW, dec.new_cache = saved
-        return int(out.ids.numel())
+        return int(out.length.sum())
     from emapg.rollout.hf import HFSampler
 
     out = HFSampler(model, tok, k=K, reuse_cache=False)(contexts, MAX_NEW)
-    return int(out.ids.numel())
+    return int(out.length.sum())
+
+
+class _Engine:
+    """The vLLM engine for one model and length, started on first use (the warm-up) and kept."""
+
+    engine = None
+
+    @classmethod
+    def run(cls, model, tok, ids, mask):
+        from emapg.rollout import vllm_backend as vb
+        from emapg.rollout.sampling import eos_ids
+
+        if cls.engine is None:
+            import tempfile
+
+            cls.engine = vb.VLLMRollout.create(
+                model, tok, eos_ids(model, tok), workdir=tempfile.mkdtemp(prefix="emapg-bench-"), dtype="float32",
+                device="cpu", gpu_memory_utilization=0.3, max_model_len=ids.shape[1] + MAX_NEW + 64,
+                max_logprobs=K, seed=0, sleep=False, enforce_eager=True, cpu_kv_cache_gib=2)
+            cls.engine.sync(model, version=0)
+        contexts = [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True) for _ in range(SAMPLES)]
+        out = cls.engine.sample(contexts, MAX_NEW, k=K, seed=int(torch.randint(0, 2**31, ())))
+        return int(out.length.sum())
+
+    @classmethod
+    def close(cls):
+        if cls.engine is not None:
+            cls.engine.close()
+            cls.engine = None
 
 
 VARIANTS = {
@@ -111,22 +146,44 @@ VARIANTS = {
     "generate-compiled": lambda m, t, i, a: _generate(m, t, i, a, static=True, compiled=True),
     "loop-multinomial": lambda m, t, i, a: _loop(m, t, i, a, multinomial=True),
     "loop": lambda m, t, i, a: _loop(m, t, i, a),
+    "vllm": _Engine.run,
 }
 
 
 def main() -> None:
+    global MAX_NEW
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-compile", action="store_true")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "vllm"], choices=list(VARIANTS))
+    p.add_argument("--shapes", nargs="+", default=[f"smollm2-135m:{MAX_NEW}"],
+                   help="MODEL:MAX_NEW_TOKENS, each a table (a built-in model name or a folder)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    tables = []
+    for shape in args.shapes:
+        name, _, new = shape.rpartition(":")
+        MAX_NEW = int(new)
+        tables.append((name, MAX_NEW, _measure(name, args)))
+    for name, new, rows in tables:
+        base_name = "generate-shared" if any(r[0] == "generate-shared" for r in rows) else rows[0][0]
+        base = next(r[1] for r in rows if r[0] == base_name)
+        print(f"\n{name}: {PROMPTS} prompts x {SAMPLES} samples, <= {new} new tokens, top-{K} recorded, "
+              f"{args.threads} threads, median of {args.reps}\n")
+        print(f"| variant | s/rollout (median) | vs {base_name} | tokens | warm-up s | all s |")
+        print("|---|---|---|---|---|---|")
+        for variant, med, warm, times, tokens in rows:
+            print(f"| {variant} | {med:.2f} | {med / base:.2f}x | {tokens} | {warm:.1f} | "
+                  f"{', '.join(f'{t:.2f}' for t in times)} |")
+
+
+def _measure(model_name: str, args) -> list[tuple]:
     from emapg.models import load_model
     from emapg.rollout.sampling import format_prompt, pad_left
     from emapg.tasks import make_task
 
-    torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model(model_name)
     model.eval()
     examples = make_task("arithmetic", digits=2, ops="+", terms=2).train_examples(random.Random(0), PROMPTS)
     ids, mask = pad_left([format_prompt(tok, ex.messages) for ex in examples], tok.pad_token_id)
@@ -148,14 +205,9 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
         rows.append((name, med, warm, times, tokens))
-        print(f"{name}: {med:.2f} s (warm-up {warm:.1f} s)", flush=True)
-    base = next((r[1] for r in rows if r[0] == "generate-shared"), rows[0][1])
-    print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {MAX_NEW} new tokens, top-{K} recorded, "
-          f"{args.threads} threads, median of {args.reps}\n")
-    print("| variant | s/rollout (median) | vs generate-shared | warm-up s | all s |")
-    print("|---|---|---|---|---|")
-    for name, med, warm, times, _ in rows:
-        print(f"| {name} | {med:.2f} | {med / base:.2f}x | {warm:.1f} | {', '.join(f'{t:.2f}' for t in times)} |")
+        print(f"{model_name} <= {MAX_NEW} tokens, {name}: {med:.2f} s (warm-up {warm:.1f} s)", flush=True)
+    _Engine.close()
+    return rows
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@
 #      then one step of a Qwen2.5-1.5B-shaped model at 4,096 new tokens (no EOS: every row runs the whole
 #      budget), gradient checkpointing on, printing peak GPU memory;
 #   4. with 2 or more GPUs: the same 3 steps on 2 GPUs with torchrun + FSDP2 (NCCL);
-#   5. when vllm is installed (pip install 'emapg[vllm]'): the real engine's sampled log-probs and top-k
-#      ids against the policy's own (fp32, two rounds with a weight push between them), then the 3 steps
-#      of 3a with rollout.backend=vllm;
+#   5. when vllm is installed (pip install 'emapg[vllm]'): the real-engine tests that CI runs on vLLM's
+#      CPU build (tests/test_vllm_engine.py: log-probs and top-k against the reference, greedy, weight
+#      pushes, LoRA, agent episodes, shutdown), on CUDA, then the 3 steps of 3a with rollout.backend=vllm;
 # and prints, per run, the median step time, generated tokens per second and peak GPU memory.
 # Usage: bash scripts/gpu_check.sh   (after scripts/setup.sh, or with EMAPG_TORCH_SPEC=skip on a CUDA torch)
 set -euo pipefail
@@ -67,9 +67,9 @@ else
   echo "== 4. skipped: one GPU (FSDP2 over 2 processes is checked on CPU with gloo in the test suite)"
 fi
 if $PY -c "import vllm" 2>/dev/null; then
-  echo "== 5a. vLLM engine vs the policy (tests/test_vllm_backend.py, real engine)"
-  timeout 150 $PY -m pytest -q -x -s -p no:cacheprovider tests/test_vllm_backend.py -k real_engine 2>&1 | \
-    grep -E "round|passed|failed|skipped|Error" | tail -6
+  echo "== 5a. the real vLLM engine's tests on CUDA (tests/test_vllm_engine.py: run on the CPU build in CI)"
+  timeout 400 $PY -m pytest -q -x -m vllm -p no:cacheprovider tests/test_vllm_engine.py 2>&1 | \
+    grep -E "passed|failed|skipped|Error" | tail -6
   echo "== 5b. 3 steps, Qwen2.5-0.5B shape, vLLM backend"
   timeout 200 $PY -m emapg train "${COMMON[@]}" rollout.backend=vllm rollout.vllm_max_model_len=1024 --out "$OUT/vllm" 2>&1 | tail -2
   report "$OUT/vllm"
