@@ -51,15 +51,22 @@ def test_smoke_run_writes_the_run_folder(tmp_path):
     assert not torch.equal(pol.model.layers[0].mlp.up_proj.weight, anc.model.layers[0].mlp.up_proj.weight)
 
 
-def test_training_moves_the_policy_and_the_anchor_follows(tmp_path):
-    tr = Trainer(cfg("algo.eta=0.5"), tmp_path, progress=False)
-    w0 = tr.model.model.layers[0].mlp.up_proj.weight.detach().clone()
-    tr.train()
-    w = tr.model.model.layers[0].mlp.up_proj.weight.detach()
-    a = tr.anchor.module.model.layers[0].mlp.up_proj.weight
-    assert not torch.equal(w, w0)
-    # the anchor lies strictly between the start and the policy
-    assert 0 < (a - w0).norm() < (w - w0).norm() + 1e-12
+def test_training_moves_the_policy_and_the_anchor_follows_the_ema_recursion(tmp_path):
+    """After each step the anchor is eta * anchor + (1 - eta) * policy, with eta = 0.7 (not 0.5, so a
+    swap of eta and 1 - eta is caught), computed here in float64 from the policy after every step."""
+    tr = Trainer(cfg("algo.eta=0.7", "steps=3", "eval.size=0", "save_every=0"), tmp_path, progress=False)
+
+    def weight(m):
+        return m.model.layers[0].mlp.up_proj.weight.detach().double().clone()
+
+    w0 = weight(tr.model)
+    expect = w0.clone()
+    for step in (1, 2, 3):
+        tr.train_step(step)
+        tr.step = step
+        expect = 0.7 * expect + 0.3 * weight(tr.model)
+        torch.testing.assert_close(weight(tr.anchor.module), expect, atol=1e-6, rtol=0)
+    assert not torch.equal(weight(tr.model), w0) and not torch.equal(weight(tr.anchor.module), weight(tr.model))
 
 
 def test_frozen_anchor_is_the_initial_model(tmp_path):

@@ -51,6 +51,16 @@ def make_engine(model, tok, workdir, *, max_logprobs=64, max_model_len=256, seed
                                  seed=seed, sleep=False, enforce_eager=True, cpu_kv_cache_gib=1)
 
 
+def engine_with_weights(name, tmp_path_factory):
+    """(model, tokenizer, engine holding the model's weights); the engine is closed when resumed."""
+    model, tok = load_model(name, "float32", seed=0)
+    model.to(DEVICE)
+    engine = make_engine(model, tok, tmp_path_factory.mktemp("engine"))
+    engine.sync(model, version=0)
+    yield model, tok, engine
+    engine.close()
+
+
 def reference_logprobs(model, batch, temperature=1.0) -> list[torch.Tensor]:
     """Row by row, without padding: the full log-softmax [length, V] at each response position."""
     out = []
@@ -103,12 +113,7 @@ class TestTinyRandomEngine:
     @pytest.fixture(scope="class")
     @classmethod
     def setup(cls, tmp_path_factory):
-        model, tok = load_model(TINY, "float32", seed=0)
-        model.to(DEVICE)
-        engine = make_engine(model, tok, tmp_path_factory.mktemp("tiny"))
-        engine.sync(model, version=0)
-        yield model, tok, engine
-        engine.close()
+        yield from engine_with_weights(TINY, tmp_path_factory)
 
     @pytest.mark.parametrize("k", [32, 64])
     def test_log_probs_and_top_k_match_the_reference(self, setup, k):
@@ -133,13 +138,8 @@ class TestTinyRandomEngine:
 class TestSmolLM2Engine:
     @pytest.fixture(scope="class")
     @classmethod
-    def setup(cls, tmp_path_factory):
-        model, tok = load_model("smollm2-135m", "float32")
-        model.to(DEVICE)
-        engine = make_engine(model, tok, tmp_path_factory.mktemp("smol"))
-        engine.sync(model, version=0)
-        yield model, tok, engine
-        engine.close()
+    def setup(cls, tmp_path_factory):  # one engine at a time: the class's engine closes when it ends
+        yield from engine_with_weights("smollm2-135m", tmp_path_factory)
 
     @pytest.mark.parametrize("k", [32, 64])
     def test_log_probs_and_top_k_match_the_reference(self, setup, k):

@@ -55,6 +55,8 @@ def unavailable_reason(device: str = "cuda") -> str | None:
     device = device.split(":")[0]
     if device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device here (on the CPU, vLLM's CPU build runs with device: cpu)"
+    # vLLM logs every request and reload at INFO; a training run keeps its warnings only (unless asked)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         from vllm.platforms import current_platform
     except ImportError:
