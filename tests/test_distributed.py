@@ -97,8 +97,19 @@ def test_cli_nproc_runs_a_whole_run(tmp_path):
     assert (out / "checkpoints" / "step_000002" / "policy.safetensors").exists()
     from transformers import AutoModelForCausalLM
 
+    # the exports, gathered from the shards by rank 0, hold the final step's weights: those of the
+    # step-2 checkpoint, policy and anchor each, and the two differ (eta < 1 after two updates)
+    exported = {}
     for which in ("policy", "anchor"):
-        AutoModelForCausalLM.from_pretrained(out / "export" / which)
+        state = AutoModelForCausalLM.from_pretrained(out / "export" / which).state_dict()
+        saved = load_file(out / "checkpoints" / "step_000002" / f"{which}.safetensors")
+        saved = {n.removeprefix("average."): t for n, t in saved.items()}  # the anchor's file holds its average
+        common = [n for n in saved if n in state]
+        assert len(common) >= len(state) - 1  # all but a tied head
+        for name in common:
+            torch.testing.assert_close(state[name].float(), saved[name].float(), atol=1e-6, rtol=0, msg=name)
+        exported[which] = state
+    assert any(not torch.equal(exported["policy"][n], exported["anchor"][n]) for n in exported["policy"])
 
 
 def test_a_batch_that_does_not_split_is_refused():
