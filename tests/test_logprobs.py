@@ -87,9 +87,19 @@ def test_no_grad_path_and_empty_input():
     hidden, weight = torch.randn(0, 4), torch.randn(10, 4)
     out = token_logprobs(hidden, weight, torch.zeros(0, dtype=torch.long), k_self=3, entropy=True)
     assert out.logp_tok.shape == (0,) and out.topk_ids.shape == (0, 3) and out.entropy.shape == (0,)
+    # without autograd: no graph, and the same values as the naive log-softmax (and the grad path)
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(5, 4, generator=g), torch.randn(10, 4, generator=g, requires_grad=True)
+    tokens = torch.tensor([0, 3, 9, 3, 7])
     with torch.no_grad():
-        out = token_logprobs(torch.randn(5, 4), weight, torch.zeros(5, dtype=torch.long))
-    assert not out.logp_tok.requires_grad and out.logp_tok.shape == (5,)
+        out = token_logprobs(hidden, weight, tokens, k_self=3, entropy=True, chunk_size=2)
+    assert not out.logp_tok.requires_grad
+    logp = torch.log_softmax((hidden @ weight.T).detach().double(), -1)
+    torch.testing.assert_close(out.logp_tok.double(), logp.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-6, rtol=0)
+    assert torch.equal(out.topk_ids, logp.topk(3, -1).indices)
+    torch.testing.assert_close(out.entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-6, rtol=0)
+    grad_path = token_logprobs(hidden, weight, tokens, k_self=3, entropy=True, chunk_size=2)
+    torch.testing.assert_close(grad_path.logp_tok.detach(), out.logp_tok, atol=0, rtol=0)
 
 
 def _tiny(kind, **extra):
