@@ -5,10 +5,10 @@ the identity (or the local computation), so the trainer has a single code path.
 
 * :func:`init` joins the process group that torchrun describes in the environment (NCCL on
   CUDA, gloo on CPU) and says which rank and device this process has.
-* :func:`shard` applies ``fully_shard`` to each decoder layer and to the model, and registers
-  :func:`logprobs` as an FSDP forward method, so the output head (used by the chunked log-prob
-  code without calling its ``forward``) is gathered and its gradient reduce-scattered like any
-  other parameter.
+* :func:`shard` applies ``fully_shard`` to each decoder layer and to the model, and registers the
+  methods it is given (``emapg.forward.SHARD_METHODS``: the log-prob pass) as FSDP forward methods,
+  so the output head (used by the chunked log-prob code without calling its ``forward``) is gathered
+  and its gradient reduce-scattered like any other parameter.
 * :func:`gathered` holds every shard gathered for generation: ``generate`` then runs locally,
   with no collective per token, so ranks may decode different numbers of tokens.
 * The rest gathers or reduces plain numbers, objects and state for metrics and checkpoints.
@@ -20,8 +20,8 @@ import contextlib
 import os
 import sys
 import types
-from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,11 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from emapg.config import ConfigError
-from emapg.forward import response_logprobs
 from emapg.lm import decoder_and_head
-from emapg.logprobs import TokenLogprobs
-
-LOGPROBS_METHOD = "emapg_logprobs"
 
 
 @dataclass(frozen=True)
@@ -96,24 +92,21 @@ def shutdown() -> None:
             os._exit(0)
 
 
-def _is_sharded(model: nn.Module) -> bool:
+def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
 
 
-def _logprobs_method(self: nn.Module, mb, **kwargs) -> dict[str, Tensor | None]:
-    # A dict of tensors (a pytree), so FSDP sees the outputs and hooks their backward.
-    st = response_logprobs(self, mb, **kwargs)
-    return {f.name: getattr(st, f.name) for f in fields(st)}
-
-
-def shard(model: nn.Module, mixed_precision: str | None = None) -> nn.Module:
+def shard(model: nn.Module, mixed_precision: str | None = None,
+          methods: dict[str, Callable[..., Any]] | None = None) -> nn.Module:
     """FSDP2 over the default process group: each decoder layer is one unit, the rest (embeddings,
     final norm, output head) the root unit. Parameters become DTensors sharded along dim 0.
 
     mixed_precision: ``"bf16"`` computes in bfloat16 and reduces gradients in fp32 (params stay
     fp32 masters); None computes in the parameters' dtype.
+    methods: name -> function(model, ...) to attach to the model and register as FSDP forward methods
+    (each must return tensors, or a pytree of them, for FSDP to hook their backward).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -130,19 +123,10 @@ def shard(model: nn.Module, mixed_precision: str | None = None) -> nn.Module:
     for layer in layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
-    setattr(model, LOGPROBS_METHOD, types.MethodType(_logprobs_method, model))
-    register_fsdp_forward_method(model, LOGPROBS_METHOD)
+    for name, fn in (methods or {}).items():
+        setattr(model, name, types.MethodType(fn, model))
+        register_fsdp_forward_method(model, name)
     return model
-
-
-def logprobs(model: nn.Module, mb, **kwargs) -> TokenLogprobs:
-    """:func:`emapg.forward.response_logprobs`, through FSDP's hooks when the model is sharded."""
-    if _is_sharded(model):
-        out = TokenLogprobs(**getattr(model, LOGPROBS_METHOD)(mb, **kwargs))
-        if not torch.is_grad_enabled():
-            reshard(model)  # FSDP keeps the root unit gathered after forward, waiting for a backward
-        return out
-    return response_logprobs(model, mb, **kwargs)
 
 
 def reshard(model: nn.Module) -> None:
@@ -260,7 +244,7 @@ def local_shard(full: Tensor, like: Tensor) -> Tensor:
 
 def model_state(model: nn.Module) -> dict[str, Tensor]:
     """The whole state dict on CPU (rank 0 gets it; other ranks get {} when sharded). Collective."""
-    if not _is_sharded(model):
+    if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -280,7 +264,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=_is_sharded(model)))
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=is_sharded(model)))
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

@@ -11,14 +11,20 @@ in value and gradient (a test checks it):
 
 Logits are never formed for prompt positions, nor for padding: hidden states of the response
 positions go to :func:`emapg.logprobs.token_logprobs`, which works chunk by chunk.
+
+:func:`model_logprobs` is the pass the trainer calls: the same, through FSDP's hooks when the model
+is sharded (:data:`SHARD_METHODS` is what :func:`emapg.distributed.shard` registers for it).
 """
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache
 
+from emapg import distributed
 from emapg.lm import cache_kwarg, decoder_and_head, head_transform, positions
 from emapg.logprobs import TokenLogprobs, token_logprobs
 from emapg.rollout.batch import RolloutBatch
@@ -112,3 +118,25 @@ def response_logprobs(
         bias=getattr(head, "bias", None), temperature=temperature, k_self=k_self, entropy=entropy,
         chunk_size=chunk_size, transform=head_transform(model),
     )
+
+
+LOGPROBS_METHOD = "emapg_logprobs"
+
+
+def _logprobs_method(self: nn.Module, mb, **kwargs) -> dict[str, Tensor | None]:
+    # A dict of tensors (a pytree), so FSDP sees the outputs and hooks their backward.
+    st = response_logprobs(self, mb, **kwargs)
+    return {f.name: getattr(st, f.name) for f in fields(st)}
+
+
+SHARD_METHODS = {LOGPROBS_METHOD: _logprobs_method}
+
+
+def model_logprobs(model: nn.Module, mb: RolloutBatch, **kwargs) -> TokenLogprobs:
+    """:func:`response_logprobs`, through FSDP's hooks when the model is sharded (with SHARD_METHODS)."""
+    if distributed.is_sharded(model):
+        out = TokenLogprobs(**getattr(model, LOGPROBS_METHOD)(mb, **kwargs))
+        if not torch.is_grad_enabled():
+            distributed.reshard(model)  # FSDP keeps the root unit gathered after forward, waiting for a backward
+        return out
+    return response_logprobs(model, mb, **kwargs)

@@ -36,8 +36,9 @@ from emapg.checkpoint import (
     save_checkpoint,
 )
 from emapg.config import ConfigError, TrainConfig, save_config
-from emapg.distributed import gathered, logprobs
+from emapg.distributed import gathered
 from emapg.evaluate import evaluate
+from emapg.forward import SHARD_METHODS, model_logprobs
 from emapg.lm import check_lean_head, set_pass_mode
 from emapg.metrics import MetricsWriter, add_stats, plot_run, read_metrics, rollout_row, update_row, write_eval_table
 from emapg.models import load_model, save_hf_folder
@@ -115,7 +116,7 @@ class Trainer:
         if self.dist.enabled:
             for m in (self.model, anchor_copy, init_copy):
                 if m is not None:
-                    distributed.shard(m, cfg.mixed_precision)
+                    distributed.shard(m, cfg.mixed_precision, methods=SHARD_METHODS)
         self.anchor = EMAAnchor(self.model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=anchor_copy)
         # The initial policy, frozen (a full copy, or the initial adapters with LoRA): for kl_to_init.
         self.init_anchor = EMAAnchor(self.model, eta=1.0, module=init_copy) if own_init else None
@@ -315,7 +316,7 @@ class Trainer:
     def _logprobs(self, model: torch.nn.Module, mb: RolloutBatch, **kw) -> Any:
         set_pass_mode(model, grad=torch.is_grad_enabled(), lora_dropout=self.cfg.lora.dropout > 0)
         with self._autocast():
-            return logprobs(model, mb, **kw, **self._passes())
+            return model_logprobs(model, mb, **kw, **self._passes())
 
     @torch.no_grad()
     def anchor_pass(self, mb: RolloutBatch) -> AnchorStats:
