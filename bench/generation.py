@@ -44,15 +44,17 @@ import torch
 PROMPTS, SAMPLES, MAX_NEW, K = 8, 4, 32, 32
 
 
-def _scores_stats(out, prompt_len: int) -> int:
-    """emapg's old HF backend: statistics from generate's kept [rows, vocab] scores, one step at a time."""
+def _scores_stats(out, prompt_len: int, eos: list[int]) -> int:
+    """emapg's old HF backend: statistics from generate's kept [rows, vocab] scores, one step at a time.
+    Returns the generated tokens (each row up to and including its first EOS), as the loop counts them."""
     resp = out.sequences[:, prompt_len:]
     for t, scores in enumerate(out.scores):
         logp = torch.log_softmax(scores.float(), -1)
         logp.gather(-1, resp[:, t : t + 1])
         -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
         logp.topk(K, -1)
-    return int(resp.numel())
+    is_eos = torch.isin(resp, torch.tensor(eos, device=resp.device))
+    return int((is_eos.long().cumsum(1) - is_eos.long() == 0).sum())  # no EOS before the token
 
 
 def _generate(model, tok, ids, mask, *, shared: bool = False, static: bool = False, compiled: bool = False):
@@ -82,7 +84,7 @@ def _generate(model, tok, ids, mask, *, shared: bool = False, static: bool = Fal
     else:
         inputs = dict(input_ids=ids, attention_mask=mask, num_return_sequences=SAMPLES)
     out = model.generate(**inputs, **kw)
-    return _scores_stats(out, ids.shape[1])
+    return _scores_stats(out, ids.shape[1], kw["eos_token_id"])
 
 
 def _loop(model, tok, ids, mask, *, multinomial: bool = False):

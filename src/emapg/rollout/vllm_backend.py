@@ -88,12 +88,12 @@ def cpu_kv_cache_gib(config: Any, dtype: str, *, rows: int, max_model_len: int,
     that is free. Raises ConfigError, saying what to lower, when even one sequence does not fit."""
     per_token = kv_bytes_per_token(config, dtype)
     want = math.ceil(1.25 * rows * max_model_len * per_token / 2**30)  # 25% for vLLM's block rounding
-    need = math.ceil(1.25 * max_model_len * per_token / 2**30)
+    need = max(1, math.ceil(1.25 * max_model_len * per_token / 2**30))
     free = available_memory() if free_bytes is None else free_bytes
     room = int(free * 0.5) // 2**30
-    if max(need, 1) > room:
+    if need > room:
         raise ConfigError(
-            f"rollout.backend: vllm: the engine's KV cache needs {max(need, 1)} GiB for one sequence of "
+            f"rollout.backend: vllm: the engine's KV cache needs {need} GiB for one sequence of "
             f"{max_model_len} tokens ({per_token} bytes a token) and the CPU has {free / 2**30:.1f} GiB free "
             "(half of it may go to the cache); lower rollout.vllm_max_model_len or use the hf backend")
     return max(1, min(want, room))
