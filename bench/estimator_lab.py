@@ -75,9 +75,10 @@ def positions(policy, anchor, tok, examples, max_new: int, seed: int, cap: int):
     """Policy and anchor logits [N, V] (float64) at up to ``cap`` positions of sampled responses."""
     from emapg.lm import positions as position_ids
     from emapg.rollout.hf import generate
+    from emapg.rollout.sampling import SamplingSpec
 
     torch.manual_seed(seed)
-    batch = generate(policy, tok, examples, n=1, temperature=1.0, max_new_tokens=max_new)
+    batch = generate(policy, tok, examples, SamplingSpec(n=1, temperature=1.0, max_new_tokens=max_new))
     ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
     att = torch.cat([batch.prompt_mask, torch.ones_like(batch.response_ids)], 1)
     lp = batch.prompt_ids.shape[1]

@@ -89,7 +89,7 @@ def _generate(model, tok, ids, mask, *, shared: bool = False, static: bool = Fal
 
 def _loop(model, tok, ids, mask, *, multinomial: bool = False):
     import emapg.rollout.decode as dec
-    from emapg.rollout.sampling import eos_ids, pad_left
+    from emapg.rollout.sampling import SamplingSpec, eos_ids, pad_left
 
     contexts = [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True) for _ in range(SAMPLES)]
     if multinomial:
@@ -101,14 +101,15 @@ def _loop(model, tok, ids, mask, *, multinomial: bool = False):
         dec.new_cache = lambda model, spare=0: DynamicCache(config=model.config)
         try:
             rows, rmask = pad_left(contexts, tok.pad_token_id)
-            out, _ = dec.decode(model, rows, rmask, None, max_new_tokens=MAX_NEW, eos=eos_ids(model, tok),
-                                pad_id=tok.pad_token_id, k=K, keep_state=False)
+            out, _ = dec.decode(model, rows, rmask, None, SamplingSpec(k=K), max_new_tokens=MAX_NEW,
+                                eos=eos_ids(model, tok), pad_id=tok.pad_token_id, keep_state=False)
         finally:
             dec.draw, dec.COMPACT_BELOW, dec.new_cache = saved
         return int(out.length.sum())
     from emapg.rollout.hf import HFSampler
+    from emapg.rollout.sampling import SamplingSpec
 
-    out = HFSampler(model, tok, k=K, reuse_cache=False)(contexts, MAX_NEW)
+    out = HFSampler(model, tok, SamplingSpec(k=K), reuse_cache=False)(contexts, MAX_NEW)
     return int(out.length.sum())
 
 
@@ -120,7 +121,7 @@ class _Engine:
     @classmethod
     def run(cls, model, tok, ids, mask):
         from emapg.rollout import vllm_backend as vb
-        from emapg.rollout.sampling import eos_ids
+        from emapg.rollout.sampling import SamplingSpec, eos_ids
 
         if cls.engine is None:
             import tempfile
@@ -131,7 +132,7 @@ class _Engine:
                 max_logprobs=K, seed=0, sleep=False, enforce_eager=True, cpu_kv_cache_gib=2)
             cls.engine.sync(model, version=0)
         contexts = [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True) for _ in range(SAMPLES)]
-        out = cls.engine.sample(contexts, MAX_NEW, k=K, seed=int(torch.randint(0, 2**31, ())))
+        out = cls.engine.sample(contexts, MAX_NEW, SamplingSpec(k=K), seed=int(torch.randint(0, 2**31, ())))
         return int(out.length.sum())
 
     @classmethod

@@ -93,8 +93,10 @@ def rollout(side: str, tokens: int, rows: int = 2) -> dict:
             n = resp.shape[1]
         else:
             from emapg.rollout.decode import decode
+            from emapg.rollout.sampling import SamplingSpec
 
-            out, _ = decode(model, ids, mask, None, max_new_tokens=tokens, eos=[], pad_id=0, k=K, keep_state=False)
+            out, _ = decode(model, ids, mask, None, SamplingSpec(k=K), max_new_tokens=tokens, eos=[], pad_id=0,
+                            keep_state=False)
             n = out.ids.shape[1]
         seconds = time.perf_counter() - t0
     return {"part": "rollout", "side": side, "tokens": tokens, "generated": n, "rows": rows,

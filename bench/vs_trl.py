@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import statistics
 import tempfile
 import time
@@ -30,7 +29,6 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch
 
 PROMPTS, SAMPLES, MAX_NEW, BETA, LR = 8, 4, 32, 0.001, 1e-5
-_INT = re.compile(r"-?\d+")
 
 
 def step_examples(task, seed: int, steps: int):
@@ -43,21 +41,15 @@ def step_examples(task, seed: int, steps: int):
     return out
 
 
-def arithmetic_reward(completions, answer, **kwargs):
-    """TRL reward function: 1 if the last integer of the completion is the answer (emapg's arithmetic reward)."""
-    out = []
-    for comp, ans in zip(completions, answer, strict=True):
-        nums = _INT.findall(comp[-1]["content"] if isinstance(comp, list) else comp)
-        out.append(float(bool(nums) and int(nums[-1]) == int(ans)))
-    return out
-
-
 def run_trl(model_dir: str, examples, steps: int, threads: int, make=None) -> tuple[list[float], list[float]]:
     """Seconds of each step and mean response lengths of a TRL trainer on the work; ``make(**kwargs)``
     builds it from GRPOTrainer's arguments (default: GRPOTrainer itself)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from emapg.integrations.trl import task_reward
+    from emapg.tasks import make_task
 
     torch.set_num_threads(threads)
 
@@ -89,8 +81,8 @@ def run_trl(model_dir: str, examples, steps: int, threads: int, make=None) -> tu
             save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
         )
         timer = StepTimer()
-        trainer = (make or GRPOTrainer)(model=model_dir, reward_funcs=arithmetic_reward, args=cfg, train_dataset=ds,
-                                        processing_class=tok, callbacks=[timer])
+        trainer = (make or GRPOTrainer)(model=model_dir, reward_funcs=task_reward(make_task("arithmetic")), args=cfg,
+                                        train_dataset=ds, processing_class=tok, callbacks=[timer])
         assert trainer.args.generation_batch_size == PROMPTS * SAMPLES and trainer.ref_model is not None
         trainer.train()
     return timer.times, timer.lengths

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -24,24 +23,14 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch
 
-_INT = re.compile(r"-?\d+")
-
-
-def reward(completions, answer, **kwargs):
-    """1 if the last integer of the completion is the answer (emapg's arithmetic reward)."""
-    out = []
-    for comp, ans in zip(completions, answer, strict=True):
-        nums = _INT.findall(comp[-1]["content"] if isinstance(comp, list) else comp)
-        out.append(float(bool(nums) and int(nums[-1]) == int(ans)))
-    return out
-
 
 def accuracy(model, tokenizer, task, held_out) -> float:
     from emapg.evaluate import evaluate
+    from emapg.rollout.sampling import SamplingSpec
 
     model.eval()
     with torch.no_grad():
-        return evaluate(model, tokenizer, task, held_out, max_new_tokens=32, greedy=True)["accuracy"]
+        return evaluate(model, tokenizer, task, held_out, SamplingSpec(max_new_tokens=32, greedy=True))["accuracy"]
 
 
 def main() -> int:
@@ -58,7 +47,7 @@ def main() -> int:
     from transformers import AutoTokenizer
     from trl import GRPOConfig
 
-    from emapg.integrations.trl import EMAPGTrainer
+    from emapg.integrations.trl import EMAPGTrainer, task_reward
     from emapg.models import smollm2_folder
     from emapg.tasks import make_task
 
@@ -80,7 +69,7 @@ def main() -> int:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
-    trainer = EMAPGTrainer(model_dir, reward_funcs=reward, args=config, train_dataset=train,
+    trainer = EMAPGTrainer(model_dir, reward_funcs=task_reward(task), args=config, train_dataset=train,
                            processing_class=tokenizer, peft_config=peft_config,
                            eta=args.eta, kl="topk_reverse", k=32)
     before = accuracy(trainer.model, tokenizer, task, held_out)

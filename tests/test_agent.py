@@ -11,7 +11,7 @@ from emapg.config import load_config
 from emapg.models import byte_tokenizer
 from emapg.retrieval import Passage
 from emapg.rollout.agent import agent_rollout
-from emapg.rollout.sampling import Sampled
+from emapg.rollout.sampling import Sampled, SamplingSpec
 from emapg.tags import extract_answer, format_information
 from emapg.tasks.base import AgentConfig, Example
 
@@ -72,7 +72,8 @@ def test_an_episode_searches_reads_and_answers():
     turn1, turn2 = "<think>need Kadrin</think><search> Kadrin </search>", "<answer> Ostavia </answer>"
     sampler = ScriptedSampler({"Q1?": [turn1 + " trailing junk", turn2]})
     ret = FakeRetriever(facts)
-    batch = agent_rollout(sampler, TOK, [example("Q1?")], ret, n=1, k=3, config=AgentConfig(passages=1), eos=[EOS])
+    batch = agent_rollout(sampler, TOK, [example("Q1?")], ret, SamplingSpec(n=1, k=3), config=AgentConfig(passages=1),
+                          eos=[EOS])
     info = format_information([Passage(id="Kadrin", title="Kadrin", text=facts["Kadrin"])])
     expected = tokens(turn1) + tokens(info) + tokens(turn2)
     length = len(expected)
@@ -103,7 +104,7 @@ def test_budgets_turn_limits_and_endings_per_episode():
     }
     sampler = ScriptedSampler(scripts)
     cfg = AgentConfig(max_turns=2, passages=1, max_turn_tokens=20, max_total_tokens=400)
-    batch = agent_rollout(sampler, TOK, [example(q) for q in scripts], FakeRetriever(facts), n=2, k=0,
+    batch = agent_rollout(sampler, TOK, [example(q) for q in scripts], FakeRetriever(facts), SamplingSpec(n=2, k=0),
                           config=cfg, eos=[EOS])
     assert batch.response_ids.shape[0] == 6 and batch.samp_topk is None
     assert batch.stats["searches"].tolist() == [2, 2, 0, 0, 0, 0]
@@ -113,7 +114,7 @@ def test_budgets_turn_limits_and_endings_per_episode():
     assert batch.response_mask[2].sum() == eos_len and batch.response_ids[2, eos_len - 1] == EOS
     assert batch.response_mask[4].sum() == 20
     # the total budget caps model and information tokens together
-    small = agent_rollout(ScriptedSampler(scripts), TOK, [example("Q-many?")], FakeRetriever(facts), n=1,
+    small = agent_rollout(ScriptedSampler(scripts), TOK, [example("Q-many?")], FakeRetriever(facts), SamplingSpec(n=1),
                           config=AgentConfig(max_turns=4, passages=1, max_turn_tokens=20, max_total_tokens=60),
                           eos=[EOS])
     assert small.response_ids.shape[1] <= 60 and bool(small.truncated[0])
@@ -145,7 +146,7 @@ def test_retrieved_tokens_contribute_nothing_to_the_loss_or_its_gradient(tmp_pat
     scripts = {"QA?": ["<search> a </search>", "<answer> x </answer>"],
                "QB?": ["<search> b </search>", "<answer> y </answer>"]}
     batch = agent_rollout(ScriptedSampler(scripts), TOK, [example("QA?"), example("QB?")],
-                          FakeRetriever({"a": "A is here.", "b": "B is there."}), n=2, k=3, eos=[EOS])
+                          FakeRetriever({"a": "A is here.", "b": "B is there."}), SamplingSpec(n=2, k=3), eos=[EOS])
     batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     batch.advantages = group_advantages(batch.rewards, 2, "grpo")
     info = (batch.response_mask == 0) & (batch.response_ids != TOK.pad_token_id)
@@ -220,24 +221,35 @@ def test_multihop_kb_needs_two_searches():
         assert row["answers"][0] in texts[" ".join(middle)]
 
 
-def test_tiny_search_agent_trains_end_to_end(tmp_path):
+def test_tiny_search_agent_trains_end_to_end(tmp_path, monkeypatch):
+    """A tiny search agent trains, and the final table holds evaluations of the initial model, the
+    trained policy and the trained anchor: each re-run here (greedy, so reproducible), the initial one
+    on a fresh trainer that never took a step. The held-out score is a checksum of the completion's
+    text (the training reward follows it), so the three models score differently and a table that
+    took one's number for another's, or the first evaluation's for the last, is caught; the
+    exact-match reward scores 0 for all three of these random models and could tell none apart."""
     from emapg.metrics import read_metrics
+    from emapg.tasks.search_qa import SearchQATask
     from emapg.trainer import Trainer
 
+    monkeypatch.setattr(SearchQATask, "eval_reward", lambda self, completion, ex: sum(completion.encode()) % 101 / 100)
     cfg = load_config(ROOT / "recipes" / "smoke.yaml", [
-        "task=search_qa", "export=false", "steps=2", "eval.size=4", "eval.every=0",
+        "task=search_qa", "export=false", "steps=2", "eval.size=4", "eval.every=0", "lr=1e-2",
         "task_args={synthetic: {seed: 0, people: 20, cities: 6, countries: 3, books: 10}, template: fewshot, "
         "max_turn_tokens: 12, max_total_tokens: 200, max_turns: 2}"])
-    table = Trainer(cfg, tmp_path, progress=False).train()
-    rows = read_metrics(tmp_path)
+    tr = Trainer(cfg, tmp_path / "run", progress=False)
+    table = tr.train()
+    rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
         assert 0 <= r["searches_mean"] <= 2 and 1 <= r["turns_mean"] <= 3  # max_turns = 2 searches
         assert (r["info_tokens_mean"] > 0) == (r["searches_mean"] > 0)  # each search brought information
         assert 0 <= r["reward_mean"] <= 1 and r["no_signal_frac"] in (0.0, 0.25, 0.5, 0.75, 1.0)  # 4 groups a step
     assert 0 <= rows[0]["eval/policy_searches"] <= 2
-    assert table["policy"]["accuracy"] == rows[-1]["eval/policy_accuracy"]
-    assert table["init"]["accuracy"] == rows[0]["eval/policy_accuracy"]
+    assert table["init"] == Trainer(cfg, tmp_path / "fresh", progress=False).evaluate("policy")
+    assert table["policy"]["accuracy"] == tr.evaluate("policy")["accuracy"]
+    assert table["anchor"]["accuracy"] == tr.evaluate("anchor")["accuracy"]
+    assert len({table[m]["accuracy"] for m in ("init", "policy", "anchor")}) == 3  # the checks can tell them apart
 
 
 def test_scripted_agent_over_a_real_bm25_index(tmp_path):
@@ -251,7 +263,7 @@ def test_scripted_agent_over_a_real_bm25_index(tmp_path):
     first = json.loads(corpus.read_text().splitlines()[0])
     q = first["title"]
     sampler = ScriptedSampler({"Who?": [f"<search> {q} </search>", "<answer> done </answer>"]})
-    batch = agent_rollout(sampler, TOK, [example("Who?")], index, n=1, eos=[EOS])
+    batch = agent_rollout(sampler, TOK, [example("Who?")], index, SamplingSpec(n=1), eos=[EOS])
     assert first["title"] in batch.completions[0].split("</information>")[0]
     assert batch.stats["searches"].tolist() == [1.0]
 
@@ -262,7 +274,7 @@ def test_a_response_prefix_opens_the_first_turn():
                                    {"role": "response_prefix", "content": "<search>"}], answer=["Ostavia"])
     sampler = ScriptedSampler({"QP?": [" Kadrin </search>", "<answer> Ostavia </answer>"]})
     ret = FakeRetriever({"Kadrin": "Kadrin is a city in Ostavia."})
-    batch = agent_rollout(sampler, TOK, [ex], ret, n=1, eos=[EOS])
+    batch = agent_rollout(sampler, TOK, [ex], ret, SamplingSpec(n=1), eos=[EOS])
     assert TOK.decode(batch.prompt_ids[0], skip_special_tokens=True).endswith("Question: QP?\n<search>")
     assert ret.calls == [["Kadrin"]] and batch.stats["searches"].tolist() == [1.0]
     assert extract_answer(batch.completions[0]) == "Ostavia"
@@ -286,7 +298,7 @@ def test_the_format_bonus_is_training_reward_only(tmp_path):
 def test_force_answer_opens_the_turn_after_the_last_search():
     facts = {"Kadrin": "Kadrin is a city in Ostavia."}
     sampler = ScriptedSampler({"QF?": ["<search> Kadrin </search>", " Ostavia </answer>"]})
-    batch = agent_rollout(sampler, TOK, [example("QF?")], FakeRetriever(facts), n=1, eos=[EOS],
+    batch = agent_rollout(sampler, TOK, [example("QF?")], FakeRetriever(facts), SamplingSpec(n=1), eos=[EOS],
                           config=AgentConfig(max_turns=1, passages=1, force_answer=True))
     info = format_information([Passage(id="Kadrin", title="Kadrin", text=facts["Kadrin"])]) + "<answer>"
     n1, n_info = len(tokens("<search> Kadrin </search>")), len(tokens(info))
@@ -305,7 +317,7 @@ def test_turn_prefix_opens_each_turn_after_information_while_searches_remain():
                                "QM?": ["<search> Tomas </search>", " Tomas </search>", " Kadrin </answer>"]})
     ex = [Example(id=q, messages=[{"role": "raw", "content": f"Question: {q}\n"}], answer=["Ostavia"],
                   meta={"support": ["Tomas", "Kadrin"]}) for q in ("QP?", "QM?")]
-    batch = agent_rollout(sampler, TOK, ex, FakeRetriever(facts), n=1, eos=[EOS],
+    batch = agent_rollout(sampler, TOK, ex, FakeRetriever(facts), SamplingSpec(n=1), eos=[EOS],
                           config=AgentConfig(max_turns=2, passages=1, force_answer=True, turn_prefix="<search>"))
     info1 = format_information([Passage(id="Tomas", title="Tomas", text=facts["Tomas"])]) + "<search>"
     n1, n_info = len(tokens("<search> Tomas </search>")), len(tokens(info1))
@@ -317,7 +329,8 @@ def test_turn_prefix_opens_each_turn_after_information_while_searches_remain():
     assert batch.stats["support_recall"].tolist() == [1.0, 0.5]  # the second episode searched Tomas twice
     assert batch.stats["bridge_hit"].tolist() == [1.0, 0.0]
     plain = agent_rollout(ScriptedSampler({"QX?": ["<search> Tomas </search>", "<answer> no </answer>"]}), TOK,
-                          [example("QX?")], FakeRetriever(facts), n=1, eos=[EOS], config=AgentConfig(passages=1))
+                          [example("QX?")], FakeRetriever(facts), SamplingSpec(n=1), eos=[EOS],
+                          config=AgentConfig(passages=1))
     assert "support_recall" not in plain.stats  # no support titles, no support stats
 
 

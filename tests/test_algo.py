@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from emapg import algo, kl
-from emapg.config import AlgoConfig
+from emapg.config import AlgoConfig, RolloutConfig
 from emapg.logprobs import TokenLogprobs
-from emapg.objective import AGG_MODES, aggregate, clipped_surrogate
+from emapg.objective import AGGREGATIONS, aggregate, clipped_surrogate
 from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.sampling import SamplingSpec
 
 B, L, V, K = 6, 5, 11, 3
 
@@ -49,13 +50,14 @@ def passes(policy: torch.Tensor, anchor: torch.Tensor, mb: RolloutBatch, a: Algo
     valid = mb.response_mask.bool()
     tok = mb.response_ids[valid]
     logp, loga = policy[valid].log_softmax(-1), anchor[valid].log_softmax(-1)
-    ids, k_self = algo.anchor_request(a, mb, V)
+    head = algo.kl_head(a)
+    ids, k_self = algo.anchor_request(head, mb, V)
     topk = loga.topk(k_self, -1) if k_self else None
     st = TokenLogprobs(logp_tok=loga.gather(-1, tok[:, None])[:, 0], lse=torch.zeros(len(tok)),
                        logp_ids=None if ids is None else loga.gather(-1, ids),
                        topk_ids=None if topk is None else topk.indices,
                        topk_logp=None if topk is None else topk.values)
-    anc = algo.anchor_stats(st, ids, mb, None, None)
+    anc = algo.anchor_stats(head, st, ids, mb, None, None)
     pol = TokenLogprobs(logp_tok=logp.gather(-1, tok[:, None])[:, 0], lse=torch.zeros(len(tok)),
                         logp_ids=None if anc.head_ids is None else logp.gather(-1, anc.head_ids))
     return pol, anc
@@ -65,7 +67,7 @@ CASES = [(name, form) for name, est in kl.ESTIMATORS.items() for form in (kl.FOR
 
 
 @pytest.mark.parametrize("estimator,form", CASES)
-@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("agg", list(AGGREGATIONS))
 def test_loss_equals_its_reference_composition_from_full_logits(estimator, form, agg):
     """loss = agg(clipped surrogate) + beta * agg(token_kl), the KL from kl.token_kl on full logits
     (pi_samp the sampler, s its importance weight), pi_old = pi_samp."""
@@ -89,7 +91,7 @@ def test_loss_equals_its_reference_composition_from_full_logits(estimator, form,
 
 
 @settings(max_examples=25, deadline=None)
-@given(micro=st.integers(1, 4), seed=st.integers(0, 1000), agg=st.sampled_from(AGG_MODES),
+@given(micro=st.integers(1, 4), seed=st.integers(0, 1000), agg=st.sampled_from(list(AGGREGATIONS)),
        case=st.sampled_from(CASES))
 def test_micro_batch_losses_add_up_to_the_mini_batch_loss(micro, seed, agg, case):
     estimator, form = case
@@ -112,13 +114,23 @@ def test_micro_batch_losses_add_up_to_the_mini_batch_loss(micro, seed, agg, case
 def test_what_the_passes_gather_follows_the_estimators_declaration():
     _, _, _, batch = make_case(0, "k3")
     n = int(batch.response_mask.sum())
-    ids, k_self = algo.anchor_request(AlgoConfig(kl="topk_reverse", k=K), batch, V)
+    def request(name, k):
+        return algo.anchor_request(algo.kl_head(AlgoConfig(kl=name, k=k)), batch, V)
+
+    ids, k_self = request("topk_reverse", K)
     assert torch.equal(ids, batch.samp_topk[batch.response_mask.bool()]) and k_self == 0
-    assert algo.anchor_request(AlgoConfig(kl="topk_forward", k=K), batch, V) == (None, K)
-    ids, k_self = algo.anchor_request(AlgoConfig(kl="exact_forward", k=K), batch, V)
+    assert request("topk_forward", K) == (None, K)
+    ids, k_self = request("exact_forward", K)
     assert ids.shape == (n, V) and torch.equal(ids[3], torch.arange(V)) and k_self == 0
-    assert algo.anchor_request(AlgoConfig(kl="k3", k=K), batch, V) == (None, 0)
-    assert algo.anchor_request(AlgoConfig(kl="topk_reverse", k=0), batch, V) == (None, 0)
-    assert [kl.sampler_k(name, 32) for name in ("topk_reverse", "topk_forward", "exact_reverse", "k3")] == [32, 0, 0, 0]
+    assert request("k3", K) == (None, 0)
+    assert request("topk_reverse", 0) == (None, 0) and request("topk_forward", 0) == (None, 0)
+    # the sampler records the head's ids only when the head is the sampler's
+    names = ("topk_reverse", "topk_forward", "exact_reverse", "k3")
+    heads = [algo.kl_head(AlgoConfig(kl=name, k=32)) for name in names]
+    assert [h.sampler_k for h in heads] == [32, 0, 0, 0]
+    assert [h.kind for h in heads] == ["sampler_topk", "anchor_topk", "all", "none"]
+    spec = algo.rollout_sampling(RolloutConfig(n=3, temperature=0.7, top_p=0.9, max_new_tokens=9), heads[0])
+    assert spec == SamplingSpec(n=3, temperature=0.7, top_p=0.9, max_new_tokens=9, greedy=False, k=32)
+    assert algo.rollout_sampling(RolloutConfig(), heads[1]).k == 0
     assert not algo.needs_old_pass(AlgoConfig(), 1.0)
     assert algo.needs_old_pass(AlgoConfig(), 0.9) and algo.needs_old_pass(AlgoConfig(ppo_epochs=2), 1.0)

@@ -14,7 +14,7 @@ from emapg.models import load_model
 from emapg.retrieval import Passage
 from emapg.rollout.agent import rollout_model
 from emapg.rollout.hf import HFSampler, generate
-from emapg.rollout.sampling import draw, eos_ids, format_prompt, pad_left
+from emapg.rollout.sampling import SamplingSpec, draw, eos_ids, format_prompt, pad_left
 from emapg.tasks import make_task
 from emapg.tasks.base import AgentConfig
 
@@ -61,8 +61,9 @@ def test_decode_loop_draws_what_generate_draws_and_records_its_statistics(kind, 
     torch.manual_seed(0)
     ref = _reference_generate(model, tok, examples, n, temperature, top_p, 12, 5, greedy)
     torch.manual_seed(0)
-    ours = generate(model, tok, examples, n=n, temperature=temperature, top_p=top_p, max_new_tokens=12, k=5,
-                    greedy=greedy, prefix_sharing=False)
+    ours = generate(model, tok, examples,
+                    SamplingSpec(n=n, temperature=temperature, top_p=top_p, max_new_tokens=12, k=5, greedy=greedy),
+                    prefix_sharing=False)
     assert torch.equal(ours.response_ids, ref[0])
     valid = ours.response_mask.bool()
     for got, want in ((ours.samp_logp, ref[1]), (ours.entropy, ref[2]), (ours.top_p_cut, ref[3])):
@@ -79,7 +80,8 @@ def test_finished_rows_leaving_the_batch_change_nothing(monkeypatch):
     for compact in (0.0, 1.0):  # never / as soon as one row finishes
         monkeypatch.setattr(decode_mod, "COMPACT_BELOW", compact)
         torch.manual_seed(0)
-        out.append(generate(model, tok, _examples(4), n=3, temperature=1.3, top_p=0.95, max_new_tokens=40, k=3))
+        spec = SamplingSpec(n=3, temperature=1.3, top_p=0.95, max_new_tokens=40, k=3)
+        out.append(generate(model, tok, _examples(4), spec))
     assert out[0].response_mask.sum(1).unique().numel() > 3  # rows did end at different steps
     for name in ("response_ids", "response_mask"):
         assert torch.equal(getattr(out[0], name), getattr(out[1], name))
@@ -92,7 +94,7 @@ def test_finished_rows_leaving_the_batch_change_nothing(monkeypatch):
 def test_recorded_statistics_equal_the_training_pass_and_the_untruncated_policy_under_top_p():
     model, tok = load_model("tiny-llama", seed=4)
     torch.manual_seed(1)
-    batch = generate(model, tok, _examples(), n=4, temperature=0.8, top_p=0.85, max_new_tokens=10, k=6)
+    batch = generate(model, tok, _examples(), SamplingSpec(n=4, temperature=0.8, top_p=0.85, max_new_tokens=10, k=6))
     valid = batch.response_mask.bool()
     st = response_logprobs(model, batch, temperature=0.8, k_self=6)
     # the nucleus renormalises: log pi_samp(y) = log pi(y) - log(1 - tail) for every sampled token
@@ -104,7 +106,7 @@ def test_recorded_statistics_equal_the_training_pass_and_the_untruncated_policy_
     full = (batch.samp_topk[valid] == st.topk_ids).all(-1)
     assert full.float().mean() > 0.5
     torch.manual_seed(1)
-    plain = generate(model, tok, _examples(), n=4, temperature=0.8, max_new_tokens=10, k=6)
+    plain = generate(model, tok, _examples(), SamplingSpec(n=4, temperature=0.8, max_new_tokens=10, k=6))
     valid = plain.response_mask.bool()
     st = response_logprobs(model, plain, temperature=0.8, k_self=6)
     torch.testing.assert_close(plain.samp_logp[valid], st.logp_tok, atol=1e-5, rtol=1e-5)
@@ -116,7 +118,7 @@ def test_a_row_that_stops_without_eos_is_not_ended_by_padding_when_pad_is_eos():
     model, tok = load_model("tiny-llama", seed=0)
     assert tok.pad_token_id in eos_ids(model, tok)
     torch.manual_seed(0)
-    batch = generate(model, tok, _examples(2), n=2, max_new_tokens=6)
+    batch = generate(model, tok, _examples(2), SamplingSpec(n=2, max_new_tokens=6))
     for row in range(batch.response_ids.shape[0]):
         ids, mask = batch.response_ids[row], batch.response_mask[row]
         if batch.truncated[row]:
@@ -164,8 +166,9 @@ def test_multi_turn_cache_equals_re_reading_the_context(greedy, monkeypatch):
     for reuse in (False, True):
         torch.manual_seed(0)
         fed.clear()
-        runs[reuse] = (rollout_model(model, tok, _search_examples(tok), _Retriever(), n=1 if greedy else 2, k=4,
-                                     greedy=greedy, config=cfg, reuse_cache=reuse), sum(fed))
+        spec = SamplingSpec(n=1 if greedy else 2, k=4, greedy=greedy)
+        runs[reuse] = (rollout_model(model, tok, _search_examples(tok), _Retriever(), spec, config=cfg,
+                                     reuse_cache=reuse), sum(fed))
     (plain, fed_plain), (cached, fed_cached) = runs[False], runs[True]
     assert float(plain.stats["searches"].mean()) >= 1.5  # episodes really ran several turns
     assert torch.equal(plain.response_ids, cached.response_ids)
@@ -178,19 +181,19 @@ def test_multi_turn_cache_equals_re_reading_the_context(greedy, monkeypatch):
 
 def test_sampler_feeds_only_new_tokens_and_drops_rows_that_are_not_continued():
     model, tok = load_model("tiny-llama", seed=6)
-    sampler = HFSampler(model, tok, k=3, greedy=True)
+    sampler = HFSampler(model, tok, SamplingSpec(k=3, greedy=True))
     ctx = [tok("Alpha beta", add_special_tokens=False).input_ids, tok("Gamma", add_special_tokens=False).input_ids,
            tok("Delta epsilon zeta", add_special_tokens=False).input_ids]
     first = sampler(ctx, 5)
     rows = [c + first.ids[i, : int(first.length[i])].tolist() + [7, 8, 9] for i, c in enumerate(ctx)]
     second = sampler([rows[0], rows[2]], 4)  # row 1 finished: dropped from the cache
     assert sampler.state.mask.shape[0] == 2
-    fresh = HFSampler(model, tok, k=3, greedy=True)([rows[0], rows[2]], 4)
+    fresh = HFSampler(model, tok, SamplingSpec(k=3, greedy=True))([rows[0], rows[2]], 4)
     assert torch.equal(second.ids, fresh.ids) and torch.equal(second.topk, fresh.topk)
     torch.testing.assert_close(second.logp, fresh.logp, atol=1e-5, rtol=1e-5)
     # a call that does not continue the held rows starts afresh
     other = sampler([ctx[1]], 3)
-    alone = HFSampler(model, tok, k=3, greedy=True)([ctx[1]], 3)
+    alone = HFSampler(model, tok, SamplingSpec(k=3, greedy=True))([ctx[1]], 3)
     assert torch.equal(other.ids, alone.ids)
 
 
@@ -207,17 +210,34 @@ def test_draw_inverts_the_cdf_exactly_and_never_draws_a_token_without_mass():
     assert draw(probs * (1 - 1e-7), last).tolist() == [5, 3]
 
 
-def test_draw_samples_the_distribution():
+def test_draw_gives_each_token_exactly_its_share_of_a_uniform_grid():
+    """Rows as decoding makes them (float32 softmax, not dyadic, tokens without mass): on the grid
+    u = (j + 1/2) / G each token is drawn for exactly the grid points inside its CDF interval, which
+    are counted here in exact rational arithmetic. No tolerance: every count must match, so a bias
+    of one grid step (1/G = 3e-5 of probability) fails, where a Monte-Carlo frequency test at 200k
+    draws resolves only about 1e-3."""
+    from fractions import Fraction
+    from itertools import accumulate, pairwise
+    from math import ceil
+
     torch.manual_seed(0)
-    probs = torch.softmax(torch.randn(3, 50) * 2, -1)
-    n = 200_000
-    many = probs.repeat(n // 1000, 1).repeat(1000, 1)
-    tokens = draw(many, torch.rand((many.shape[0], 1), dtype=torch.float64))
-    freq = torch.zeros(3, 50)
-    rows = torch.arange(tokens.shape[0]) % 3
-    freq.index_put_((rows, tokens), torch.ones(tokens.shape[0]), accumulate=True)
-    freq /= freq.sum(1, keepdim=True)
-    assert float((freq - probs).abs().max()) < 0.01  # about 10 standard errors of a frequency from 200k draws
+    logits = torch.randn(3, 50) * 2
+    logits[:, ::7] = float("-inf")  # tokens without mass
+    probs = torch.softmax(logits, -1)
+    grid = 2**15
+    u = ((torch.arange(grid, dtype=torch.float64) + 0.5) / grid)[:, None]
+    for row in probs:
+        counts = torch.bincount(draw(row.expand(grid, -1), u), minlength=row.numel()).tolist()
+        mass = [Fraction(float(p)) for p in row]  # exactly the float32 values
+        total = sum(mass)
+        # grid points j with cdf[i - 1] <= u_j * total < cdf[i]: j from ceil(cdf[i - 1] / total * G - 1/2) on
+        first = [ceil(c / total * grid - Fraction(1, 2)) for c in [Fraction(0), *accumulate(mass)]]
+        assert counts == [b - a for a, b in pairwise(first)]
+        assert all(counts[i] == 0 for i in range(0, row.numel(), 7))
+    # the CDF is float64: a token whose mass is below float32's resolution of the running sum (here
+    # 2**-40 after half the mass) still owns its interval
+    tiny = torch.tensor([[0.5, 2.0**-40, 0.5]])
+    assert draw(tiny, torch.tensor([[0.5 + 2.0**-42]], dtype=torch.float64)).tolist() == [1]
 
 
 @pytest.mark.parametrize("sharing", [True, False])

@@ -113,8 +113,7 @@ def test_cli_nproc_runs_a_whole_run(tmp_path):
 
 
 def test_a_batch_that_does_not_split_is_refused():
-    from emapg.config import ConfigError, load_config
-    from emapg.trainer import check_world
+    from emapg.config import ConfigError, check_world, load_config
 
     cfg = load_config(ROOT / "recipes" / "smoke.yaml", ["prompts_per_step=4", "micro_batch_prompts=2"])
     check_world(cfg, 2)

@@ -8,6 +8,7 @@ import torch
 from emapg.forward import response_logprobs
 from emapg.models import load_model
 from emapg.rollout.hf import generate
+from emapg.rollout.sampling import SamplingSpec
 from emapg.tasks import make_task
 
 
@@ -18,7 +19,7 @@ def test_prefix_sharing_equals_full_sequence_pass(kind):
     examples = task.train_examples(random.Random(0), 3)  # prompts of different lengths: left padding
     examples[1].messages[0]["content"] += " Think about it."
     torch.manual_seed(0)
-    batch = generate(model, tok, examples, n=3, temperature=0.9, max_new_tokens=12, k=4)
+    batch = generate(model, tok, examples, SamplingSpec(n=3, temperature=0.9, max_new_tokens=12, k=4))
     assert batch.prompt_mask.sum(1).unique().numel() > 1
     outs, grads = [], []
     for sharing in (True, False):
@@ -53,8 +54,8 @@ def test_generate_with_shared_prompt_cache_equals_plain_generate():
     out = []
     for sharing in (True, False):
         torch.manual_seed(0)
-        out.append(generate(model, tok, examples, n=3, temperature=0.9, max_new_tokens=10, k=4,
-                            prefix_sharing=sharing))
+        spec = SamplingSpec(n=3, temperature=0.9, max_new_tokens=10, k=4)
+        out.append(generate(model, tok, examples, spec, prefix_sharing=sharing))
     assert torch.equal(out[0].response_ids, out[1].response_ids)
     assert torch.equal(out[0].samp_topk, out[1].samp_topk)
     torch.testing.assert_close(out[0].samp_logp, out[1].samp_logp, atol=1e-5, rtol=1e-5)
@@ -71,7 +72,7 @@ def test_rows_grouped_by_length_equal_the_full_sequence_pass(kind):
     model.generation_config.eos_token_id = list(range(1, 30))  # rows end at many different lengths
     examples = make_task("arithmetic", digits=2, terms=3, ops="+-").train_examples(random.Random(1), 4)
     torch.manual_seed(0)
-    batch = generate(model, tok, examples, n=4, temperature=1.0, max_new_tokens=40, k=3)
+    batch = generate(model, tok, examples, SamplingSpec(n=4, temperature=1.0, max_new_tokens=40, k=3))
     batch.response_mask[::2] = 0  # rows that count nowhere (algo.mask_truncated drops truncated ones)
     lengths = batch.response_mask.sum(1)
     assert len(_length_groups(lengths - 1, sliding=False)) > 1, lengths  # the grouped path runs

@@ -59,7 +59,7 @@ def test_aggregation_modes_hand_computed():
 def test_masked_positions_contribute_nothing():
     v = torch.randn(3, 5, requires_grad=True)
     m = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 1, 0, 1], [0, 0, 0, 0, 1]])
-    for mode in obj.AGG_MODES:
+    for mode in obj.AGGREGATIONS:
         loss = obj.aggregate(v * 1e6 * (1 - m) + v, m, mode, max_len=5)  # huge values where masked
         (g,) = torch.autograd.grad(loss, v)
         assert torch.all(g[m == 0] == 0)

@@ -277,7 +277,7 @@ def test_reward_error_names_the_sample(tmp_path):
     ("algo.eta=0", "algo.eta: must be in \\(0, 1\\]"),
     ("algo.eta=1.5", "algo.eta: must be in"),
     ("algo.k=-1", "algo.k: must be >= 0"),
-    ("algo.kl=k7", "algo.kl: unknown estimator 'k7'"),
+    ("algo.kl=k7", "algo.kl: expected an estimator of emapg.kl.ESTIMATORS: k1, .*got .k7."),
     ("micro_batch_prompts=3", "micro_batch_prompts: 3 does not divide"),
     ("algo.etaa=0.5", "unknown key 'etaa' in algo"),
     ("steps=ten", "steps: expected int"),
@@ -382,8 +382,7 @@ def test_two_ppo_epochs_with_top_p_recompute_pi_old(tmp_path, monkeypatch):
     monkeypatch.setattr(algo_mod, "clipped_surrogate", spy)
     batch = tr.rollout(1)
     row = tr.update(batch)
-    first = tr._micro_batches(range(batch.num_prompts))[0]
-    mb = batch.micro_batch(first)
+    mb = batch.micro_batches(tr.cfg.micro_batch_prompts)[0]
     valid = mb.response_mask.bool()
     torch.testing.assert_close(ratios[0][valid], torch.ones(int(valid.sum())), rtol=0, atol=1e-5)
     assert float(mb.top_p_cut[valid].max()) > 1e-2  # pi_samp would have given a ratio this far from 1

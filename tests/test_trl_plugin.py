@@ -251,10 +251,33 @@ def test_bad_combinations_are_refused(tiny, tmp_path):
         make(EMAPGTrainer, tiny, tmp_path, beta=0.0)
     with pytest.raises(ValueError, match="sync_ref_model"):
         make(EMAPGTrainer, tiny, tmp_path, sync_ref_model=True)
-    with pytest.raises(ValueError, match="unknown KL estimator"):
+    with pytest.raises(ValueError, match="EMAPGTrainer: algo.kl: expected an estimator"):
         make(EMAPGTrainer, tiny, tmp_path, kl="k7")
     with pytest.raises(ValueError, match="every vocabulary id"):
         make(EMAPGTrainer, tiny, tmp_path, kl="exact_reverse")
-    for bad in (dict(eta=0.0), dict(eta=1.5), dict(ema_every=0)):  # refused before any model is built
-        with pytest.raises(ValueError, match="eta|ema_every"):
+    for bad, field in ((dict(eta=0.0), "algo.eta"), (dict(eta=1.5), "algo.eta"), (dict(ema_every=0), "algo.ema_every"),
+                       (dict(k=-1), "algo.k"), (dict(form="Paper"), "algo.form")):  # refused before any model is built
+        with pytest.raises(ValueError, match=f"EMAPGTrainer: {field}: "):
             make(EMAPGTrainer, tiny, tmp_path, **bad)
+
+
+def test_task_reward_scores_with_the_tasks_own_reward():
+    from emapg.integrations.trl import task_reward
+    from emapg.tasks import make_task
+    from emapg.tasks.base import Example, Task
+
+    task = make_task("arithmetic")
+    ex = task.train_examples(__import__("random").Random(0), 1)[0]
+    right, wrong = f"so it is {ex.answer}", f"so it is {ex.answer + 1}"
+    fn = task_reward(task)
+    # chat completions (a list of messages, the last one the model's) and plain text both
+    chat = [[{"role": "assistant", "content": right}], [{"role": "assistant", "content": wrong}]]
+    assert fn(chat, answer=[ex.answer, ex.answer]) == [1.0, 0.0]
+    assert fn([wrong, right], answer=[ex.answer, ex.answer]) == [0.0, 1.0]
+
+    class Seen(Task):  # the per-sample columns reach the reward as the example's meta
+        def reward(self, completion, example: Example) -> float:
+            return float(example.meta["weight"]) * (completion == example.answer)
+
+    assert task_reward(Seen())(["a", "b"], answer=["a", "a"], weight=[2, 3], trainer_state=None) == [2.0, 0.0]
+    assert task_reward(Seen()).__name__ == "Seen_reward"

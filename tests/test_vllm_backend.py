@@ -18,7 +18,7 @@ import torch
 from emapg.config import load_config
 from emapg.models import load_model
 from emapg.rollout import vllm_backend as vb
-from emapg.rollout.sampling import eos_ids
+from emapg.rollout.sampling import SamplingSpec, eos_ids
 from emapg.trainer import Trainer
 
 SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
@@ -29,18 +29,18 @@ def lp(logprob, rank):
 
 
 def test_sampling_kwargs_sample_pi_at_the_temperature_and_nothing_else():
-    kw = vb.sampling_kwargs(n=4, temperature=0.7, top_p=1.0, max_new_tokens=16, k=32, greedy=False,
+    kw = vb.sampling_kwargs(SamplingSpec(n=4, temperature=0.7, top_p=1.0, max_new_tokens=16, k=32),
                             stop_token_ids=[2, 5])
     assert kw["n"] == 4 and kw["temperature"] == 0.7 and kw["max_tokens"] == 16 and kw["logprobs"] == 32
     assert kw["stop_token_ids"] == [2, 5] and kw["top_k"] == 0 and kw["min_p"] == 0.0
     assert kw["repetition_penalty"] == 1.0 and kw["presence_penalty"] == 0.0 and kw["frequency_penalty"] == 0.0
     assert kw["detokenize"] is False and "stop" not in kw
-    greedy = vb.sampling_kwargs(n=1, temperature=0.7, top_p=0.9, max_new_tokens=8, k=0, greedy=True,
+    greedy = vb.sampling_kwargs(SamplingSpec(n=1, temperature=0.7, top_p=0.9, max_new_tokens=8, greedy=True),
                                 stop_token_ids=[2], stop=["</search>"], seed=3)
     assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0 and greedy["seed"] == 3
     assert greedy["stop"] == ["</search>"] and greedy["detokenize"] and greedy["include_stop_str_in_output"]
-    with pytest.raises(ValueError, match="greedy"):
-        vb.sampling_kwargs(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, k=0, greedy=True, stop_token_ids=[])
+    with pytest.raises(ValueError, match="greedy"):  # refused where the spec is made, before any engine
+        SamplingSpec(n=2, greedy=True)
 
 
 def test_to_sampled_reads_the_sampled_log_prob_and_the_top_k_in_rank_order():
@@ -274,7 +274,7 @@ def test_a_row_stopped_without_eos_keeps_its_own_length_when_pad_is_eos(tmp_path
     longest = max(len(vb.format_prompt(tr.tokenizer, ex.messages)) for ex in examples)
     engine.sync(tr.model, version=0)
     engine.llm.max_model_len = longest + 5  # rows stop 5 or more tokens in, without an EOS
-    batch = engine.generate(examples, n=2, max_new_tokens=30, seed=0)
+    batch = engine.generate(examples, SamplingSpec(n=2, max_new_tokens=30), seed=0)
     done_by_limit = 0
     for row in range(batch.response_ids.shape[0]):
         n = int(batch.response_mask[row].sum())
@@ -303,8 +303,8 @@ def test_an_agent_turn_stopped_without_eos_is_not_cut_at_its_pad():
         return vb.to_sampled([short, long][: len(contexts)], 0, tok.pad_token_id)
 
     ex = [Example(id="q", messages=[{"role": "raw", "content": "Q?"}], answer=["x"])]
-    batch = agent_rollout(sampler, tok, ex, retriever=None, n=2, config=AgentConfig(max_turn_tokens=64),
-                          eos=eos_ids(model, tok))
+    batch = agent_rollout(sampler, tok, ex, spec=SamplingSpec(n=2), retriever=None,
+                          config=AgentConfig(max_turn_tokens=64), eos=eos_ids(model, tok))
     assert batch.response_mask.sum(1).tolist() == [len(text), 2 * len(text)]  # the pad (= EOS) not taken
     assert batch.truncated.tolist() == [True, True]  # stopped without EOS or stop string: out of budget
 

@@ -33,7 +33,7 @@ from emapg.forward import response_logprobs  # noqa: E402
 from emapg.models import load_model  # noqa: E402
 from emapg.rollout import vllm_backend as vb  # noqa: E402
 from emapg.rollout.hf import generate as hf_generate  # noqa: E402
-from emapg.rollout.sampling import eos_ids  # noqa: E402
+from emapg.rollout.sampling import SamplingSpec, eos_ids  # noqa: E402
 from emapg.tasks import make_task  # noqa: E402
 from emapg.trainer import Trainer  # noqa: E402
 
@@ -77,8 +77,8 @@ def reference_logprobs(model, batch, temperature=1.0) -> list[torch.Tensor]:
 
 def check_against_reference(model, engine, examples, k, *, n=4, temperature=1.0, max_new_tokens=16, seed=1):
     """Sample through the engine; check sampled log-probs, the trainer's recomputation and the top-k."""
-    batch = engine.generate(examples, n=n, temperature=temperature, max_new_tokens=max_new_tokens, k=k, seed=seed,
-                            device=DEVICE)
+    batch = engine.generate(examples, SamplingSpec(n=n, temperature=temperature, max_new_tokens=max_new_tokens, k=k),
+                            seed=seed, device=DEVICE)
     ref = reference_logprobs(model, batch, temperature)
     valid = batch.response_mask.bool()
     assert valid.sum() > n * len(examples)  # more than one token a row on average
@@ -126,7 +126,7 @@ class TestTinyRandomEngine:
         examples = make_task("arithmetic", digits=2).eval_examples(3)
 
         def draw(seed):
-            batch = engine.generate(examples, n=4, max_new_tokens=12, seed=seed)
+            batch = engine.generate(examples, SamplingSpec(n=4, max_new_tokens=12), seed=seed)
             return [tuple(r) for r in batch.response_ids.tolist()]
 
         first, again, other = draw(7), draw(7), draw(8)
@@ -149,8 +149,8 @@ class TestSmolLM2Engine:
     def test_greedy_equals_emapgs_own_greedy(self, setup):
         model, tok, engine = setup
         examples = make_task("arithmetic", digits=2).eval_examples(16)
-        ours = hf_generate(model, tok, examples, n=1, greedy=True, max_new_tokens=24)
-        theirs = engine.generate(examples, n=1, greedy=True, max_new_tokens=24, device=DEVICE)
+        ours = hf_generate(model, tok, examples, SamplingSpec(n=1, greedy=True, max_new_tokens=24))
+        theirs = engine.generate(examples, SamplingSpec(n=1, greedy=True, max_new_tokens=24), device=DEVICE)
         assert theirs.completions == ours.completions
         assert torch.equal(theirs.response_mask.sum(1), ours.response_mask.sum(1))
 
@@ -158,7 +158,7 @@ class TestSmolLM2Engine:
         model, tok, engine = setup
         assert tok.pad_token_id in engine.eos  # SmolLM2: <|im_end|> pads and ends
         examples = make_task("arithmetic", digits=2).eval_examples(8)
-        batch = engine.generate(examples, n=2, temperature=1.0, max_new_tokens=10, seed=3, device=DEVICE)
+        batch = engine.generate(examples, SamplingSpec(n=2, temperature=1.0, max_new_tokens=10), seed=3, device=DEVICE)
         ended = 0
         for row in range(batch.response_ids.shape[0]):
             n = int(batch.response_mask[row].sum())
@@ -181,7 +181,8 @@ def trainer(tmp_path, *overrides):
 
 def engine_vs_policy(tr, examples, k=8):
     """The engine's samples (no sync) against the policy's own log-probs of them."""
-    batch = tr.engine.generate(examples, n=2, temperature=1.0, max_new_tokens=12, k=k, seed=5, device=DEVICE)
+    batch = tr.engine.generate(examples, SamplingSpec(n=2, temperature=1.0, max_new_tokens=12, k=k), seed=5,
+                               device=DEVICE)
     valid = batch.response_mask.bool()
     with torch.no_grad():
         pol = response_logprobs(tr.model, batch, k_self=k, temperature=1.0)
@@ -201,8 +202,8 @@ def test_the_engine_gets_the_policys_weights_after_every_optimizer_step(tmp_path
             fresh, err = engine_vs_policy(tr, examples)
             assert err < LOGP_TOL  # after the push the engine is the policy
             assert not torch.equal(stale.samp_logp, fresh.samp_logp)
-            ours = hf_generate(tr.model, tr.tokenizer, examples, n=1, greedy=True, max_new_tokens=12)
-            theirs = tr.engine.generate(examples, n=1, greedy=True, max_new_tokens=12, device=DEVICE)
+            ours = hf_generate(tr.model, tr.tokenizer, examples, SamplingSpec(n=1, greedy=True, max_new_tokens=12))
+            theirs = tr.engine.generate(examples, SamplingSpec(n=1, greedy=True, max_new_tokens=12), device=DEVICE)
             assert theirs.completions == ours.completions
     finally:
         tr.close()

@@ -21,10 +21,42 @@ import torch
 from torch import Tensor
 
 from emapg import kl
-from emapg.config import AlgoConfig
+from emapg.config import AlgoConfig, RolloutConfig
 from emapg.logprobs import TokenLogprobs
 from emapg.objective import aggregate, clipped_surrogate
 from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.sampling import SamplingSpec
+
+
+@dataclass(frozen=True)
+class KLHead:
+    """The ids q whose KL terms the estimator sums exactly, read from its declaration once per run.
+
+    kind: ``sampler_topk`` (pi_samp's top-k, recorded at sampling), ``anchor_topk`` (the anchor's own
+    top-k, found in the anchor pass), ``all`` (every id: the exact estimators) or ``none`` (a purely
+    sampled estimator, or a top-k one at k = 0). k: the head's size (0 unless top-k)."""
+
+    kind: str
+    k: int = 0
+
+    @property
+    def sampler_k(self) -> int:
+        """How many top-k ids per token the sampler must record."""
+        return self.k if self.kind == "sampler_topk" else 0
+
+
+def kl_head(a: AlgoConfig) -> KLHead:
+    """The head of the configured estimator (``algo.kl`` at ``algo.k``)."""
+    kind = kl.estimator(a.kl).head
+    if kind in ("sampler_topk", "anchor_topk"):
+        return KLHead(kind, a.k) if a.k > 0 else KLHead("none")
+    return KLHead(kind)
+
+
+def rollout_sampling(r: RolloutConfig, head: KLHead) -> SamplingSpec:
+    """How training rollouts sample: the rollout config, recording the head's ids when it is the sampler's."""
+    return SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                        k=head.sampler_k)
 
 
 @dataclass
@@ -36,20 +68,20 @@ class AnchorStats:
     head_ids: Tensor | None  # q, [N, k]: the ids the policy pass gathers too (None = no head)
     old_logp: Tensor  # log pi_old(p)
     init_logp_tok: Tensor | None = None  # log pi_init(p), for the kl_to_init diagnostic
+    exact: bool = False  # the head is every id: no sampled tail term
 
 
-def anchor_request(a: AlgoConfig, mb: RolloutBatch, vocab: int) -> tuple[Tensor | None, int]:
+def anchor_request(head: KLHead, mb: RolloutBatch, vocab: int) -> tuple[Tensor | None, int]:
     """What the anchor pass gathers: ``(ids, k_self)``. q is pi_samp's top-k (recorded at sampling)
-    for an estimator whose head is the sampler's, the anchor's own top-k (``k_self``, found in the
-    pass) for one whose head is the anchor's, every id for the exact ones, nothing otherwise."""
-    head = kl.estimator(a.kl).head
+    for a head that is the sampler's, the anchor's own top-k (``k_self``, found in the pass) for one
+    that is the anchor's, every id for the exact estimators, nothing otherwise."""
     valid = mb.response_mask.bool()
-    if head == "all":
+    if head.kind == "all":
         return torch.arange(vocab, device=valid.device).expand(int(valid.sum()), vocab), 0
-    if head == "sampler_topk" and a.k > 0:
+    if head.kind == "sampler_topk":
         return mb.samp_topk[valid], 0
-    if head == "anchor_topk" and a.k > 0:
-        return None, a.k
+    if head.kind == "anchor_topk":
+        return None, head.k
     return None, 0
 
 
@@ -59,14 +91,14 @@ def needs_old_pass(a: AlgoConfig, top_p: float) -> bool:
     return a.ppo_epochs > 1 or top_p < 1.0
 
 
-def anchor_stats(st: TokenLogprobs, ids: Tensor | None, mb: RolloutBatch, old_logp: Tensor | None,
+def anchor_stats(head: KLHead, st: TokenLogprobs, ids: Tensor | None, mb: RolloutBatch, old_logp: Tensor | None,
                  init_logp_tok: Tensor | None) -> AnchorStats:
     """The anchor pass's output as :class:`AnchorStats`; ``old_logp=None``: pi_old = pi_samp."""
     head_ids, logp_head = ids, st.logp_ids
     if st.topk_ids is not None:  # the anchor chose the head (its own top-k)
         head_ids, logp_head = st.topk_ids, st.topk_logp
     old = mb.samp_logp[mb.response_mask.bool()] if old_logp is None else old_logp
-    return AnchorStats(st.logp_tok, logp_head, head_ids, old, init_logp_tok)
+    return AnchorStats(st.logp_tok, logp_head, head_ids, old, init_logp_tok, exact=head.kind == "all")
 
 
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:
@@ -86,7 +118,7 @@ def loss(pol: TokenLogprobs, anc: AnchorStats, mb: RolloutBatch, a: AlgoConfig,
     valid = mask.bool()
     p = mb.response_ids[valid]  # the sampled tokens
     samp = mb.samp_logp[valid]  # log pi_samp(p): the KL's importance weight s = pi_theta / pi_samp
-    has_tail = anc.head_ids is not None and kl.estimator(a.kl).head != "all"
+    has_tail = anc.head_ids is not None and not anc.exact
     kl_tok = kl.kl_from_logprobs(a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=samp,
                                  policy_logp_q=pol.logp_ids, anchor_logp_q=anc.logp_head,
                                  in_q=kl.in_head(anc.head_ids, p) if has_tail else None,

@@ -41,7 +41,8 @@ class EMAAnchor:
 
     Args:
         model: the policy at initialisation (theta_0); the anchor starts equal to it.
-        eta: decay in (0, 1]; eta = 1 is the classic frozen reference.
+        eta: decay in (0, 1]; eta = 1 is the classic frozen reference. Ranges are the caller's to check
+            (emapg.config.RULES: the trainer's config and the TRL plug-in's arguments go through it).
         every: apply the update every ``every`` calls of :meth:`step` (training steps).
         mode: ``"full"``, ``"lora"``, or ``"auto"`` (lora if the model has frozen parameters and
             trainable ones named like PEFT adapters).
@@ -51,10 +52,6 @@ class EMAAnchor:
 
     def __init__(self, model: nn.Module, eta: float, every: int = 1, mode: str = "auto",
                  module: nn.Module | None = None):
-        if not 0.0 < eta <= 1.0:
-            raise ValueError(f"eta must be in (0, 1], got {eta}")
-        if every < 1:
-            raise ValueError(f"ema_every must be >= 1, got {every}")
         if mode == "auto":
             mode = "lora" if any("lora_" in n for n, _ in model.named_parameters()) else "full"
         if mode not in ("full", "lora"):

@@ -1,4 +1,4 @@
-"""Checkpoints: safetensors + JSON only, written atomically.
+"""Checkpoints: safetensors + JSON only, written atomically; a training run's save, resume and export.
 
 Layout of ``RUN/checkpoints``::
 
@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
+from emapg import distributed
 from emapg.atomic import OLD, TMP, folder_atomic, fsync_dir, is_ours, write_json_atomic
+from emapg.models import save_hf_folder
 
 LATEST = "latest"
 
@@ -193,3 +197,93 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         "optimizer": (_read_tensors(path / "optimizer.safetensors"), state.pop("optimizer")),
         "state": state,
     }
+
+
+# ---- a training run's checkpoints ----------------------------------------------------------------------
+
+RUN_STATE_KEYS = ("skipped_steps", "scheduler")  # what the trainer's state.json must hold to resume
+
+
+def tied_names(model: nn.Module) -> set[str]:
+    """State-dict names that share storage with an earlier name (a tied LM head): not saved separately."""
+    seen, tied = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t.data_ptr() in seen:
+            tied.add(name)
+        seen.setdefault(t.data_ptr(), name)
+    return tied
+
+
+def intact_checkpoint(run_dir: Path, names: set[str], warn: bool = True) -> dict[str, Any]:
+    """The contents of the newest checkpoint of the run folder that reads whole and holds every policy
+    tensor in ``names``. A damaged one (a truncated tensor file, garbage JSON, a missing key) is named in
+    a warning and skipped; none intact is a CheckpointError naming every damaged file."""
+    damaged = []
+    for path in resume_candidates(run_dir):
+        try:
+            ckpt = load_checkpoint(path)
+            missing = sorted(names - set(ckpt["policy"]))
+            if missing:
+                raise CheckpointError(f"{path / 'policy.safetensors'} is damaged: no {', '.join(missing[:3])}")
+            absent = [k for k in RUN_STATE_KEYS if k not in ckpt["state"]]
+            if absent:
+                raise CheckpointError(f"{path / 'state.json'} is damaged: no {', '.join(absent)}")
+        except CheckpointError as e:
+            damaged.append(str(e))
+            if warn:
+                print(f"emapg: warning: {e}; trying an older checkpoint", file=sys.stderr)
+            continue
+        if damaged and warn:
+            print(f"emapg: warning: resuming from {path} (step {ckpt['state']['step']})", file=sys.stderr)
+        return ckpt
+    why = "; ".join(damaged) if damaged else "the run folder holds no checkpoint"
+    raise CheckpointError(f"--resume {run_dir}: no intact checkpoint to resume ({why})")
+
+
+def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: torch.optim.Optimizer,
+                     sharded: bool) -> dict[str, Any]:
+    """Load a checkpoint's policy, anchor and optimizer state into the run's objects (sharded: into
+    FSDP2's shards); returns its state.json (step, scheduler, ...)."""
+    if sharded:
+        distributed.load_model_state(model, ckpt["policy"])
+    else:
+        tied = tied_names(model)
+        missing, unexpected = model.load_state_dict(ckpt["policy"], strict=False)
+        if unexpected or [m for m in missing if m not in tied]:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    anchor.load_state_dict(ckpt["anchor"])
+    distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(*ckpt["optimizer"]))
+    return ckpt["state"]
+
+
+def save_training(run_dir: Path, step: int, model: nn.Module, anchor, optimizer: torch.optim.Optimizer,
+                  state: dict[str, Any], keep: int, main: bool) -> Path:
+    """Checkpoint ``step`` of a run as whole tensors (any number of processes can resume it).
+    Collective: every rank gathers, rank 0 (``main``) writes."""
+    policy = distributed.model_state(model)
+    anchor_state = anchor.state_dict()
+    opt = distributed.optimizer_state(model, optimizer)
+    path = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    if main:
+        path = save_checkpoint(Path(run_dir) / "checkpoints", step, policy, anchor_state, opt, state, keep=keep)
+    distributed.barrier()
+    return path
+
+
+def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool, main: bool, plain_model) -> None:
+    """The policy and the anchor as Hugging Face folders ``out/policy`` and ``out/anchor``. Sharded, this
+    is collective: rank 0 loads the gathered weights into ``plain_model()`` (an unsharded model) and writes."""
+    if not sharded:
+        save_hf_folder(model, tokenizer, out / "policy")
+        with anchor.use(model) as m:
+            save_hf_folder(m, tokenizer, out / "anchor")
+        return
+    policy = distributed.model_state(model)
+    with anchor.use(model) as m:
+        anchor_state = distributed.model_state(m)
+    if main:
+        plain = plain_model()
+        for name, state in (("policy", policy), ("anchor", anchor_state)):
+            plain.load_state_dict(state, strict=False)
+            save_hf_folder(plain, tokenizer, out / name)
+    distributed.barrier()

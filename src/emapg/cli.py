@@ -101,6 +101,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from emapg.metrics import eval_markdown
     from emapg.models import load_model
     from emapg.prompts import context_length, fit_prompts
+    from emapg.rollout.sampling import SamplingSpec
     from emapg.tasks import make_task
 
     for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -116,6 +117,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     task_args = json.loads(args.task_args) if args.task_args else {}
     greedy = args.samples <= 1 and args.temperature == 0
     temperature = args.temperature or 1.0
+    spec = SamplingSpec(n=1 if greedy else args.samples, temperature=temperature, top_p=args.top_p,
+                        max_new_tokens=args.max_new_tokens, greedy=greedy)
     datasets = [(Path(d).stem, {**task_args, "eval_file": d}) for d in args.data] if args.data else [
         (args.task, task_args)]
     rows, records = [], {}
@@ -123,8 +126,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         task = make_task(args.task, **targs)
         fit_prompts(task, tok, context_length(model), args.max_new_tokens, "error")
         examples = task.eval_examples(args.size)
-        res = evaluate(model, tok, task, examples, max_new_tokens=args.max_new_tokens, greedy=greedy,
-                       temperature=temperature, top_p=args.top_p, samples=args.samples, batch_size=args.batch_size,
+        res = evaluate(model, tok, task, examples, spec, batch_size=args.batch_size,
                        progress=f"eval {name} ({len(examples)} problems)", record=bool(args.out))
         records[name if name not in records else f"{name}-{len(rows) + 1}"] = res.pop("records", [])
         rows.append({"dataset": name, **res})
@@ -198,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
     p.add_argument("--version", action="version", version=f"emapg {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_train_parser, _eval_parser, _retrieval_parsers, _compare_parser):
+        add(sub)
+    return p
+
+
+def _train_parser(sub) -> None:
     t = sub.add_parser("train", help="train with EMA-PG (default: recipes/cpu_demo.yaml)")
     t.add_argument("--config", help="YAML config file, or the name of a shipped recipe (smoke, cpu_demo, ...)")
     t.add_argument("--out", help="run folder (default runs/<time>-<task>)")
@@ -208,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel processes on this machine (runs torchrun; or launch torchrun yourself)")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.eta=0.95 steps=100")
     t.set_defaults(func=cmd_train)
+
+
+def _eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="held-out accuracy of a model on a task")
     e.add_argument("--model", required=True, help="model folder or built-in name (smollm2-135m)")
     e.add_argument("--task", required=True)
@@ -223,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", help="folder for eval.json, eval.md and DATASET.samples.jsonl (every completion)")
     e.set_defaults(func=cmd_eval)
+
+
+def _retrieval_parsers(sub) -> None:
     ix = sub.add_parser("index", help="retrieval indexes").add_subparsers(dest="index_command", required=True)
     b = ix.add_parser("build", help="build a BM25 index (bm25s + PyStemmer) from a JSONL corpus of {id, title, text}")
     b.add_argument("--corpus", required=True)
@@ -243,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--out", required=True)
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=cmd_kb_make)
+
+
+def _compare_parser(sub) -> None:
     c = sub.add_parser("compare", help="several configurations x seeds, same budget: table and figure")
     c.add_argument("--spec", required=True, help="comparison YAML (see bench/compare.yaml)")
     c.add_argument("--out", required=True, help="folder of the runs, results.md, summary.json and figures")
@@ -255,7 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
                 "no new run, lets the running ones finish, and the next call carries on. Ctrl-C stops the "
                 "running runs too; they resume from their last checkpoint next time.")
     c.set_defaults(func=cmd_compare)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,21 +3,29 @@
 Every field is documented where it is declared. ``load_config(path, overrides)`` reads a YAML
 file, applies ``KEY=VALUE`` overrides (``algo.k=16``), and validates; every error names the field,
 the file (and line, for YAML syntax) and what was expected.
+
+Validation is one table, :data:`RULES` (a rule per field) plus :data:`CONSISTENCY` (rules across
+fields), run once by :func:`load_config`; what consumes a loaded config trusts it. Code that takes the
+same settings from elsewhere (the TRL plug-in's keyword arguments) runs them through the same table
+with :func:`check_fields`. Names of estimators, advantages and aggregations come from their registries
+(:data:`emapg.kl.ESTIMATORS`, :data:`emapg.objective.ADVANTAGES`, :data:`emapg.objective.AGGREGATIONS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 from emapg.atomic import write_text_atomic
 from emapg.kl import ESTIMATORS, FORMS
-from emapg.objective import ADVANTAGE_MODES, AGG_MODES
+from emapg.objective import ADVANTAGES, AGGREGATIONS
 
 
 class ConfigError(ValueError):
@@ -29,7 +37,8 @@ class AlgoConfig:
     """The RL algorithm: EMA-PG = GRPO with an EMA anchor and a top-k KL (spec sections 2-4)."""
 
     kl: str = "topk_reverse"
-    """KL estimator: k1, k2, k3, k3pp, k4, k5, exact_reverse, exact_forward, topk_reverse, topk_forward."""
+    """KL estimator: a name of emapg.kl.ESTIMATORS (the sampled k1-k5 family, exact_reverse/forward,
+    topk_reverse/forward); a wrong name's error lists them."""
     k: int = 32
     """Head size of the top-k estimators (0 = purely sampled, vocab size = exact)."""
     form: str = "unbiased"
@@ -49,9 +58,10 @@ class AlgoConfig:
     dual_clip: float | None = 3.0
     """Dual clip c for negative advantages (None = off)."""
     advantage: str = "grpo"
-    """Advantage estimator: grpo (std-normalised), drgrpo (no std), rloo."""
+    """Advantage estimator: a name of emapg.objective.ADVANTAGES (grpo: std-normalised, drgrpo, rloo)."""
     agg: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    """Loss aggregation: a name of emapg.objective.AGGREGATIONS (token-mean, seq-mean-token-mean,
+    seq-mean-token-sum-norm)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch. With 1 epoch pi_old = the sampling policy (no extra pass)."""
     max_grad_norm: float = 1.0
@@ -198,42 +208,53 @@ def _fields(cls) -> dict[str, Any]:
     return get_type_hints(cls)
 
 
+def _type_name(typ: Any) -> str:
+    if get_origin(typ) in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(typ))
+    if get_origin(typ) is not None:
+        return str(typ).replace("typing.", "")
+    return getattr(typ, "__name__", str(typ))
+
+
 def _coerce(value: Any, typ: Any, where: str) -> Any:
     """Check/convert a YAML value to the declared type; raise ConfigError naming ``where``."""
-    text = str(typ)
-    if value is None:
-        if "None" in text:
+    if get_origin(typ) in (Union, types.UnionType):  # X | None: the only unions the config declares
+        if value is None and type(None) in get_args(typ):
             return None
-        raise ConfigError(f"{where}: must not be null (expected {text})")
+        (inner,) = [a for a in get_args(typ) if a is not type(None)]
+        if value is None:
+            raise ConfigError(f"{where}: must not be null (expected {_type_name(typ)})")
+        return _coerce(value, inner, where)
+    if value is None:
+        raise ConfigError(f"{where}: must not be null (expected {_type_name(typ)})")
     if dataclasses.is_dataclass(typ):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping of {typ.__name__} fields, got {value!r}")
         return _build(typ, value, where)
-    if typ is bool or text.startswith("bool"):
-        if isinstance(value, bool):
-            return value
+    origin = get_origin(typ) or typ
+    if origin is bool and isinstance(value, bool):
+        return value
+    if origin is bool:
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if text.startswith("list"):
+    if origin is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
         return value
-    if "dict" in text:
+    if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return value
-    if "float" in text and isinstance(value, str):
+    if origin is float and isinstance(value, str):
         try:  # YAML 1.1 reads 1e-5 (no dot) as a string
             return float(value)
         except ValueError:
             pass
-    if "float" in text and isinstance(value, int | float) and not isinstance(value, bool):
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if origin is float and number:
         return float(value)
-    if "int" in text and isinstance(value, int) and not isinstance(value, bool):
+    if (origin is int and number and isinstance(value, int)) or (origin is str and isinstance(value, str)):
         return value
-    if "str" in text and isinstance(value, str):
-        return value
-    name = getattr(typ, "__name__", None) if isinstance(typ, type) else None
-    raise ConfigError(f"{where}: expected {name or text.replace('typing.', '')}, got {value!r}")
+    raise ConfigError(f"{where}: expected {_type_name(typ)}, got {value!r}")
 
 
 def _build(cls, data: dict[str, Any], where: str):
@@ -302,80 +323,130 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+# ---- the validation table -------------------------------------------------------------------------
+# A rule: (whether a value is valid, what is expected). Fields without a rule take any value of their type.
+Rule = tuple[Callable[[Any], bool], str]
+
+
+def _one_of(names: Iterable[str], what: str = "") -> Rule:
+    names = tuple(names)
+    return (lambda v: v in names), f"{what or 'expected one of'} {', '.join(names)}"
+
+
+def _at_least(low: float, null: bool = False) -> Rule:
+    return (lambda v: (null and v is None) or (v is not None and math.isfinite(v) and v >= low)), \
+        f"must be >= {low:g}" + (" or null" if null else "")
+
+
+def _above(low: float, null: bool = False) -> Rule:
+    return (lambda v: (null and v is None) or (v is not None and math.isfinite(v) and v > low)), \
+        f"must be > {low:g}" + (" or null" if null else "")
+
+
+def _within(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Rule:
+    def ok(v):
+        return (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
+
+    return ok, f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+RULES: dict[str, Rule] = {
+    "algo.kl": _one_of(ESTIMATORS, "expected an estimator of emapg.kl.ESTIMATORS:"),
+    "algo.form": _one_of(FORMS),
+    "algo.k": _at_least(0),
+    "algo.eta": _within(0, 1, low_open=True),
+    "algo.ema_every": _at_least(1),
+    "algo.beta": _at_least(0),
+    "algo.is_clip": _above(0, null=True),
+    "algo.eps_low": _within(0, 1, high_open=True),
+    "algo.eps_high": _at_least(0),
+    "algo.dual_clip": _above(1, null=True),
+    "algo.advantage": _one_of(ADVANTAGES),
+    "algo.agg": _one_of(AGGREGATIONS),
+    "algo.ppo_epochs": _at_least(1),
+    "algo.max_grad_norm": _above(0),
+    "rollout.n": _at_least(1),
+    "rollout.temperature": _above(0),
+    "rollout.top_p": _within(0, 1, low_open=True),
+    "rollout.max_new_tokens": _at_least(1),
+    "rollout.backend": _one_of(("hf", "vllm")),
+    "rollout.vllm_gpu_memory": _within(0, 1, low_open=True, high_open=True),
+    "rollout.vllm_kv_cache_gib": _at_least(1, null=True),
+    "rollout.vllm_max_model_len": _at_least(2, null=True),
+    "steps": _at_least(0),
+    "prompts_per_step": _at_least(1),
+    "mini_batch_prompts": _at_least(1, null=True),
+    "micro_batch_prompts": _at_least(1),
+    "lr": _above(0),
+    "weight_decay": _at_least(0),
+    "warmup_steps": ((lambda v: v >= 0), "must be >= 0 (0 = no warmup)"),
+    "chunk_size": _at_least(1),
+    "long_prompts": _one_of(("error", "truncate")),
+    "report_to": ((lambda v: set(v) <= {"tensorboard", "wandb"}), "expected a list of tensorboard, wandb"),
+    "threads": _at_least(1, null=True),
+    "dtype": _one_of(("float32", "bfloat16", "float16")),
+    "mixed_precision": ((lambda v: v in (None, "bf16")), "expected bf16 or null"),
+    "device": ((lambda v: v == "auto" or v.split(":")[0] in ("cpu", "cuda")), "expected auto, cpu, cuda or cuda:N"),
+    "save_every": ((lambda v: v >= 0), "must be >= 0 (0 = no checkpoints)"),
+    "keep_checkpoints": _at_least(1),
+    "eval.every": _at_least(0),
+    "eval.size": _at_least(0),
+    "eval.max_new_tokens": _at_least(1, null=True),
+    "lora.r": _at_least(0),
+    "lora.dropout": _within(0, 1, high_open=True),
+}
+
+
+def check_fields(values: dict[str, Any]) -> None:
+    """Check settings by the table: ``{"algo.eta": 0.9, ...}``; ConfigError naming the first bad field.
+    The config loader checks every field this way; the TRL plug-in checks its keyword arguments."""
+    for name, value in values.items():
+        ok, expected = RULES[name]
+        if not ok(value):
+            raise ConfigError(f"{name}: {expected}, got {value!r}")
+
+
+def _value(cfg: TrainConfig, name: str) -> Any:
+    for part in name.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _mini(cfg: TrainConfig) -> int:
+    return cfg.mini_batch_prompts or cfg.prompts_per_step
+
+
+# Rules across fields: (field named in the error, whether the config is valid, the message).
+CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfig], str]]] = [
+    # vLLM refuses T > 2 and silently raises T < 0.01 to 0.01 (the loss would then use another T)
+    ("rollout.temperature", lambda c: c.rollout.backend != "vllm" or 0.01 <= c.rollout.temperature <= 2.0,
+     lambda c: f"the vllm backend samples at 0.01 <= T <= 2, got {c.rollout.temperature}"),
+    ("rollout.n", lambda c: c.algo.advantage != "rloo" or c.rollout.n >= 2, lambda c: "rloo advantages need n >= 2"),
+    ("gradient_checkpointing", lambda c: not (c.gradient_checkpointing and c.prefix_sharing),
+     lambda c: "needs prefix_sharing: false (checkpointed layers keep no key/value cache to share), got True"),
+    ("mini_batch_prompts", lambda c: c.prompts_per_step % _mini(c) == 0,
+     lambda c: f"{_mini(c)} does not divide prompts_per_step={c.prompts_per_step}"),
+    ("micro_batch_prompts", lambda c: _mini(c) % c.micro_batch_prompts == 0,
+     lambda c: f"{c.micro_batch_prompts} does not divide the mini-batch of {_mini(c)}"),
+]
+
+
 def validate(cfg: TrainConfig) -> None:
-    """Check value ranges and consistency; raise ConfigError naming the field."""
-    a, r = cfg.algo, cfg.rollout
-    if a.kl not in ESTIMATORS:
-        raise ConfigError(f"algo.kl: unknown estimator {a.kl!r}; expected one of {', '.join(ESTIMATORS)}")
-    if a.form not in FORMS:
-        raise ConfigError(f"algo.form: expected one of {', '.join(FORMS)}, got {a.form!r}")
-    if a.k < 0:
-        raise ConfigError(f"algo.k: must be >= 0, got {a.k}")
-    if not 0.0 < a.eta <= 1.0:
-        raise ConfigError(f"algo.eta: must be in (0, 1], got {a.eta}")
-    checks = [
-        (a.ema_every >= 1, "algo.ema_every", "must be >= 1", a.ema_every),
-        (math.isfinite(a.beta) and a.beta >= 0, "algo.beta", "must be a finite number >= 0", a.beta),
-        (a.is_clip is None or a.is_clip > 0, "algo.is_clip", "must be > 0 or null", a.is_clip),
-        (0 <= a.eps_low < 1, "algo.eps_low", "must be in [0, 1)", a.eps_low),
-        (a.eps_high >= 0, "algo.eps_high", "must be >= 0", a.eps_high),
-        (a.dual_clip is None or a.dual_clip > 1, "algo.dual_clip", "must be > 1 or null", a.dual_clip),
-        (a.advantage in ADVANTAGE_MODES, "algo.advantage", f"expected one of {ADVANTAGE_MODES}", a.advantage),
-        (a.agg in AGG_MODES, "algo.agg", f"expected one of {AGG_MODES}", a.agg),
-        (a.ppo_epochs >= 1, "algo.ppo_epochs", "must be >= 1", a.ppo_epochs),
-        (a.max_grad_norm > 0, "algo.max_grad_norm", "must be > 0", a.max_grad_norm),
-        (r.n >= 1, "rollout.n", "must be >= 1", r.n),
-        (r.temperature > 0, "rollout.temperature", "must be > 0", r.temperature),
-        (0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p),
-        (r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens),
-        (r.backend in ("hf", "vllm"), "rollout.backend", "expected hf or vllm", r.backend),
-        (0 < r.vllm_gpu_memory < 1, "rollout.vllm_gpu_memory", "must be in (0, 1)", r.vllm_gpu_memory),
-        (r.vllm_kv_cache_gib is None or r.vllm_kv_cache_gib >= 1, "rollout.vllm_kv_cache_gib", "must be >= 1 or null",
-         r.vllm_kv_cache_gib),
-        (r.vllm_max_model_len is None or r.vllm_max_model_len >= 2, "rollout.vllm_max_model_len",
-         "must be >= 2 or null", r.vllm_max_model_len),
-        (cfg.steps >= 0, "steps", "must be >= 0", cfg.steps),
-        (cfg.prompts_per_step >= 1, "prompts_per_step", "must be >= 1", cfg.prompts_per_step),
-        (cfg.micro_batch_prompts >= 1, "micro_batch_prompts", "must be >= 1", cfg.micro_batch_prompts),
-        (math.isfinite(cfg.lr) and cfg.lr > 0, "lr", "must be a finite number > 0", cfg.lr),
-        (cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0 (0 = no warmup)", cfg.warmup_steps),
-        (cfg.mini_batch_prompts is None or cfg.mini_batch_prompts >= 1, "mini_batch_prompts",
-         "must be >= 1 or null", cfg.mini_batch_prompts),
-        (cfg.chunk_size >= 1, "chunk_size", "must be >= 1", cfg.chunk_size),
-        (cfg.long_prompts in ("error", "truncate"), "long_prompts", "expected error or truncate", cfg.long_prompts),
-        (set(cfg.report_to) <= {"tensorboard", "wandb"}, "report_to", "expected a list of tensorboard, wandb",
-         cfg.report_to),
-        (cfg.threads is None or cfg.threads >= 1, "threads", "must be >= 1 or null", cfg.threads),
-        (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay", "must be >= 0",
-         cfg.weight_decay),
-        (cfg.eval.max_new_tokens is None or cfg.eval.max_new_tokens >= 1, "eval.max_new_tokens",
-         "must be >= 1 or null", cfg.eval.max_new_tokens),
-        (cfg.dtype in ("float32", "bfloat16", "float16"), "dtype", "expected float32, bfloat16 or float16", cfg.dtype),
-        (cfg.mixed_precision in (None, "bf16"), "mixed_precision", "expected bf16 or null", cfg.mixed_precision),
-        (cfg.device == "auto" or cfg.device.split(":")[0] in ("cpu", "cuda"), "device",
-         "expected auto, cpu, cuda or cuda:N", cfg.device),
-        (not (cfg.gradient_checkpointing and cfg.prefix_sharing), "gradient_checkpointing",
-         "needs prefix_sharing: false (checkpointed layers keep no key/value cache to share)", True),
-        (cfg.save_every >= 0, "save_every", "must be >= 0 (0 = no checkpoints)", cfg.save_every),
-        (cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1", cfg.keep_checkpoints),
-        (cfg.eval.every >= 0, "eval.every", "must be >= 0", cfg.eval.every),
-        (cfg.eval.size >= 0, "eval.size", "must be >= 0", cfg.eval.size),
-        (cfg.lora.r >= 0, "lora.r", "must be >= 0", cfg.lora.r),
-        (0 <= cfg.lora.dropout < 1, "lora.dropout", "must be in [0, 1)", cfg.lora.dropout),
-    ]
-    for ok, name, msg, value in checks:
-        if not ok:
-            raise ConfigError(f"{name}: {msg}, got {value!r}")
-    if r.backend == "vllm" and not 0.01 <= r.temperature <= 2.0:
-        # vLLM refuses T > 2 and silently raises T < 0.01 to 0.01 (the loss would then use another T)
-        raise ConfigError(f"rollout.temperature: the vllm backend samples at 0.01 <= T <= 2, got {r.temperature}")
-    if a.advantage == "rloo" and r.n < 2:
-        raise ConfigError("rollout.n: rloo advantages need n >= 2")
-    mini = cfg.mini_batch_prompts or cfg.prompts_per_step
-    if cfg.prompts_per_step % mini:
-        raise ConfigError(f"mini_batch_prompts: {mini} does not divide prompts_per_step={cfg.prompts_per_step}")
-    if mini % cfg.micro_batch_prompts:
-        raise ConfigError(f"micro_batch_prompts: {cfg.micro_batch_prompts} does not divide the mini-batch of {mini}")
+    """Check every field by :data:`RULES`, then :data:`CONSISTENCY`; raise ConfigError naming the field."""
+    check_fields({name: _value(cfg, name) for name in RULES})
+    for name, ok, message in CONSISTENCY:
+        if not ok(cfg):
+            raise ConfigError(f"{name}: {message(cfg)}")
+
+
+def check_world(cfg: TrainConfig, world: int) -> None:
+    """The batch must split into whole prompt groups and whole micro-batches on each of ``world`` processes."""
+    mini = _mini(cfg)
+    if cfg.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step: {cfg.prompts_per_step} does not split over {world} processes")
+    if mini % world or (mini // world) % cfg.micro_batch_prompts:
+        raise ConfigError(f"micro_batch_prompts: {cfg.micro_batch_prompts} does not divide the per-process "
+                          f"mini-batch ({mini} prompts over {world} processes)")
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -62,10 +62,13 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def init(device: str = "auto") -> DistInfo:
-    """Join the process group torchrun set up (WORLD_SIZE > 1), or describe a single process."""
+def init(device: str = "auto", threads: int | None = None) -> DistInfo:
+    """Join the process group torchrun set up (WORLD_SIZE > 1), or describe a single process.
+    ``threads``: torch's CPU threads for the whole job (each of W processes on the CPU takes threads / W)."""
     dev = resolve_device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if threads:
+        torch.set_num_threads(max(1, threads // world) if dev.type == "cpu" else threads)
     if world <= 1:
         return DistInfo(device=dev)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -75,6 +78,13 @@ def init(device: str = "auto") -> DistInfo:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return DistInfo(rank=rank, world=world, local_rank=local_rank, device=dev)
+
+
+def autocast(mixed_precision: str | None, info: DistInfo):
+    """bf16 autocast for a single process; sharded, FSDP's mixed-precision policy does it (no context)."""
+    if mixed_precision == "bf16" and not info.enabled:
+        return torch.autocast(info.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def shutdown() -> None:
@@ -193,6 +203,17 @@ def all_gather_objects(obj: Any) -> list[Any]:
 def barrier() -> None:
     if _multi():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def rank_zero_first(info: DistInfo) -> Iterator[None]:
+    """Rank 0 runs the block first (filling caches: a converted model, a generated index), the other
+    ranks after it (reading them)."""
+    if info.enabled and not info.is_main:
+        barrier()
+    yield
+    if info.enabled and info.is_main:
+        barrier()
 
 
 def all_agree(flag: bool) -> bool:

@@ -1,4 +1,5 @@
-"""Held-out evaluation: accuracy of a model on a task's examples."""
+"""Held-out evaluation: accuracy of a model on a task's examples, and a training run's evaluations
+(each process evaluates its share; the results combine)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,60 @@ from typing import Any
 import torch
 from torch import nn
 
+from emapg import distributed
 from emapg.rollout import rollout_for_task
+from emapg.rollout.sampling import SamplingSpec
 from emapg.scoring import score_completions
 from emapg.tasks.base import Example, Task
+
+RANK_SEED_STRIDE = 7919  # rank r samples with seed + r * stride; rank 0 (and a single process) with seed
+
+
+def eval_sampling(cfg: Any) -> SamplingSpec:
+    """How a training run evaluates: greedy, or one sample at the rollout's temperature and top-p, with
+    the eval budget (the rollout's when unset)."""
+    e, r = cfg.eval, cfg.rollout
+    return SamplingSpec(n=1, temperature=r.temperature, top_p=r.top_p, greedy=e.greedy,
+                        max_new_tokens=e.max_new_tokens or r.max_new_tokens)
+
+
+def eval_settings(cfg: Any, world: int, device: str) -> dict[str, Any]:
+    """What a run's evaluation numbers depend on besides the weights (a resume may change them)."""
+    spec = eval_sampling(cfg)
+    return {"size": cfg.eval.size, "max_new_tokens": spec.max_new_tokens, "greedy": spec.greedy,
+            "temperature": spec.temperature, "top_p": spec.top_p, "mixed_precision": cfg.mixed_precision,
+            "dtype": cfg.dtype, "seed": cfg.seed, "world": world, "device": device}
+
+
+def evaluate_shared(model: nn.Module, tokenizer, task: Task, examples: list[Example], spec: SamplingSpec, *,
+                    rank: int, world: int, seed: int, progress: str | None = None) -> dict[str, Any]:
+    """:func:`evaluate` of this process's share of ``examples`` (every ``world``-th from ``rank``), seeded
+    ``seed`` (per rank) inside a forked RNG, so evaluation never shifts the training randomness; the
+    shares' results combined (collective when ``world > 1``)."""
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed + RANK_SEED_STRIDE * rank)
+        res = evaluate(model, tokenizer, task, examples[rank::world], spec, progress=progress)
+    return combine_evals(distributed.all_gather_objects(res)) if world > 1 else res
+
+
+def eval_row(which: str, res: dict[str, Any]) -> dict[str, Any]:
+    """Metrics-row entries of an evaluation: accuracy, response length, rollout diagnostics."""
+    row = {f"eval/{which}_accuracy": res["accuracy"], f"eval/{which}_length": res["mean_length"]}
+    row.update({f"eval/{which}_{k[: -len('_mean')]}": v for k, v in res.items() if k.endswith("_mean")})
+    return row
+
+
+def combine_evals(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One evaluation result from the results of disjoint shares of the examples."""
+    num = sum(p["num"] for p in parts)
+    out = dict(parts[0])
+    out["num"] = num
+    # Means over samples, or over problems (pass@k): every problem has the same number of samples,
+    # so both are weighted by the number of samples.
+    for key in ["accuracy", "mean_length"] + [k for k in parts[0] if k.startswith("pass@") or k.endswith("_mean")]:
+        out[key] = sum(p[key] * p["num"] for p in parts) / max(num, 1)
+    return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -23,22 +75,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    tokenizer,
-    task: Task,
-    examples: list[Example],
-    *,
-    max_new_tokens: int = 32,
-    greedy: bool = True,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    samples: int = 1,
-    batch_size: int = 64,
-    progress: str | None = None,
-    record: bool = False,
-) -> dict[str, Any]:
-    """Mean reward over ``examples`` x ``samples`` (avg@n: pass@1 averaged over n samples).
+def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], spec: SamplingSpec, *,
+             batch_size: int = 64, progress: str | None = None, record: bool = False) -> dict[str, Any]:
+    """Mean reward over ``examples`` x ``spec.n`` samples (avg@n: pass@1 averaged over n samples).
 
     Returns {'accuracy' (= avg@n), 'pass@k' for k = 1, 2, 4, ... <= n, 'mean_length', 'num'}.
     A reward >= 1 counts as correct for pass@k. Greedy decoding uses one sample per example.
@@ -48,7 +87,7 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
-    n = 1 if greedy else samples
+    n = spec.n
     total, length, count = 0.0, 0.0, 0
     correct: list[int] = []
     stats: dict[str, float] = {}
@@ -58,8 +97,7 @@ def evaluate(
     bar = tqdm(total=len(examples), desc=progress, unit="problem", leave=False, disable=progress is None)
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
-        batch = rollout_for_task(model, tokenizer, task, chunk, n=n, temperature=temperature, top_p=top_p,
-                                 max_new_tokens=max_new_tokens, greedy=greedy)
+        batch = rollout_for_task(model, tokenizer, task, chunk, spec)
         rewards = score_completions(task, batch.completions, chunk, n, evaluation=True)
         total += float(rewards.sum())
         correct += (rewards >= 1.0).view(-1, n).sum(1).tolist()

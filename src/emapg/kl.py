@@ -13,7 +13,8 @@ Two forms of the same estimators live here:
 
 Each estimator is declared once in :data:`ESTIMATORS` (its direction, the ids of its exact head,
 its sampled term in both forms); both forms of the code, the trainer, the config validation and the
-sampler's top-k choice read that declaration. Adding an estimator is one declaration and its tests.
+sampler's top-k choice read that declaration (:func:`emapg.algo.kl_head`, once per run). Adding an
+estimator is one declaration and its tests.
 
 ``form="unbiased"`` (default) is the corrected top-k estimator; ``form="paper"`` reproduces the
 reference code's formulas, whose gradient is off by ``+grad pi(q)`` (reverse) and ``-grad pi(q)``
@@ -54,8 +55,14 @@ class Estimator:
     sample: Term | None
     paper: Term | None = None
 
+    def __post_init__(self):
+        if self.head not in HEADS or self.direction not in ("reverse", "forward"):
+            raise ValueError(f"estimator {self.name}: head must be one of {HEADS}, direction reverse or forward")
+
     def term(self, form: str) -> Term | None:
         """The sampled term in form ``"unbiased"`` or ``"paper"``."""
+        if form not in FORMS:
+            raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(FORMS)}")
         return self.paper if form == "paper" and self.paper is not None else self.sample
 
 
@@ -139,24 +146,13 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
 
 def estimator(name: str) -> Estimator:
     """The declaration of estimator ``name``; a ValueError lists the known ones."""
+    return _declared(name)
+
+
+def _declared(name: str) -> Estimator:
     if name not in ESTIMATORS:
         raise ValueError(f"unknown KL estimator {name!r}; expected one of {', '.join(ESTIMATORS)}")
     return ESTIMATORS[name]
-
-
-def check_estimator(name: str, form: str = "unbiased", k: int = 0) -> Estimator:
-    """The declaration of ``name``; a ValueError names the bad argument if name/form/k are invalid."""
-    est = estimator(name)
-    if form not in FORMS:
-        raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(FORMS)}")
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    return est
-
-
-def sampler_k(name: str, k: int) -> int:
-    """How many top-k ids per token the sampler must record for estimator ``name`` (its head, or 0)."""
-    return k if estimator(name).head == "sampler_topk" else 0
 
 
 def importance_weight(policy_logp_tok: Tensor, samp_logp_tok: Tensor | None, is_clip: float | None) -> Tensor:
@@ -208,7 +204,7 @@ def kl_from_logprobs(
     Returns:
         [...] the estimate, differentiable w.r.t. the policy's log-probs.
     """
-    est = check_estimator(name, form)
+    est = estimator(name)
     term = est.term(form)
     if term is None:  # exact: the head is every id
         return head_term(est.direction, policy_logp_q, anchor_logp_q)
@@ -258,7 +254,8 @@ def token_kl(
     The head is written over the whole vocabulary with a 0/1 mask (no gather), so it is an
     independent computation from :func:`kl_from_logprobs`, which tests compare it with.
     """
-    est = check_estimator(estimator, form, k)
+    est = _declared(estimator)
+    term = est.term(form)
     logp = torch.log_softmax(policy_logits, -1)
     loga = torch.log_softmax(anchor_logits.detach(), -1)
     mask = torch.zeros_like(logp)
@@ -272,7 +269,6 @@ def token_kl(
         head = (mask * logp.exp() * (logp - loga)).sum(-1)
     else:
         head = (mask * loga.exp() * (loga - logp)).sum(-1)
-    term = est.term(form)
     if term is None:
         return head
     tokens = tokens.unsqueeze(-1)

@@ -57,7 +57,8 @@ def head_ids(name: str, k: int, policy_logits: Tensor, anchor_logits: Tensor) ->
 
 def moments(name: str, policy_logits: Tensor, anchor_logits: Tensor, *, k: int = 0, form: str = "unbiased") -> Moments:
     """Exact moments of estimator ``name`` over p ~ pi at one position (logits [V])."""
-    est = kl.check_estimator(name, form, k)
+    est = kl.estimator(name)
+    est.term(form)  # an unknown form is refused here
     lp0 = torch.log_softmax(policy_logits.detach().double(), -1)
     la = torch.log_softmax(anchor_logits.detach().double(), -1)
     pi = lp0.exp()

@@ -117,6 +117,15 @@ class MetricsWriter:
         self.wandb.log({"eval/table": wandb.Table(columns=["model", "held-out accuracy"], data=rows)})
         self.wandb.summary.update({f"final/{name}_accuracy": acc for name, acc in rows if acc is not None})
 
+    def finish(self, initial_eval: dict[str, Any] | None) -> dict[str, Any]:
+        """The run's end: its eval table (:func:`final_table`) written and logged, the plots drawn, the
+        writers closed. Returns the table."""
+        table = final_table(self.path.parent, initial_eval)
+        self.write_table(table)
+        self.close()
+        plot_run(self.path.parent)
+        return table
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
@@ -202,3 +211,25 @@ def eval_markdown(model: str, rows: list[dict[str, Any]]) -> str:
         avg = sum(r["accuracy"] for r in rows) / len(rows)
         lines.append(f"| average | | | {100 * avg:.1f} |" + " |" * (len(ks) + 1 + len(extra)))
     return "\n".join(lines) + "\n"
+
+
+def final_table(run_dir: Path, initial_eval: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's eval table, {'init', 'policy', 'anchor'}: the step-0 evaluation and the last evaluations
+    metrics.jsonl holds; written as eval.json and eval.md."""
+    last = {}
+    for row in read_metrics(run_dir):
+        last.update({k: v for k, v in row.items() if k.startswith("eval/")})
+    table = {"init": initial_eval,
+             "policy": {"accuracy": last.get("eval/policy_accuracy")},
+             "anchor": {"accuracy": last.get("eval/anchor_accuracy")}}
+    write_eval_table(run_dir, table)
+    return table
+
+
+def peak_memory_row(device: torch.device) -> dict[str, float]:
+    """On CUDA, this rank's memory high-water mark since the last call (GiB), then reset; else nothing."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"peak_memory_gb": peak}

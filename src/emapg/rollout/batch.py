@@ -53,6 +53,10 @@ class RolloutBatch:
         """Response rows of a slice of prompts."""
         return slice(prompts.start * self.n, prompts.stop * self.n)
 
+    def micro_batches(self, size: int) -> list[RolloutBatch]:
+        """The batch cut into consecutive micro-batches of ``size`` prompts (the last may be smaller)."""
+        return [self.micro_batch(slice(s, min(s + size, self.num_prompts))) for s in range(0, self.num_prompts, size)]
+
     def micro_batch(self, prompts: slice) -> RolloutBatch:
         """The sub-batch of a run of prompts with all their responses, trimmed of all-padding columns
         (so a micro-batch of short answers runs short sequences)."""

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from emapg.lm import cache_kwarg, decoder_and_head, positions
-from emapg.rollout.sampling import Sampled, draw, step_stats, warp
+from emapg.rollout.sampling import Sampled, SamplingSpec, draw, step_stats, warp
 
 
 class _ReservedLayer(DynamicLayer):
@@ -133,82 +133,117 @@ def _stop_hits(tokenizer, generated: Tensor, stops: list[str], window: int) -> T
     return torch.tensor([any(s in t for s in stops) for t in tails], device=generated.device)
 
 
+@dataclass
+class _Record:
+    """What :func:`decode` records for B rows, filled as the tokens are produced: [B, T] each (top-k
+    ids [B, T, k]), and [B] tokens each row generated."""
+
+    ids: Tensor
+    logp: Tensor
+    entropy: Tensor
+    cut: Tensor | None
+    topk: Tensor | None
+    length: Tensor
+
+    @classmethod
+    def empty(cls, b: int, steps: int, spec: SamplingSpec, pad_id: int, device) -> _Record:
+        logp = torch.zeros((b, steps), dtype=torch.float32, device=device)
+        return cls(ids=torch.full((b, steps), pad_id, dtype=torch.long, device=device), logp=logp,
+                   entropy=torch.zeros_like(logp),
+                   cut=torch.zeros_like(logp) if spec.top_p < 1.0 and not spec.greedy else None,
+                   topk=torch.zeros((b, steps, spec.k), dtype=torch.long, device=device) if spec.k > 0 else None,
+                   length=torch.zeros(b, dtype=torch.long, device=device))
+
+    def put(self, rows: Tensor, t: int, tok: Tensor, st, lost: Tensor | None, live: Tensor) -> None:
+        self.ids[rows, t], self.logp[rows, t], self.entropy[rows, t] = tok, st.logp, st.entropy
+        if self.cut is not None:
+            self.cut[rows, t] = lost
+        if self.topk is not None:
+            self.topk[rows, t] = st.topk
+        self.length[rows] += live
+
+    def sampled(self, steps: int) -> Sampled:
+        return Sampled(ids=self.ids[:, :steps], logp=self.logp[:, :steps], entropy=self.entropy[:, :steps],
+                       top_p_cut=None if self.cut is None else self.cut[:, :steps],
+                       topk=None if self.topk is None else self.topk[:, :steps], length=self.length)
+
+
+def _choose(logits: Tensor, spec: SamplingSpec, b: int, rows: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The next token of each computed row: (tokens, the sampling distribution's scores, the tail mass
+    top-p cut or None). One uniform per row of the whole batch (``b``) at every step: the same draws
+    whether or not finished rows have left the batch."""
+    if spec.greedy:
+        return torch.argmax(logits, -1), logits / spec.temperature, None
+    scores, lost = warp(logits, spec.temperature, spec.top_p)
+    u = torch.rand((b, 1), dtype=torch.float64, device=logits.device)
+    return draw(torch.softmax(scores, -1), u[rows]), scores, lost
+
+
+def _carried_state(cache, mask: Tensor, state: KVState | None, new_ids: Tensor, new_mask: Tensor,
+                   rec: _Record, steps: int) -> KVState:
+    """The state after a decode: the cache columns of the fed tokens (those a row fed after its end
+    masked out), and per row the real tokens the cache holds (all but the last one generated)."""
+    fed = steps - 1
+    keep = (torch.arange(fed, device=mask.device)[None, :] < (rec.length - 1)[:, None]).to(mask.dtype)
+    mask = torch.cat([mask[:, : mask.shape[1] - fed], keep], 1)
+    prev = state.tokens if state is not None else [[] for _ in range(new_ids.shape[0])]
+    gen = rec.ids[:, :steps].tolist()
+    news = [r[m.bool()].tolist() for r, m in zip(new_ids.cpu(), new_mask.cpu(), strict=True)]
+    tokens = [p + nw + g[: int(n) - 1] for p, nw, g, n in zip(prev, news, gen, rec.length.tolist(), strict=True)]
+    return KVState(cache=cache, mask=mask, tokens=tokens)
+
+
 @torch.no_grad()
 def decode(
     model: nn.Module,
     new_ids: Tensor,
     new_mask: Tensor,
     state: KVState | None,
+    spec: SamplingSpec,
     *,
     max_new_tokens: int,
     eos: list[int],
     pad_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    k: int = 0,
-    greedy: bool = False,
     tokenizer=None,
     stop_strings: list[str] | None = None,
     keep_state: bool = True,
 ) -> tuple[Sampled, KVState | None]:
     """Continue B rows: feed ``new_ids`` / ``new_mask`` [B, T] (left-padded columns not yet in the
-    cache of ``state``; None = no cache) and sample up to ``max_new_tokens`` tokens per row.
+    cache of ``state``; None = no cache) and sample up to ``max_new_tokens`` tokens per row as ``spec``
+    says (its temperature, top_p, greedy and k; the call's own budget replaces spec.max_new_tokens).
 
     A row ends at an EOS id or when its generated text contains a stop string (needs ``tokenizer``);
     later positions hold ``pad_id``. Per token it records the sampling distribution's (after
     temperature and top-p) log-prob of the token, entropy, tail mass and top-k ids; greedy decoding
     takes the argmax and records the tempered distribution. Only one step's ``[B, vocab]`` is alive.
-    Tokens are drawn by :func:`emapg.rollout.sampling.draw` (a test swaps in ``torch.multinomial``,
-    ``generate``'s draw, and gets ``generate``'s tokens for the same seed), which needs one uniform
-    number per row: rows leaving the batch do not change what the others draw.
 
     Returns the :class:`Sampled` tokens and the state whose cache holds every row's real tokens but
     the last one generated (not yet fed). ``keep_state=False`` returns no state, and lets rows leave
     the batch once they finish (when fewer than ``COMPACT_BELOW`` of the computed rows still generate).
     """
-    device = new_ids.device
-    b = new_ids.shape[0]
+    device, b = new_ids.device, new_ids.shape[0]
     mask = new_mask if state is None else torch.cat([state.mask, new_mask], 1)
     cache = new_cache(model, spare=max_new_tokens) if state is None else state.cache
     _reserve(cache, new_ids.shape[1] + max_new_tokens)
     logits = _forward(model, new_ids, mask, cache)
-    out_ids = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logp = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
-    entropy = torch.zeros_like(logp)
-    cut = torch.zeros_like(logp) if top_p < 1.0 and not greedy else None
-    topk = torch.zeros((b, max_new_tokens, k), dtype=torch.long, device=device) if k > 0 else None
+    rec = _Record.empty(b, max_new_tokens, spec, pad_id, device)
     unfinished = torch.ones(b, dtype=torch.long, device=device)
-    length = torch.zeros(b, dtype=torch.long, device=device)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
     window = max((len(s) for s in stop_strings), default=0) + 1 if stop_strings else 0
-    rows = torch.arange(b, device=device)  # the rows the cache and the logits hold (all, unless compacted)
-    steps = 0
+    rows, steps = torch.arange(b, device=device), 0  # the rows the cache and the logits hold (all, unless compacted)
     for t in range(max_new_tokens):
-        if greedy:
-            scores, lost = logits / temperature, None
-            tok = torch.argmax(logits, -1)
-        else:
-            scores, lost = warp(logits, temperature, top_p)
-            # one uniform per row of the whole batch at every step: the same draws whether or not
-            # finished rows have left the batch
-            u = torch.rand((b, 1), dtype=torch.float64, device=device)
-            tok = draw(torch.softmax(scores, -1), u[rows])
-        st = step_stats(scores, tok, k)
+        tok, scores, lost = _choose(logits, spec, b, rows)
+        st = step_stats(scores, tok, spec.k)
         live = unfinished[rows]
         tok = tok * live + pad_id * (1 - live)
-        out_ids[rows, t], logp[rows, t], entropy[rows, t] = tok, st.logp, st.entropy
-        if cut is not None:
-            cut[rows, t] = lost
-        if topk is not None:
-            topk[rows, t] = st.topk
-        length[rows] += live
+        rec.put(rows, t, tok, st, lost, live)
         done = torch.isin(tok, eos_t)
         if stop_strings:
-            done |= _stop_hits(tokenizer, out_ids[rows, : t + 1], stop_strings, window)
+            done |= _stop_hits(tokenizer, rec.ids[rows, : t + 1], stop_strings, window)
         live = live & ~done
         unfinished[rows] = live
         steps = t + 1
-        if not live.any() or t + 1 == max_new_tokens:
+        if not live.any() or steps == max_new_tokens:
             break
         if not keep_state and live.sum() < COMPACT_BELOW * len(rows):
             # finished rows leave the batch: later steps compute only the rows still generating
@@ -217,17 +252,5 @@ def decode(
             rows, mask, tok = rows[keep], mask[keep], tok[keep]
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)
         logits = _forward(model, tok[:, None], mask, cache)
-    sampled = Sampled(ids=out_ids[:, :steps], logp=logp[:, :steps], entropy=entropy[:, :steps],
-                      top_p_cut=None if cut is None else cut[:, :steps],
-                      topk=None if topk is None else topk[:, :steps], length=length)
-    if not keep_state:
-        return sampled, None
-    # Cache columns of the fed tokens; those a row fed after its end are masked out.
-    fed = steps - 1
-    keep = (torch.arange(fed, device=device)[None, :] < (length - 1)[:, None]).to(mask.dtype)
-    mask = torch.cat([mask[:, : mask.shape[1] - fed], keep], 1)
-    prev = state.tokens if state is not None else [[] for _ in range(b)]
-    gen = out_ids[:, :steps].tolist()
-    news = [r[m.bool()].tolist() for r, m in zip(new_ids.cpu(), new_mask.cpu(), strict=True)]
-    tokens = [p + nw + g[: int(n) - 1] for p, nw, g, n in zip(prev, news, gen, length.tolist(), strict=True)]
-    return sampled, KVState(cache=cache, mask=mask, tokens=tokens)
+    carried = _carried_state(cache, mask, state, new_ids, new_mask, rec, steps) if keep_state else None
+    return rec.sampled(steps), carried

