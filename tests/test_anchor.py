@@ -148,7 +148,7 @@ def test_lora_mode_averages_only_adapters_and_swaps_into_policy():
 
 @pytest.mark.parametrize("eta", [0.5, 0.9, 0.95])
 def test_quadratic_toy_stability_boundary(eta):
-    """Spec section 2: GD on -g.theta + beta/2 lambda (theta - theta_ema)^2 with the EMA every step is
+    """docs/METHOD.md section 2: GD on -g.theta + beta/2 lambda (theta - theta_ema)^2 with the EMA every step is
     stable iff a beta lambda < 1 + 1/eta, and the lag settles at eta a g / (1 - eta + eta a beta lambda)."""
     a, beta, g = 0.1, 1.0, 0.3
 

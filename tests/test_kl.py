@@ -1,4 +1,4 @@
-"""Every claim of the estimator table of spec section 3, by exact enumeration over the sampled token."""
+"""Every claim of the estimator table of docs/METHOD.md section 3, by exact enumeration over the sampled token."""
 
 import pytest
 import torch

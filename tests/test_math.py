@@ -158,3 +158,25 @@ def test_format_reward_adds_to_training_reward_not_to_accuracy(tmp_path):
     assert task.eval_reward("so \\boxed{3}", ex) == 0.0 and task.eval_reward("so \\boxed{2}", ex) == 1.0
     plain = MathTask(eval_file=str(f))
     assert plain.reward("so \\boxed{3}", ex) == 0.0
+
+
+def test_the_shipped_gsm8k_reads_whole_and_a_gzipped_file_of_yours_reads_too(tmp_path):
+    import gzip
+
+    from emapg.tasks import make_task
+
+    train, test = load_rows("emapg:gsm8k_train", required=("problem", "answer")), load_rows("emapg:gsm8k_test")
+    assert (len(train), len(test)) == (7473, 1319)  # GSM8K's splits, whole
+    assert len({r["id"] for r in train}) == 7473 and train[0]["id"] == "gsm8k_train_0"
+    assert train[0]["answer"] == "72" and train[0]["problem"].startswith("Natalia sold clips")
+    assert all(float(r["answer"]) == float(r["answer"]) for r in train + test)  # every answer a number
+    task = make_task("math", train_file="emapg:gsm8k_train", eval_file="emapg:gsm8k_test")  # the math_cpu recipe's
+    assert [ex.answer for ex in task.eval_examples(3)] == [r["answer"] for r in test[:3]]
+    with pytest.raises(DataError, match=r"emapg:gsm9k: emapg ships no 'gsm9k'; it ships gsm8k_test, gsm8k_train"):
+        load_rows("emapg:gsm9k")
+    mine = tmp_path / "mine.jsonl.gz"
+    mine.write_bytes(gzip.compress(b'{"problem": "1+1?", "answer": "2"}\n'))
+    assert [r["answer"] for r in load_rows(mine)] == ["2"]
+    mine.write_bytes(gzip.compress(b'{"problem": "1+1?", "answer": "2"}\n')[:-9])  # truncated
+    with pytest.raises(DataError, match=r"mine.jsonl.gz: not a readable gzip file"):
+        load_rows(mine)

@@ -282,6 +282,8 @@ def test_reward_error_names_the_sample(tmp_path):
     ("algo.etaa=0.5", "unknown key 'etaa' in algo"),
     ("steps=ten", "steps: expected int"),
     ("rollout.top_p=0", "rollout.top_p: must be in"),
+    ("eval.top_p=1.5", "eval.top_p: must be in \\(0, 1\\] or null"),
+    ("eval.temperature=0", "eval.temperature: must be > 0 or null"),
 ])
 def test_config_validation_messages(override, message):
     from emapg.config import ConfigError
@@ -532,3 +534,34 @@ def test_when_no_checkpoint_is_intact_resume_says_which_files_are_damaged(finish
     out = subprocess.run([sys.executable, "-m", "emapg", "train", "--resume", str(run)], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "anchor.safetensors is damaged" in out.stderr
+
+
+def test_evaluation_samples_as_the_eval_section_says_and_else_as_the_rollout():
+    from emapg.evaluate import eval_sampling
+    from emapg.rollout.sampling import SamplingSpec
+
+    base = ["rollout.temperature=0.9", "rollout.top_p=0.8", "rollout.max_new_tokens=20"]
+    assert eval_sampling(cfg(*base)) == SamplingSpec(n=1, temperature=0.9, top_p=0.8, max_new_tokens=20, greedy=True)
+    got = eval_sampling(cfg(*base, "eval.greedy=false", "eval.temperature=0.6", "eval.top_p=0.95",
+                            "eval.max_new_tokens=7"))
+    assert got == SamplingSpec(n=1, temperature=0.6, top_p=0.95, max_new_tokens=7, greedy=False)
+
+
+def test_the_validation_table_covers_every_number_and_names_only_real_fields():
+    import dataclasses
+    import typing
+
+    from emapg.config import RULES, TrainConfig
+
+    def fields(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            typ = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(typ):
+                yield from fields(typ, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", typ
+
+    numbers = {name for name, typ in fields(TrainConfig)
+               if {int, float} & ({typ} | set(typing.get_args(typ))) and typ is not bool}
+    assert numbers - set(RULES) == {"seed"}  # any integer seeds a run
+    assert set(RULES) <= {name for name, _ in fields(TrainConfig)}

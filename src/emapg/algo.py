@@ -1,4 +1,4 @@
-"""One EMA-PG step's math (spec sections 2-4), in the paper's symbols.
+"""One EMA-PG step's math (docs/METHOD.md sections 2-4), in the paper's symbols.
 
 pi_theta is the policy being trained, pi_samp the distribution the sampler drew from (pi_old at the
 sampling temperature, after top-p), pi_old the policy before this step's updates (the PPO ratio's

@@ -1,4 +1,4 @@
-"""The EMA anchor of EMA-PG (spec section 2): theta_ema <- eta * theta_ema + (1 - eta) * theta.
+"""The EMA anchor of EMA-PG (docs/METHOD.md section 2): theta_ema <- eta * theta_ema + (1 - eta) * theta.
 
 The average is kept in fp32 whatever the policy's dtype (a bf16 average rounds away updates of
 size (1 - eta) * theta). Two modes:

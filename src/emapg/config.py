@@ -34,7 +34,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class AlgoConfig:
-    """The RL algorithm: EMA-PG = GRPO with an EMA anchor and a top-k KL (spec sections 2-4)."""
+    """The RL algorithm: EMA-PG = GRPO with an EMA anchor and a top-k KL (docs/METHOD.md sections 2-4)."""
 
     kl: str = "topk_reverse"
     """KL estimator: a name of emapg.kl.ESTIMATORS (the sampled k1-k5 family, exact_reverse/forward,
@@ -113,7 +113,11 @@ class EvalConfig:
     size: int = 100
     """Number of held-out problems."""
     greedy: bool = True
-    """Greedy decoding (True) or sampling at the rollout temperature."""
+    """Greedy decoding (True) or sampling, at eval.temperature and eval.top_p."""
+    temperature: float | None = None
+    """Sampling temperature at eval (greedy: false); None = the rollout's. The paper evaluates math at 0.6."""
+    top_p: float | None = None
+    """Nucleus sampling at eval (greedy: false); None = the rollout's. The paper evaluates math at 0.95."""
     max_new_tokens: int | None = None
     """Length budget at eval; None = the rollout's."""
     anchor: bool = True
@@ -343,11 +347,14 @@ def _above(low: float, null: bool = False) -> Rule:
         f"must be > {low:g}" + (" or null" if null else "")
 
 
-def _within(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Rule:
+def _within(low: float, high: float, low_open: bool = False, high_open: bool = False, null: bool = False) -> Rule:
     def ok(v):
+        if v is None:
+            return null
         return (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
 
-    return ok, f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    return ok, f"must be in {interval}" + (" or null" if null else "")
 
 
 RULES: dict[str, Rule] = {
@@ -392,7 +399,10 @@ RULES: dict[str, Rule] = {
     "eval.every": _at_least(0),
     "eval.size": _at_least(0),
     "eval.max_new_tokens": _at_least(1, null=True),
+    "eval.temperature": _above(0, null=True),
+    "eval.top_p": _within(0, 1, low_open=True, null=True),
     "lora.r": _at_least(0),
+    "lora.alpha": _above(0),
     "lora.dropout": _within(0, 1, high_open=True),
 }
 

@@ -8,18 +8,44 @@ error names the file, the line (for JSONL) and the field.
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any
+
+SHIPPED = Path(__file__).resolve().parent / "data_files"  # data the recipes need, named emapg:NAME
 
 
 class DataError(ValueError):
     """A problem in a user's data file."""
 
 
+def shipped_names() -> list[str]:
+    return sorted(p.name.removesuffix(".jsonl.gz") for p in SHIPPED.glob("*.jsonl.gz"))
+
+
+def resolve(path: str | Path) -> Path:
+    """A data path: ``emapg:NAME`` is a file shipped with the package (``data_files/README.md``), any
+    other path is the user's file."""
+    text = str(path)
+    if not text.startswith("emapg:"):
+        return Path(path)
+    name = text.removeprefix("emapg:")
+    if name not in shipped_names():
+        raise DataError(f"data file {text}: emapg ships no {name!r}; it ships {', '.join(shipped_names())}")
+    return SHIPPED / f"{name}.jsonl.gz"
+
+
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    try:
+        return _jsonl_rows(path)
+    except (OSError, EOFError) as e:  # a damaged .gz: gzip raises while it reads
+        raise DataError(f"{path}: not a readable gzip file ({type(e).__name__}: {e})") from None
+
+
+def _jsonl_rows(path: Path) -> list[tuple[str, dict]]:
     rows = []
-    with open(path, "rb") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         for i, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
@@ -81,12 +107,12 @@ def load_rows(path: str | Path, fields: dict[str, str] | None = None, required: 
 
     ``required`` lists task field names every row must have (after renaming).
     """
-    path = Path(path)
+    path = resolve(path)
     if not path.exists():
         raise DataError(f"data file {path} does not exist")
     if path.is_dir():
         raw = _read_table(path)
-    elif path.suffix == ".jsonl":
+    elif path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
         raw = _read_jsonl(path)
     elif path.suffix == ".json":
         raw = _read_json(path)
@@ -94,7 +120,7 @@ def load_rows(path: str | Path, fields: dict[str, str] | None = None, required: 
         raw = _read_table(path)
     else:
         raise DataError(f"{path}: unknown format {path.suffix!r}; "
-                        "expected .jsonl, .json, .parquet or a datasets folder")
+                        "expected .jsonl, .jsonl.gz, .json, .parquet or a datasets folder")
     if not raw:
         raise DataError(f"{path}: no rows (the file is empty)")
     fields = fields or {}

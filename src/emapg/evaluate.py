@@ -19,10 +19,11 @@ RANK_SEED_STRIDE = 7919  # rank r samples with seed + r * stride; rank 0 (and a 
 
 
 def eval_sampling(cfg: Any) -> SamplingSpec:
-    """How a training run evaluates: greedy, or one sample at the rollout's temperature and top-p, with
-    the eval budget (the rollout's when unset)."""
+    """How a training run evaluates: greedy, or one sample at the eval temperature and top-p, with the
+    eval budget (each the rollout's when unset)."""
     e, r = cfg.eval, cfg.rollout
-    return SamplingSpec(n=1, temperature=r.temperature, top_p=r.top_p, greedy=e.greedy,
+    return SamplingSpec(n=1, temperature=r.temperature if e.temperature is None else e.temperature,
+                        top_p=r.top_p if e.top_p is None else e.top_p, greedy=e.greedy,
                         max_new_tokens=e.max_new_tokens or r.max_new_tokens)
 
 

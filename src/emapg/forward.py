@@ -1,6 +1,6 @@
 """One model pass over a micro-batch of rollouts: per-response-token log-prob statistics.
 
-The anchor pass and the policy pass of spec section 5 are both this function. Two paths, equal
+The anchor pass and the policy pass of docs/METHOD.md section 5 are both this function. Two paths, equal
 in value and gradient (a test checks it):
 
 * ``prefix_sharing=True`` (default): each distinct prompt runs once; its key/value cache is

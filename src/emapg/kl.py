@@ -1,4 +1,4 @@
-"""Token-level KL estimators of EMA-PG (spec section 3).
+"""Token-level KL estimators of EMA-PG (docs/METHOD.md section 3).
 
 Notation at one position: ``p`` is the sampled token, drawn from ``pi_samp``; ``sg`` is stop-gradient;
 ``r = pi(p) / sg(pi(p))`` (value 1, gradient grad log pi(p)); ``w = anchor(p) / pi(p)``;
@@ -18,7 +18,7 @@ estimator is one declaration and its tests.
 
 ``form="unbiased"`` (default) is the corrected top-k estimator; ``form="paper"`` reproduces the
 reference code's formulas, whose gradient is off by ``+grad pi(q)`` (reverse) and ``-grad pi(q)``
-(forward) for ``0 < k < V``. Spec section 3 explains why.
+(forward) for ``0 < k < V``. docs/METHOD.md section 3.4 explains why.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _k5(lp: Tensor, la: Tensor) -> Tensor:
 
 def _topk_reverse_tail(lp: Tensor, la: Tensor) -> Tensor:
     """r sg(log pi/anchor) + (r - 1): the (r - 1) has value 0, and its expected gradient cancels the
-    head weights' grad pi(q) that the paper's form leaves in (spec section 3)."""
+    head weights' grad pi(q) that the paper's form leaves in (docs/METHOD.md section 3.4)."""
     r = _ratio(lp)
     return r * (lp - la).detach() + (r - 1)
 

@@ -1,4 +1,4 @@
-"""Per-position log-probabilities from hidden states, chunk by chunk over positions (spec section 5).
+"""Per-position log-probabilities from hidden states, chunk by chunk over positions (docs/METHOD.md section 5).
 
 The output projection of a language model maps ``[N, H]`` hidden states to ``[N, V]`` logits, with V
 up to 150k+. Everything EMA-PG needs from those logits is small: the log-sum-exp, the sampled

@@ -1,4 +1,4 @@
-"""The GRPO objective around the KL term (spec section 4), as pure functions over tensors.
+"""The GRPO objective around the KL term (docs/METHOD.md section 4), as pure functions over tensors.
 
 Shapes: B responses, L response positions (padded), ``mask`` [B, L] is 1 where the model
 generated the token and the token counts in the loss (0 for padding and for tool output).

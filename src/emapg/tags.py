@@ -1,4 +1,4 @@
-"""The Search-R1 text protocol (spec section 6), shared by the episode loop and the search task.
+"""The Search-R1 text protocol (docs/METHOD.md section 6), shared by the episode loop and the search task.
 
 The model writes ``<search> query </search>`` and ends with ``<answer> ... </answer>``; the
 environment answers a search with ``<information> ... </information>``.

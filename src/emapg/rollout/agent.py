@@ -1,4 +1,4 @@
-"""Multi-turn tool rollouts (the Search-R1 protocol, spec section 6).
+"""Multi-turn tool rollouts (the Search-R1 protocol, docs/METHOD.md section 6).
 
 The model writes ``<search> query </search>``; the environment retrieves passages and appends
 ``<information> ... </information>``; the episode ends at ``<answer> ... </answer>``, at an

@@ -3,7 +3,7 @@ batched, left-padded, n samples per prompt.
 
 Per generated token it records, as the token is produced, the sampled token's log-prob under the
 sampling distribution (after temperature and top-p), that distribution's top-k ids, its entropy and
-the tail mass top-p removed: no extra forward pass (spec section 5), and only one step's
+the tail mass top-p removed: no extra forward pass (docs/METHOD.md section 5), and only one step's
 ``[rows, vocab]`` alive at a time.
 """
 

@@ -1,6 +1,6 @@
 """The sampler contract both rollout backends share (HF decode loop, vLLM): prompt formatting,
 padding, end-of-sequence ids, what a sampler returns, and the per-token statistics of a sampling
-distribution (spec section 5).
+distribution (docs/METHOD.md section 5).
 
 Every sampler records, per generated token and as it is produced: the sampled token's log-prob
 under the sampling distribution (after temperature and top-p), that distribution's entropy, the

@@ -10,7 +10,7 @@ adapters merged on the fly (the policy itself is never touched).
 
 Log-probs are vLLM's ``processed_logprobs``: after temperature and top-p, i.e. of the sampling
 distribution pi_samp, which is what the importance weight and the top-k reverse KL's head set q
-need (spec section 5). vLLM computes them with its own kernels, so they differ
+need (docs/METHOD.md section 5). vLLM computes them with its own kernels, so they differ
 from the trainer's recomputation by rounding (fp32 on CPU: about 1e-5 nats; tests/test_vllm_engine.py);
 the importance weight s = pi_theta / pi_samp accounts for exactly that.
 
