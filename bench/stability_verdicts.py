@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from emapg.compare import anchor_minus_policy, interval95, load_spec, paired_diffs, summarize
+from emapg.compare import anchor_minus_policy, load_spec, paired_diffs, summarize
 from emapg.config import ConfigError
 
 SPEC = Path(__file__).resolve().parent / "stability.yaml"

@@ -86,7 +86,7 @@ def test_mean_and_spread_over_seeds(tmp_path):
 def test_stability_metrics_and_paired_intervals(tmp_path):
     """Peak, drawdown (peak - final) and the area under the policy's accuracy curve per seed, and
     paired differences with 95% t-intervals."""
-    from emapg.compare import interval95
+    from emapg.stats import interval95
 
     spec = load_spec(write_spec(tmp_path, SPEC))
     out = tmp_path / "out"

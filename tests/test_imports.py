@@ -80,7 +80,7 @@ LAYERS = [
     ("foundations", ["emapg", "emapg.atomic", "emapg.data", "emapg.tags", "emapg.kl", "emapg.objective",
                      "emapg.logprobs", "emapg.rollout.batch", "emapg.rollout.sampling", "emapg.rewards",
                      "emapg.rewards.math", "emapg.rewards.qa", "emapg.tasks.base", "emapg.tasks.multihop_kb",
-                     "emapg.retrieval.client", "emapg.integrations"]),
+                     "emapg.retrieval.client", "emapg.integrations", "emapg.stats"]),
     ("config", ["emapg.config", "emapg.kl_moments"]),
     ("models and state", ["emapg.lm", "emapg.distributed", "emapg.models", "emapg.anchor", "emapg.checkpoint",
                           "emapg.metrics", "emapg.runs"]),

@@ -103,9 +103,16 @@ def test_frozen_anchor_reuses_the_initial_policy(tmp_path, monkeypatch):
 
 
 def _anchor_evaluations(tr, monkeypatch):
+    """The models whose held-out set the run evaluates for real (a reused result is not a run)."""
     calls = []
-    real = tr.evaluate
-    monkeypatch.setattr(tr, "evaluate", lambda which="policy": calls.append(which) or real(which))
+    real = tr.evaluator.run
+
+    def spy(model, which, step, sets=("heldout", "transfer"), reuse=None):
+        if reuse is None and "heldout" in sets:
+            calls.append(which)
+        return real(model, which, step, sets, reuse=reuse)
+
+    monkeypatch.setattr(tr.evaluator, "run", spy)
     return calls
 
 
@@ -575,3 +582,27 @@ def test_the_validation_table_covers_every_number_and_names_only_real_fields():
                if {int, float} & ({typ} | set(typing.get_args(typ))) and typ is not bool}
     assert numbers - set(RULES) == {"seed"}  # any integer seeds a run
     assert set(RULES) <= {name for name, _ in fields(TrainConfig)}
+
+
+def test_every_evaluation_keeps_its_per_problem_outcomes_on_both_held_out_sets(tmp_path):
+    """Held-out and transfer sets (subtraction, never trained on), policy and anchor: one line of 0/1
+    per evaluation, in the order of the set's ids, whose mean is the accuracy the metrics report."""
+    tr = Trainer(cfg("steps=2", "eval.every=1", "eval.size=8", "eval.transfer={ops: '-'}", "eval.transfer_size=6",
+                     "save_every=1"), tmp_path, progress=False)
+    tr.train()
+    ids = {s: json.loads((tmp_path / "outcomes" / f"{s}.ids.json").read_text()) for s in ("heldout", "transfer")}
+    assert ids["heldout"] == [ex.id for ex in tr.task.eval_examples(8)] and len(ids["transfer"]) == 6
+    assert all(" - " in ex.messages[-1]["content"] for ex in tr.evaluator.sets["transfer"][1])
+    lines = [json.loads(x) for x in (tmp_path / "outcomes" / "outcomes.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["set"], r["model"]) for r in lines] == [
+        (0, "heldout", "policy"), (0, "transfer", "policy"),
+        *[(s, st, m) for s in (1, 2) for m in ("policy", "anchor") for st in ("heldout", "transfer")]]
+    rows = {r["step"]: r for r in read_metrics(tmp_path)}
+    for r in lines:
+        key = f"eval/{r['model']}_accuracy" if r["set"] == "heldout" else f"eval/transfer_{r['model']}_accuracy"
+        assert len(r["solved"]) == len(ids[r["set"]]) and set(r["solved"]) <= {"0", "1"}
+        assert sum(map(int, r["solved"])) / len(r["solved"]) == pytest.approx(rows[r["step"]][key])
+    # a resume replays the steps after its checkpoint: their lines go, and come back once
+    tr.evaluator.forget_after(1)
+    assert [json.loads(x)["step"] for x in (tmp_path / "outcomes" / "outcomes.jsonl").read_text().splitlines()] \
+        == [0, 0, 1, 1, 1, 1]

@@ -32,6 +32,7 @@ from emapg.checkpoint import has_checkpoint
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
 from emapg.runs import claim_run_folder
+from emapg.stats import interval95
 
 CURVES = {  # panel title -> metrics key
     "held-out accuracy (policy)": "eval/policy_accuracy",
@@ -218,22 +219,6 @@ def _auc(curve: dict[int, float]) -> float:
         return curve[steps[0]] if steps else math.nan
     area = sum((b - a) * (curve[a] + curve[b]) / 2 for a, b in zip(steps, steps[1:], strict=False))
     return area / (steps[-1] - steps[0])
-
-
-# Two-sided 95% quantiles of Student's t by degrees of freedom (the nearest lower one is used).
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
-
-
-def interval95(values: list[float]) -> tuple[float, float]:
-    """The 95% t-interval of the mean of ``values`` (seed-by-seed differences)."""
-    n = len(values)
-    m = statistics.fmean(values)
-    if n < 2:
-        return m, m
-    t = T975[max(d for d in T975 if d <= n - 1)]
-    half = t * statistics.stdev(values) / math.sqrt(n)
-    return m - half, m + half
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

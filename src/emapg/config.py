@@ -123,6 +123,15 @@ class EvalConfig:
     anchor: bool = True
     """Evaluate the anchor too at every periodic evaluation, so that both curves show (it is always
     evaluated at the end; a frozen anchor is the initial policy, whose step-0 evaluation serves)."""
+    transfer: dict[str, Any] = field(default_factory=dict)
+    """A second held-out set from a distribution the run does not train on: task_args overrides for it,
+    e.g. {ops: "-"} (subtraction after training on addition); {} = none. Evaluated with the held-out
+    set, for the policy and the anchor; its metrics are eval/transfer_policy_* and eval/transfer_anchor_*."""
+    transfer_size: int | None = None
+    """Problems in the transfer set; None = eval.size."""
+    outcomes: bool = True
+    """Keep every evaluation's per-problem outcomes (RUN/outcomes/: a line of 0/1 per evaluation), so
+    that two runs can be compared problem by problem."""
 
 
 @dataclass
@@ -400,6 +409,7 @@ RULES: dict[str, Rule] = {
     "eval.size": _at_least(0),
     "eval.max_new_tokens": _at_least(1, null=True),
     "eval.temperature": _above(0, null=True),
+    "eval.transfer_size": _at_least(1, null=True),
     "eval.top_p": _within(0, 1, low_open=True, null=True),
     "lora.r": _at_least(0),
     "lora.alpha": _above(0),

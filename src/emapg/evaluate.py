@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from emapg import distributed
+from emapg.atomic import write_json_atomic, write_text_atomic
 from emapg.rollout import rollout_for_task
 from emapg.rollout.sampling import SamplingSpec
 from emapg.scoring import score_completions
@@ -43,7 +46,7 @@ def evaluate_shared(model: nn.Module, tokenizer, task: Task, examples: list[Exam
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed + RANK_SEED_STRIDE * rank)
-        res = evaluate(model, tokenizer, task, examples[rank::world], spec, progress=progress)
+        res = evaluate(model, tokenizer, task, examples[rank::world], spec, progress=progress, outcomes=True)
     return combine_evals(distributed.all_gather_objects(res)) if world > 1 else res
 
 
@@ -63,6 +66,8 @@ def combine_evals(parts: list[dict[str, Any]]) -> dict[str, Any]:
     # so both are weighted by the number of samples.
     for key in ["accuracy", "mean_length"] + [k for k in parts[0] if k.startswith("pass@") or k.endswith("_mean")]:
         out[key] = sum(p[key] * p["num"] for p in parts) / max(num, 1)
+    if "solved" in parts[0]:
+        out["solved"] = {k: v for p in parts for k, v in p["solved"].items()}
     return out
 
 
@@ -77,7 +82,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], spec: SamplingSpec, *,
-             batch_size: int = 64, progress: str | None = None, record: bool = False) -> dict[str, Any]:
+             batch_size: int = 64, progress: str | None = None, record: bool = False,
+             outcomes: bool = False) -> dict[str, Any]:
     """Mean reward over ``examples`` x ``spec.n`` samples (avg@n: pass@1 averaged over n samples).
 
     Returns {'accuracy' (= avg@n), 'pass@k' for k = 1, 2, 4, ... <= n, 'mean_length', 'num'}.
@@ -85,12 +91,14 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
     ``progress``: a label for a progress bar over the problems (on stderr), or None for none.
     ``record``: also return 'records', one {id, prompt, answer, completion, reward} per sample (the
     transcripts behind the number; an agent's completion includes the environment's information blocks).
+    ``outcomes``: also return 'solved', {problem id: how many of its samples were correct}.
     """
     from tqdm.auto import tqdm
 
     n = spec.n
     total, length, count = 0.0, 0.0, 0
     correct: list[int] = []
+    solved: dict[str, int] = {}
     stats: dict[str, float] = {}
     records: list[dict[str, Any]] = []
     # Batches of similar prompt length waste less compute on left padding (order does not matter here).
@@ -102,6 +110,7 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
         rewards = score_completions(task, batch.completions, chunk, n, evaluation=True)
         total += float(rewards.sum())
         correct += (rewards >= 1.0).view(-1, n).sum(1).tolist()
+        solved.update(zip((ex.id for ex in chunk), correct[-len(chunk):], strict=True))
         if record:
             records += [{"id": ex.id, "prompt": ex.messages[-1]["content"], "answer": ex.answer,
                          "completion": batch.completions[i * n + j], "reward": float(rewards[i * n + j])}
@@ -119,4 +128,72 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
         out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
     if record:
         out["records"] = records
+    if outcomes:
+        out["solved"] = solved
     return out
+
+
+class RunEvaluator:
+    """A training run's held-out evaluations: the held-out set (``eval.size`` problems) and, with
+    ``eval.transfer``, a second set from a distribution the run does not train on (the task built with
+    those task_args overrides), each for the policy and the anchor. Each evaluation's per-problem
+    outcomes go to ``RUN/outcomes/outcomes.jsonl`` as it finishes, one line of 0/1 digits in the order
+    of the set's ids (``RUN/outcomes/SET.ids.json``), so two runs can be compared problem by problem
+    (:func:`emapg.stats.mcnemar_p`)."""
+
+    def __init__(self, cfg: Any, task: Task, tokenizer, run_dir, dist: distributed.DistInfo, progress: bool):
+        from emapg.tasks import make_task
+
+        self.cfg, self.tokenizer, self.main = cfg, tokenizer, dist.is_main
+        self.rank, self.world = dist.rank, dist.world
+        self.spec, self.settings = eval_sampling(cfg), eval_settings(cfg, dist.world, dist.device.type)
+        self.progress = progress and self.main
+        self.sets: dict[str, tuple[Task, list[Example]]] = {}
+        if cfg.eval.size:
+            self.sets["heldout"] = (task, task.eval_examples(cfg.eval.size))
+        if cfg.eval.size and cfg.eval.transfer:
+            other = make_task(cfg.task, **{**cfg.task_args, **cfg.eval.transfer})
+            self.sets["transfer"] = (other, other.eval_examples(cfg.eval.transfer_size or cfg.eval.size))
+        self.folder = Path(run_dir) / "outcomes"
+        if self.main and self.sets:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for name, (_, examples) in self.sets.items():
+                write_json_atomic(self.folder / f"{name}.ids.json", [ex.id for ex in examples])
+
+    @property
+    def examples(self) -> list[Example]:
+        return self.sets["heldout"][1] if "heldout" in self.sets else []
+
+    def forget_after(self, step: int) -> None:
+        """A resumed run replays the steps after ``step``: their outcome lines are dropped."""
+        path = self.folder / "outcomes.jsonl"
+        if self.main and path.exists():
+            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            write_text_atomic(path, "".join(line + "\n" for line in keep))
+
+    def run(self, model: nn.Module, which: str, step: int, sets: tuple[str, ...] = ("heldout", "transfer"),
+            reuse: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+        """Evaluate ``model`` (``which``: policy or anchor; gathered, in its autocast) on the sets; returns
+        {set: result}. ``reuse``: a held-out result already measured for this model (not run again)."""
+        out = {}
+        for name in sets:
+            if name not in self.sets:
+                continue
+            task, examples = self.sets[name]
+            if name == "heldout" and reuse is not None:
+                res = reuse
+            else:
+                label = f"eval {which} ({name}) at step {step} ({len(examples)} problems)" if self.progress else None
+                res = evaluate_shared(model, self.tokenizer, task, examples, self.spec, rank=self.rank,
+                                      world=self.world, seed=self.cfg.seed, progress=label)
+            self._record(name, which, step, res)
+            out[name] = res
+        return out
+
+    def _record(self, name: str, which: str, step: int, res: dict[str, Any]) -> None:
+        if not (self.main and self.cfg.eval.outcomes and "solved" in res):
+            return
+        solved = res["solved"]
+        digits = "".join(str(min(9, solved[ex.id])) for ex in self.sets[name][1])
+        with open(self.folder / "outcomes.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "set": name, "model": which, "solved": digits}) + "\n")

@@ -219,7 +219,8 @@ def final_table(run_dir: Path, initial_eval: dict[str, Any] | None) -> dict[str,
     last = {}
     for row in read_metrics(run_dir):
         last.update({k: v for k, v in row.items() if k.startswith("eval/")})
-    table = {"init": initial_eval,
+    init = None if initial_eval is None else {k: v for k, v in initial_eval.items() if k != "solved"}
+    table = {"init": init,
              "policy": {"accuracy": last.get("eval/policy_accuracy")},
              "anchor": {"accuracy": last.get("eval/anchor_accuracy")}}
     write_eval_table(run_dir, table)

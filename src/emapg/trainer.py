@@ -32,7 +32,7 @@ from emapg.anchor import EMAAnchor
 from emapg.checkpoint import export_models, intact_checkpoint, restore_training, save_training, tied_names
 from emapg.config import TrainConfig, check_world, save_config
 from emapg.distributed import gathered
-from emapg.evaluate import RANK_SEED_STRIDE, eval_row, eval_sampling, eval_settings, evaluate_shared
+from emapg.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row, eval_sampling
 from emapg.forward import SHARD_METHODS, model_logprobs
 from emapg.lm import set_pass_mode
 from emapg.metrics import MetricsWriter, add_stats, peak_memory_row, rollout_row, update_row
@@ -108,15 +108,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         # The estimator's head and both sampling specs, read from the config once.
         self.head = algo.kl_head(cfg.algo)
-        self.sampling, self.eval_spec = algo.rollout_sampling(cfg.rollout, self.head), eval_sampling(cfg)
+        self.sampling = algo.rollout_sampling(cfg.rollout, self.head)
         with distributed.rank_zero_first(self.dist):
             self.model, self.tokenizer = training_policy(cfg, self.dist.device)
             self.task = make_task(cfg.task, **cfg.task_args)
         # before the first step: a prompt that cannot fit is refused (or cut), never run for minutes
         fit_prompts(self.task, self.tokenizer, context_length(self.model),
-                    max(response_budget(self.task, cfg.rollout.max_new_tokens), self.eval_spec.max_new_tokens),
+                    max(response_budget(self.task, cfg.rollout.max_new_tokens), eval_sampling(cfg).max_new_tokens),
                     cfg.long_prompts, warn=self.main)
-        self.eval_set = self.task.eval_examples(cfg.eval.size) if cfg.eval.size else []
+        self.evaluator = RunEvaluator(cfg, self.task, self.tokenizer, self.run_dir, self.dist, progress=progress)
         names = set(self.model.state_dict()) - tied_names(self.model)  # before sharding: plain names
         ckpt = intact_checkpoint(self.run_dir, names, warn=self.main) if resume else None
         since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
@@ -138,6 +138,7 @@ class Trainer:
             self.step, self.skipped_steps = st["step"], st["skipped_steps"]
             self.scheduler.load_state_dict(st["scheduler"])
             self.initial_eval, self.initial_eval_settings = st.get("initial_eval"), st.get("initial_eval_settings")
+            self.evaluator.forget_after(self.step)
         elif self.main:
             save_config(cfg, self.run_dir / "config.yaml")
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None,
@@ -152,21 +153,21 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        if self.initial_eval is None and self.eval_set and self.step == 0:  # later, the policy has moved
-            self.initial_eval = self.evaluate("policy")
-            self.initial_eval_settings = eval_settings(cfg, self.dist.world, self.dist.device.type)
-            self._write({"step": 0, **eval_row("policy", self.initial_eval)})
+        if self.initial_eval is None and self.evaluator.examples and self.step == 0:  # later, the policy has moved
+            results = self._evaluate("policy")
+            self.initial_eval, self.initial_eval_settings = results["heldout"], self.evaluator.settings
+            self._write({"step": 0, **_rows("policy", results)})
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.main), desc="emapg",
                    unit="step")
         while self.step < cfg.steps:
             step = self.step + 1
             row = self.train_step(step)
             self.step = step
-            periodic = bool(self.eval_set and cfg.eval.every and step % cfg.eval.every == 0)
-            if self.eval_set and (periodic or step == cfg.steps):
-                row.update(eval_row("policy", self.evaluate("policy")))
+            periodic = bool(self.evaluator.examples and cfg.eval.every and step % cfg.eval.every == 0)
+            if self.evaluator.examples and (periodic or step == cfg.steps):
+                row.update(_rows("policy", self._evaluate("policy")))
                 if step == cfg.steps or cfg.eval.anchor:
-                    row.update(eval_row("anchor", self._evaluate_anchor()))
+                    row.update(_rows("anchor", self._evaluate("anchor", reuse=self._initial_anchor_eval())))
             self._write(row)
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                 self.save()
@@ -300,19 +301,20 @@ class Trainer:
 
     def evaluate(self, which: str = "policy") -> dict[str, Any]:
         """Held-out accuracy of the policy or the anchor; each rank evaluates its share of the set."""
-        label = (f"eval {which} at step {self.step} ({len(self.eval_set)} problems)"
-                 if self.progress and self.main else None)
+        return self._evaluate(which, sets=("heldout",))["heldout"]
+
+    def _evaluate(self, which: str, sets: tuple[str, ...] = ("heldout", "transfer"), reuse=None) -> dict[str, Any]:
+        """The policy or the anchor on the run's held-out sets ({set: result}; :class:`RunEvaluator`)."""
         model = self.anchor.use(self.model) if which == "anchor" else contextlib.nullcontext(self.model)
         with model as m, gathered(m) as g, self._autocast():
-            return evaluate_shared(g, self.tokenizer, self.task, self.eval_set, self.eval_spec, rank=self.dist.rank,
-                                   world=self.dist.world, seed=self.cfg.seed, progress=label)
+            return self.evaluator.run(g, which, self.step, sets, reuse=reuse)
 
-    def _evaluate_anchor(self) -> dict[str, Any]:
-        """The anchor's evaluation. An anchor that is the initial policy, evaluated at step 0 with the
-        same settings, has that evaluation: it is reused, not run again."""
+    def _initial_anchor_eval(self) -> dict[str, Any] | None:
+        """An anchor that is the initial policy, evaluated at step 0 with the same settings, has that
+        held-out evaluation: it is reused, not run again (None: run it)."""
         same = (self.anchor_is_initial and self.initial_eval is not None
-                and self.initial_eval_settings == eval_settings(self.cfg, self.dist.world, self.dist.device.type))
-        return self.initial_eval if same else self.evaluate("anchor")
+                and self.initial_eval_settings == self.evaluator.settings)
+        return self.initial_eval if same else None
 
     def save(self) -> Path:
         """Write a checkpoint of whole tensors (any number of processes can resume it). Collective."""
@@ -341,3 +343,10 @@ class Trainer:
     def _write(self, row: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics.write(row)
+
+
+def _rows(which: str, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Metrics-row entries of one model's evaluations: eval/{which}_* for the held-out set,
+    eval/{set}_{which}_* for the others."""
+    return {k: v for name, res in results.items() for k, v in eval_row(which if name == "heldout" else
+                                                                        f"{name}_{which}", res).items()}
