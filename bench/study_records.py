@@ -1,13 +1,14 @@
 """Keep a long comparison's finished runs in the repository, and put them back.
 
-A study of many runs (bench/stability.yaml: 45 runs, several hours) spans sessions, and a later
+A study of many runs (studies/stability: 45 runs, several hours) spans sessions, and a later
 session may start on a fresh machine. `emapg compare` skips a run whose eval.json exists and builds
-its tables from each run's metrics.jsonl, eval.json and compute.json, so those few kilobytes per
-finished run (plus its config.yaml, for the record) are all a study needs to continue and report:
+its tables from each run's metrics.jsonl, eval.json and compute.json (and its per-problem outcomes,
+outcomes/), so those few kilobytes per finished run (plus its config.yaml, for the record) are all a
+study needs to continue and report:
 
-    python bench/study_records.py save runs/stability docs/results/stability     # after some runs finished
-    python bench/study_records.py restore docs/results/stability runs/stability  # on the next machine
-    emapg compare --spec bench/stability.yaml --out runs/stability --jobs 2       # runs only what is missing
+    python bench/study_records.py save runs/stability studies/stability/records     # after some runs finished
+    python bench/study_records.py restore studies/stability/records runs/stability  # on the next machine
+    emapg compare --spec studies/stability/spec.yaml --out runs/stability --jobs 2   # runs only what is missing
 
 Unfinished runs (no eval.json) are not saved: an interrupted run resumes from its checkpoint on the
 same machine, or starts again on another.
@@ -20,7 +21,8 @@ import shutil
 import sys
 from pathlib import Path
 
-FILES = ("metrics.jsonl", "eval.json", "compute.json", "config.yaml")
+FILES = ("metrics.jsonl", "eval.json", "compute.json", "config.yaml", "outcomes/outcomes.jsonl",
+         "outcomes/heldout.ids.json", "outcomes/transfer.ids.json")
 
 
 def finished_runs(root: Path) -> list[Path]:
@@ -41,6 +43,7 @@ def copy_runs(src: Path, dst: Path) -> list[Path]:
         target.mkdir(parents=True, exist_ok=True)
         for name in FILES:
             if (src / rel / name).exists():
+                (target / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src / rel / name, target / name)
         copied.append(rel)
     return copied

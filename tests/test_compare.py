@@ -223,11 +223,15 @@ def test_a_study_continues_from_records_kept_in_the_repository(tmp_path, bench_m
     (out / "a" / "seed1").mkdir()  # unfinished: a checkpoint-only folder
     (out / "a" / "seed1" / "metrics.jsonl").write_text('{"step": 0}\n')
     (out / "b" / "seed0" / "tensorboard").mkdir()
+    (out / "b" / "seed0" / "outcomes").mkdir()  # per-problem outcomes travel with the records
+    (out / "b" / "seed0" / "outcomes" / "outcomes.jsonl").write_text('{"step": 2, "set": "heldout", '
+                                                                     '"model": "policy", "solved": "01"}\n')
     assert records.main(["save", str(out), str(kept)]) == 0
     assert sorted(str(p) for p in records.finished_runs(kept)) == ["a/seed0", "b/seed0"]
     assert not (kept / "a" / "seed1").exists() and not (kept / "b" / "seed0" / "tensorboard").exists()
     assert records.main(["restore", str(kept), str(again)]) == 0
     assert summarize(spec, again) == summarize(spec, out)
+    assert (again / "b" / "seed0" / "outcomes" / "outcomes.jsonl").read_text().count("solved") == 1
     assert records.copy_runs(kept, again) == []  # already there, the same: nothing to do
     (out / "a" / "seed0" / "eval.json").write_text(json.dumps({"init": {"accuracy": 0.2}, "policy": {"accuracy": 0.9},
                                                                "anchor": {"accuracy": 0.1}}))
@@ -235,12 +239,17 @@ def test_a_study_continues_from_records_kept_in_the_repository(tmp_path, bench_m
         records.copy_runs(out, kept)
 
 
-def test_the_stability_verdicts_follow_the_paired_intervals(bench_module):
-    """bench/stability_verdicts.py judges H1-H5 from compare's per-seed summary: holds when the 95%
-    interval excludes 0 in the stated direction, fails when in the other, undecided otherwise;
-    provisional with fewer seeds than the study's."""
+def test_the_stability_verdicts_raw_and_corrected(bench_module):
+    """The study's hypotheses (studies/stability/spec.yaml) judged from compare's per-seed summary: raw
+    = the 95% interval excludes 0 in the stated direction (fails in the other, undecided otherwise);
+    corrected = Holm over the family's directional claims, so an interval that barely excludes 0 no
+    longer suffices; provisional with fewer seeds than the study's."""
+    from emapg import verdicts as vd
+
     v = bench_module("stability_verdicts")
-    assert set(c.config for cs in v.HYPOTHESES.values() for c in cs) <= set(load_spec(v.SPEC).configs)
+    spec_path = v.STUDIES / "stability" / "spec.yaml"
+    alpha, hyps = vd.load_hypotheses(spec_path)
+    assert {c.config for h in hyps for c in h.claims} <= set(load_spec(spec_path).configs)
 
     def run(**per_metric):  # metric -> one value per seed
         n = len(next(iter(per_metric.values())))
@@ -261,19 +270,59 @@ def test_the_stability_verdicts_follow_the_paired_intervals(bench_module):
         "ema-0.05-hi": run(**{**base, "policy": [x - 0.03 for x in base["policy"]],
                                "anchor": [0.5, 0.8, 0.4, 0.8, 0.5]}),  # lower: H4 fails; anchor mixed
     }
-    rows, result = v.verdicts(summary, seeds=5)
-    assert result == {"H1": "holds", "H2": "undecided", "H3": "fails", "H4": "fails", "H5": "holds"}
-    assert any("| H2 | final anchor minus its policy > 0: no-kl | 5 | +6.4 |" in r and r.endswith("| holds |")
-               for r in rows)
+    judged = vd.judge(summary, hyps, alpha)
+    got = {name: (raw, corrected) for name, (raw, corrected, _, _) in vd.hypothesis_verdicts(judged, hyps).items()}
+    assert got == {"H1": ("holds", "holds"), "H2": ("undecided", "undecided"), "H3": ("fails", "fails"),
+                   "H4": ("fails", "fails"), "H5": ("holds", "holds")}
+    h2 = next(j for j in judged if j.claim.text.endswith("no-kl") and j.hypothesis == "H2")
+    assert (h2.raw, round(100 * h2.mean, 1)) == ("holds", 6.4) and h2.holm_t > h2.p_t  # corrected over 11 claims
+    md = vd.table(judged, hyps, seeds=5)
+    assert "| H2 (study) | final anchor minus its policy > 0: no-kl | 5 | +6.4 |" in md
+    # an interval that barely excludes 0 holds raw and not after the correction
+    steps = (-0.05, -0.01, -0.04, -0.02, -0.03)  # t = -4.2: one-sided p 0.007, Holm's ninefold 0.06
+    barely = {**summary, "ema-0.05": run(**{**base, "drawdown": [x + d for x, d in zip(base["drawdown"], steps,
+                                                                                       strict=True)]})}
+    h1 = next(j for j in vd.judge(barely, hyps, alpha) if j.hypothesis == "H1")
+    assert h1.raw == "holds" and h1.corrected == "undecided" and h1.p_t < 0.05 < h1.holm_t
     three = {k: {"per_seed": {s: x for s, x in r["per_seed"].items() if int(s) < 3}} for k, r in summary.items()}
-    assert v.verdicts(three, seeds=5)[1]["H1"] == "holds (provisional: 3 of 5 seeds)"
-    del summary["no-kl-hi"]
-    assert v.verdicts(summary, seeds=5)[1]["H4"] == "fails (provisional: 0 of 5 seeds)"
-    assert v.claim_verdict([0.05], +1) == "undecided"  # one seed decides nothing
-    assert v.claim_verdict([0.05, -0.01, 0.03], +1) == "undecided"
-    assert v.claim_verdict([-0.05, -0.04, -0.06], "no lower") == "fails"
-    assert v.claim_verdict([0.1, 0.12, 0.11], 0) == "fails"
+    assert "- **H1**: raw holds, corrected holds (sign-flip: undecided) (provisional: 3 of 5 seeds)" in \
+        vd.table(vd.judge(three, hyps, alpha), hyps, seeds=5)
+    assert vd.raw_verdict([0.05], +1) == "undecided"  # one seed decides nothing
+    assert vd.raw_verdict([0.05, -0.01, 0.03], +1) == "undecided"
+    assert vd.raw_verdict([-0.05, -0.04, -0.06], "no lower") == "fails"
+    assert vd.raw_verdict([0.1, 0.12, 0.11], 0) == "fails"
     # the post-hoc cut: anchor minus policy, by whether the run ended below its peak
     cut = v.past_peak({"ema-0.05": run(policy=[0.6, 0.7], anchor=[0.7, 0.65], drawdown=[0.1, 0.0])})
     assert cut == ["- ended below the policy's peak: 1 runs, the anchor at or above its policy in 1: +10",
                    "- ended at the peak: 1 runs, the anchor at or above its policy in 0: -5"], cut
+
+
+def test_smoothed_endpoints_and_problem_by_problem_tests_from_the_kept_records(tmp_path):
+    """The mean of the last three evaluations (policy, anchor, transfer set) joins each seed's summary,
+    and two configs' final policies are compared on the same problems from RUN/outcomes (exact McNemar)."""
+    from emapg.compare import endpoints, per_problem
+
+    rows = [{"step": 0, "eval/policy_accuracy": 0.1, "eval/transfer_policy_accuracy": 0.0}]
+    for step, (p, a, t) in zip((10, 20, 30, 40), ((0.3, 0.2, 0.1), (0.5, 0.4, 0.2), (0.6, 0.5, 0.2), (0.4, 0.6, 0.3)),
+                               strict=True):
+        rows.append({"step": step, "eval/policy_accuracy": p, "eval/anchor_accuracy": a,
+                     "eval/transfer_policy_accuracy": t})
+    end = endpoints(rows)
+    assert end["policy_last3"] == pytest.approx(0.5) and end["anchor_last3"] == pytest.approx(0.5)
+    assert end["transfer_policy"] == 0.3 and end["transfer_policy_last3"] == pytest.approx(0.7 / 3)
+    assert "transfer_anchor_last3" not in end  # never evaluated
+    spec = load_spec(write_spec(tmp_path, SPEC))
+    out = tmp_path / "out"
+    solved = {"a": ["1100", "1110"], "b": ["0000", "1101"]}  # per seed, the last evaluation's
+    for name in ("a", "b"):
+        for seed in (0, 1):
+            fake_run(out / name / f"seed{seed}", [0.2, 0.5], [0.1, 0.2])
+            folder = out / name / f"seed{seed}" / "outcomes"
+            folder.mkdir()
+            lines = [{"step": 0, "set": "heldout", "model": "policy", "solved": "0000"},
+                     {"step": 2, "set": "heldout", "model": "anchor", "solved": "1111"},
+                     {"step": 2, "set": "heldout", "model": "policy", "solved": solved[name][seed]}]
+            (folder / "outcomes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert per_problem(spec, out, "b", "a") == [("0", 0, 2, 0.5), ("1", 1, 1, 1.0)]
+    md = report(spec, out)
+    assert "| main | b vs A | s0 +0/-2 (p 0.5), s1 +1/-1 (p 1) |" in md

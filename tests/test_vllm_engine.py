@@ -86,8 +86,8 @@ def check_against_reference(model, engine, examples, k, *, n=4, temperature=1.0,
     pol = response_logprobs(model, batch, k_self=k, temperature=temperature)
     assert (pol.logp_tok - batch.samp_logp[valid]).abs().max() < LOGP_TOL
     # the engine's raw top-k: each id's log-prob, and the set is a top-k of the reference
-    raw = engine._generate_many([(p, dict(n=n, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens,
-                                          k=k, greedy=False, seed=vb.stream_seed(seed, "prompt", i)))
+    spec = SamplingSpec(n=n, temperature=temperature, max_new_tokens=max_new_tokens, k=k)
+    raw = engine._generate_many([(p, spec, vb.stream_seed(seed, "prompt", i))
                                  for i, p in enumerate(vb.format_prompt(engine.tokenizer, ex.messages)
                                                        for ex in examples)])
     rows = [c for r in raw for c in sorted(r.outputs, key=lambda c: c.index)]
@@ -252,7 +252,7 @@ def test_close_frees_the_engine_and_leaves_no_process(tmp_path):
     script = textwrap.dedent(f"""
         import os, psutil, torch
         from emapg.models import load_model
-        from emapg.rollout.sampling import eos_ids
+        from emapg.rollout.sampling import SamplingSpec, eos_ids
         from emapg.tasks import make_task
         import emapg.rollout.vllm_backend as vb
         if __name__ == "__main__":
@@ -262,12 +262,13 @@ def test_close_frees_the_engine_and_leaves_no_process(tmp_path):
                     dtype="float32", device="{DEVICE}", gpu_memory_utilization=0.2, max_model_len=128, max_logprobs=4,
                     seed=0, sleep=False, enforce_eager=True, cpu_kv_cache_gib=1)
                 e.sync(model, 0)
-                e.generate(make_task("arithmetic", digits=1).eval_examples(2), n=2, max_new_tokens=4, seed=0)
+                e.generate(make_task("arithmetic", digits=1).eval_examples(2), SamplingSpec(n=2, max_new_tokens=4),
+                           seed=0)
                 e.close()
                 e.close()  # idempotent
                 assert not torch.distributed.is_initialized()
                 try:
-                    e.generate(make_task("arithmetic", digits=1).eval_examples(1), max_new_tokens=2)
+                    e.generate(make_task("arithmetic", digits=1).eval_examples(1), SamplingSpec(max_new_tokens=2))
                     raise SystemExit("a closed engine sampled")
                 except RuntimeError as err:
                     assert "closed" in str(err)

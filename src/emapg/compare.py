@@ -32,7 +32,8 @@ from emapg.checkpoint import has_checkpoint
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
 from emapg.runs import claim_run_folder
-from emapg.stats import interval95
+from emapg.stats import interval95, mcnemar_p
+from emapg.verdicts import anchor_minus_policy, judge, load_hypotheses, paired_diffs, table
 
 CURVES = {  # panel title -> metrics key
     "held-out accuracy (policy)": "eval/policy_accuracy",
@@ -53,6 +54,7 @@ class Spec:
     labels: dict[str, str] = field(default_factory=dict)
     groups: dict[str, list[str]] = field(default_factory=dict)
     prune_checkpoints: bool = False
+    source: Path | None = None  # the spec file (its hypotheses, if it declares any)
 
 
 def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None) -> Spec:
@@ -95,7 +97,7 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
     if not isinstance(prune, bool):
         raise ConfigError(f"{path}: prune_checkpoints: expected true or false, got {prune!r}")
     return Spec(base=base, overrides=overrides, seeds=[int(s) for s in seeds], configs=configs, labels=labels,
-                prune_checkpoints=prune,
+                prune_checkpoints=prune, source=path,
                 groups={g: names for g, names in groups.items() if names})
 
 
@@ -221,6 +223,51 @@ def _auc(curve: dict[int, float]) -> float:
     return area / (steps[-1] - steps[0])
 
 
+SMOOTH = 3  # a smoothed endpoint: the mean of a curve's last this many evaluations
+
+
+def endpoints(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """A run's per-seed endpoints besides the final evaluation: for the policy and the anchor on the
+    held-out set (``policy_last3``, ``anchor_last3``) and on the transfer set (``transfer_policy``,
+    ``transfer_policy_last3``, ...), the mean of the last three evaluations and the last one. The
+    anchor's curve counts only where it was evaluated (step 0 excluded: there it is the policy)."""
+    out = {}
+    for name, key in (("policy", "eval/policy_accuracy"), ("anchor", "eval/anchor_accuracy"),
+                      ("transfer_policy", "eval/transfer_policy_accuracy"),
+                      ("transfer_anchor", "eval/transfer_anchor_accuracy")):
+        curve = _curve(rows, key)
+        values = [curve[s] for s in sorted(curve)]
+        if len(values) >= SMOOTH:
+            out[f"{name}_last{SMOOTH}"] = statistics.fmean(values[-SMOOTH:])
+        if name.startswith("transfer") and values:
+            out[name] = values[-1]
+    return out
+
+
+def final_outcomes(run: Path, model: str = "policy", which_set: str = "heldout") -> list[int] | None:
+    """A run's last evaluation of ``model`` on ``which_set``, problem by problem (RUN/outcomes/), or None
+    for a run that kept none."""
+    path = run / "outcomes" / "outcomes.jsonl"
+    if not path.exists():
+        return None
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    mine = [x for x in lines if x["model"] == model and x["set"] == which_set]
+    return [int(c) for c in max(mine, key=lambda x: x["step"])["solved"]] if mine else None
+
+
+def per_problem(spec: Spec, out: Path, a: str, b: str, model: str = "policy",
+                which_set: str = "heldout") -> list[tuple[str, int, int, float]]:
+    """Seed by seed, the exact McNemar test of config ``a``'s final ``model`` against ``b``'s on the same
+    problems: (seed, problems only a solved, problems only b solved, two-sided p). Seeds without kept
+    outcomes on both sides are left out."""
+    rows = []
+    for s in spec.seeds:
+        oa, ob = (final_outcomes(out / c / f"seed{s}", model, which_set) for c in (a, b))
+        if oa is not None and ob is not None:
+            rows.append((str(s), *mcnemar_p(oa, ob)))
+    return rows
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return math.nan, math.nan
@@ -258,6 +305,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
         auc = [_auc(_curve(m, "eval/policy_accuracy")) for m in metrics]
         compute = [json.loads((r / "compute.json").read_text())["seconds"] for r in runs
                    if (r / "compute.json").exists()]
+        ends = [endpoints(m) for m in metrics]
         summary[name] = {
             "label": spec.labels.get(name, name), "seeds": len(runs), "curves": curves,
             "init": _mean_std(accuracies("init")), "policy": _mean_std(accuracies("policy")),
@@ -269,9 +317,9 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
             "entropy": _mean_std([x["entropy"] for x in last if "entropy" in x]),
             "minutes": _mean_std([c / 60 for c in compute]),
             "per_seed": {str(seed): {**{w: (f.get(w) or {}).get("accuracy") for w in ("policy", "anchor")},
-                                     "peak": pk, "drawdown": dd, "auc": a, "anchor_auc": aa}
-                         for seed, f, pk, dd, a, aa in zip(done, finals, peak, drawdown, auc, anchor_auc,
-                                                           strict=True)},
+                                     "peak": pk, "drawdown": dd, "auc": a, "anchor_auc": aa, **end}
+                         for seed, f, pk, dd, a, aa, end in zip(done, finals, peak, drawdown, auc, anchor_auc, ends,
+                                                                strict=True)},
         }
     return summary
 
@@ -352,20 +400,6 @@ def _anchor_vs_policy(summary: dict[str, Any]) -> list[str]:
             *rows, ""]
 
 
-def paired_diffs(run: dict[str, Any], ref: dict[str, Any], which: str) -> tuple[list[str], list[float]]:
-    """Seed by seed, ``run``'s per-seed value of ``which`` (policy, anchor, peak, drawdown, auc) minus
-    ``ref``'s, over the seeds both have: (seeds, differences)."""
-    seeds = [k for k, v in run["per_seed"].items()
-             if v.get(which) is not None and ref["per_seed"].get(k, {}).get(which) is not None]
-    return seeds, [run["per_seed"][k][which] - ref["per_seed"][k][which] for k in seeds]
-
-
-def anchor_minus_policy(run: dict[str, Any]) -> tuple[list[str], list[float]]:
-    """Seed by seed, the final anchor's accuracy minus its own policy's, same run: (seeds, differences)."""
-    seeds = [k for k, v in run["per_seed"].items() if v.get("anchor") is not None and v.get("policy") is not None]
-    return seeds, [run["per_seed"][k]["anchor"] - run["per_seed"][k]["policy"] for k in seeds]
-
-
 def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
     """Differences from the first config, seed by seed (the same prompts and samples up to the first
     difference), in points, with 95% t-intervals over seeds: seed-to-seed spread cancels, which
@@ -386,6 +420,24 @@ def _paired(summary: dict[str, Any], rows: list[str]) -> list[str]:
                 cells.append(_per_seed_cell(seeds, diffs))
         lines.append("| " + " | ".join(cells) + " |")
     return [*lines, ""]
+
+
+def per_problem_section(spec: Spec, out: Path, summary: dict[str, Any]) -> str:
+    """Per group, each config's final policy against the group's first on the same held-out problems,
+    seed by seed (exact McNemar: problems only this config solved / only the first solved, p); empty
+    where no run kept its outcomes."""
+    lines = []
+    for group, names in (spec.groups or {"all": list(summary)}).items():
+        rows = [n for n in names if n in summary]
+        for n in rows[1:]:
+            cells = [f"s{seed} +{a}/-{b} (p {p:.2g})" for seed, a, b, p in per_problem(spec, out, n, rows[0])]
+            if cells:
+                lines.append(f"| {group} | {summary[n]['label']} vs {summary[rows[0]]['label']} | {', '.join(cells)} |")
+    if not lines:
+        return ""
+    return ("\n\nProblem by problem: final policies on the same held-out problems, per seed (exact McNemar: "
+            "problems only this config solved / only the reference solved, two-sided p):\n\n"
+            "| group | configs | per seed |\n|---|---|---|\n" + "\n".join(lines) + "\n")
 
 
 def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) -> Path:
@@ -421,7 +473,12 @@ def report(spec: Spec, out: Path) -> str:
     """Write summary.json, results.md and one figure per group (or compare.png); return the markdown."""
     summary = summarize(spec, out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    md = markdown(spec, summary)
+    md = markdown(spec, summary) + per_problem_section(spec, out, summary)
+    if spec.source is not None:
+        alpha, hypotheses = load_hypotheses(spec.source)
+        if hypotheses:
+            md += ("\n\n**The spec's hypotheses** (`bench/stability_verdicts.py` prints the same)\n\n"
+                   + table(judge(summary, hypotheses, alpha), hypotheses, len(spec.seeds), alpha) + "\n")
     (out / "results.md").write_text(md)
     for group, names in (spec.groups or {"compare": list(summary)}).items():
         if any(n in summary for n in names):  # a group none of whose runs has finished gets no empty figure

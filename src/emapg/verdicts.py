@@ -1,0 +1,197 @@
+"""A study's pre-stated hypotheses, judged from its finished runs: raw and corrected verdicts.
+
+A study's spec (the YAML `emapg compare` runs) may declare ``hypotheses``, each a list of claims in
+one ``family``, and ``alpha``. A claim is a paired difference over seeds: config minus ref (same seed,
+same prompts) of a per-seed metric, or a config's anchor minus its own policy (``ref`` omitted), with
+the sign it states: +1 (above 0), -1 (below), 0 (no difference) or "no lower" (not below 0).
+
+Raw verdict (as the study first stated it): a directional claim holds when the 95% t-interval excludes
+0 in its direction, fails when it excludes 0 the other way, else is undecided. Corrected verdict: a
+directional claim holds when its one-sided p-value, Holm-adjusted over the directional claims of its
+family, is below alpha; it fails when its raw verdict fails. Both the t-test's and the exact sign-flip
+permutation test's p-values are adjusted and shown; the corrected verdict is the t-test's (the study's
+stated test), the sign-flip column the nonparametric check beside it. A claim of no difference is not
+a test of an effect: no correction applies, and "holds" there means only that no difference was
+detected. A hypothesis holds when all its claims hold and fails when any fails.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from emapg.config import ConfigError
+from emapg.stats import holm, interval95, sign_flip_p, t_pvalue
+
+
+@dataclass(frozen=True)
+class Claim:
+    text: str
+    config: str
+    ref: str | None  # None: the config's anchor minus its own policy
+    metric: str  # a per-seed key of compare's summary; for an anchor claim: "final" or "last3"
+    sign: int | str  # +1, -1, 0 or "no lower"
+
+    @property
+    def directional(self) -> bool:
+        return self.sign in (1, -1)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    name: str
+    family: str
+    claims: list[Claim]
+
+
+def load_hypotheses(path: str | Path) -> tuple[float, list[Hypothesis]]:
+    """A spec's ``alpha`` (default 0.05) and ``hypotheses``; errors name the file and the field."""
+    path = Path(path)
+    raw = yaml.safe_load(path.read_text()) or {}
+    alpha = raw.get("alpha", 0.05)
+    if not isinstance(alpha, float) or not 0 < alpha < 1:
+        raise ConfigError(f"{path}: alpha: expected a number in (0, 1), got {alpha!r}")
+    out = []
+    for name, h in (raw.get("hypotheses") or {}).items():
+        where = f"{path}: hypotheses.{name}"
+        if not isinstance(h, dict) or not isinstance(h.get("claims"), list) or not h["claims"]:
+            raise ConfigError(f"{where}: expected a mapping with family and a non-empty list of claims")
+        claims = []
+        for i, c in enumerate(h["claims"]):
+            missing = [k for k in ("text", "config", "metric", "sign") if not isinstance(c, dict) or k not in c]
+            if missing:
+                raise ConfigError(f"{where}.claims[{i}]: missing {', '.join(missing)}")
+            if c["sign"] not in (1, -1, 0, "no lower"):
+                raise ConfigError(f"{where}.claims[{i}].sign: expected 1, -1, 0 or 'no lower', got {c['sign']!r}")
+            claims.append(Claim(str(c["text"]), str(c["config"]), c.get("ref"), str(c["metric"]), c["sign"]))
+        out.append(Hypothesis(str(name), str(h.get("family", "all")), claims))
+    return alpha, out
+
+
+def paired_diffs(run: dict[str, Any], ref: dict[str, Any], which: str) -> tuple[list[str], list[float]]:
+    """Seed by seed, ``run``'s per-seed value of ``which`` (policy, anchor, peak, drawdown, auc) minus
+    ``ref``'s, over the seeds both have: (seeds, differences)."""
+    seeds = [k for k, v in run["per_seed"].items()
+             if v.get(which) is not None and ref["per_seed"].get(k, {}).get(which) is not None]
+    return seeds, [run["per_seed"][k][which] - ref["per_seed"][k][which] for k in seeds]
+
+
+def anchor_minus_policy(run: dict[str, Any], endpoint: str = "") -> tuple[list[str], list[float]]:
+    """Seed by seed, the anchor's accuracy minus its own policy's, same run: (seeds, differences). The
+    final evaluation's, or with ``endpoint="_last3"`` the smoothed endpoint's."""
+    a, p = f"anchor{endpoint}", f"policy{endpoint}"
+    seeds = [k for k, v in run["per_seed"].items() if v.get(a) is not None and v.get(p) is not None]
+    return seeds, [run["per_seed"][k][a] - run["per_seed"][k][p] for k in seeds]
+
+
+def claim_diffs(summary: dict[str, Any], claim: Claim) -> tuple[list[str], list[float]] | None:
+    """The claim's seed-by-seed differences, or None when a config it needs has no finished run."""
+    if claim.config not in summary or (claim.ref is not None and claim.ref not in summary):
+        return None
+    if claim.ref is None:
+        return anchor_minus_policy(summary[claim.config], "" if claim.metric == "final" else f"_{claim.metric}")
+    return paired_diffs(summary[claim.config], summary[claim.ref], claim.metric)
+
+
+def raw_verdict(diffs: list[float], sign: int | str) -> str:
+    """holds / fails / undecided from the 95% t-interval of the differences."""
+    if len(diffs) < 2:
+        return "undecided"
+    lo, hi = interval95(diffs)
+    if sign == 0:
+        return "holds" if lo <= 0 <= hi else "fails"
+    if sign == "no lower":
+        return "fails" if hi < 0 else "holds"
+    if (sign > 0 and lo > 0) or (sign < 0 and hi < 0):
+        return "holds"
+    if (sign > 0 and hi < 0) or (sign < 0 and lo > 0):
+        return "fails"
+    return "undecided"
+
+
+def combine(verdicts: list[str]) -> str:
+    if "fails" in verdicts:
+        return "fails"
+    return "holds" if verdicts and all(v == "holds" for v in verdicts) else "undecided"
+
+
+@dataclass
+class Judged:
+    hypothesis: str
+    claim: Claim
+    seeds: int
+    mean: float | None
+    interval: tuple[float, float] | None
+    p_t: float | None
+    p_flip: float | None
+    raw: str
+    holm_t: float | None = None
+    holm_flip: float | None = None
+    corrected: str = "undecided"
+    corrected_flip: str = "undecided"
+
+
+def judge(summary: dict[str, Any], hypotheses: list[Hypothesis], alpha: float = 0.05) -> list[Judged]:
+    """Every claim's numbers and verdicts, Holm's correction applied within each family."""
+    out = []
+    for h in hypotheses:
+        for c in h.claims:
+            got = claim_diffs(summary, c)
+            diffs = got[1] if got else []
+            alt = "greater" if c.sign == 1 else "less"
+            j = Judged(h.name, c, len(diffs), statistics.fmean(diffs) if diffs else None,
+                       interval95(diffs) if len(diffs) >= 2 else None,
+                       t_pvalue(diffs, alt) if c.directional and len(diffs) >= 2 else None,
+                       sign_flip_p(diffs, alt) if c.directional and diffs else None, raw_verdict(diffs, c.sign))
+            if not c.directional:
+                j.corrected = j.corrected_flip = j.raw  # no correction for a claim of no effect
+            out.append(j)
+    family_of = {h.name: h.family for h in hypotheses}
+    for family in sorted(set(family_of.values())):
+        mine = [j for j in out if family_of[j.hypothesis] == family and j.claim.directional and j.p_t is not None]
+        adj_t = holm({str(i): j.p_t for i, j in enumerate(mine)})
+        adj_f = holm({str(i): j.p_flip for i, j in enumerate(mine)})
+        for i, j in enumerate(mine):
+            j.holm_t, j.holm_flip = adj_t[str(i)], adj_f[str(i)]
+            j.corrected = "fails" if j.raw == "fails" else "holds" if j.holm_t < alpha else "undecided"
+            j.corrected_flip = "fails" if j.raw == "fails" else "holds" if j.holm_flip < alpha else "undecided"
+    return out
+
+
+def _p(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}" if x >= 0.001 else f"{x:.1e}"
+
+
+def table(judged: list[Judged], hypotheses: list[Hypothesis], seeds: int, alpha: float = 0.05) -> str:
+    """The claims' table and each hypothesis's raw and corrected verdict (markdown)."""
+    lines = [f"Holm's correction within each family at alpha {alpha:g}; p-values one-sided in the claimed "
+             "direction (claims of no difference: not corrected, 'holds' = no difference detected).", "",
+             "| hypothesis (family) | claim | seeds | mean (points) | 95% t-interval | p (t) | p (sign-flip) | "
+             "Holm p (t) | Holm p (sign-flip) | raw verdict | corrected | corrected (sign-flip) |",
+             "|" + "---|" * 12]
+    family = {h.name: h.family for h in hypotheses}
+    for j in judged:
+        mean = "n/a" if j.mean is None else f"{round(100 * j.mean, 1) + 0.0:+.1f}"
+        ci = "n/a" if j.interval is None else "[{:+.1f}, {:+.1f}]".format(*(100 * x for x in j.interval))
+        lines.append(f"| {j.hypothesis} ({family[j.hypothesis]}) | {j.claim.text} | {j.seeds} | {mean} | {ci} | "
+                     f"{_p(j.p_t)} | {_p(j.p_flip)} | {_p(j.holm_t)} | {_p(j.holm_flip)} | {j.raw} | "
+                     f"{j.corrected} | {j.corrected_flip} |")
+    lines.append("")
+    for name, (raw, corrected, flip, n) in hypothesis_verdicts(judged, hypotheses).items():
+        note = "" if n >= seeds else f" (provisional: {n} of {seeds} seeds)"
+        lines.append(f"- **{name}**: raw {raw}, corrected {corrected} (sign-flip: {flip})" + note)
+    return "\n".join(lines)
+
+
+def hypothesis_verdicts(judged: list[Judged], hypotheses: list[Hypothesis]) -> dict[str, tuple[str, str, str, int]]:
+    """Each hypothesis's (raw, corrected, corrected by sign-flip) verdict and the seeds behind all its claims."""
+    out = {}
+    for h in hypotheses:
+        mine = [j for j in judged if j.hypothesis == h.name]
+        out[h.name] = (combine([j.raw for j in mine]), combine([j.corrected for j in mine]),
+                       combine([j.corrected_flip for j in mine]), min(j.seeds for j in mine))
+    return out
