@@ -284,6 +284,13 @@ def test_the_stability_verdicts_raw_and_corrected(bench_module):
                                                                                        strict=True)]})}
     h1 = next(j for j in vd.judge(barely, hyps, alpha) if j.hypothesis == "H1")
     assert h1.raw == "holds" and h1.corrected == "undecided" and h1.p_t < 0.05 < h1.holm_t
+    # corrected is never looser than raw: a one-claim family whose one-sided p is in (0.025, 0.05)
+    one = [vd.Hypothesis("X", "solo", [vd.Claim("x", "ema-0.05", "no-kl", "drawdown", -1)])]
+    near = {**summary, "ema-0.05": run(**{**base, "drawdown": [x - d for x, d in zip(base["drawdown"],
+                                                                                     (0.01, 0.02, -0.005, 0.03, 0.01),
+                                                                                     strict=True)]})}
+    (x,) = vd.judge(near, one, alpha)
+    assert 0.025 < x.p_t < 0.05 and x.holm_t == x.p_t and (x.raw, x.corrected) == ("undecided", "undecided")
     three = {k: {"per_seed": {s: x for s, x in r["per_seed"].items() if int(s) < 3}} for k, r in summary.items()}
     assert "- **H1**: raw holds, corrected holds (sign-flip: undecided) (provisional: 3 of 5 seeds)" in \
         vd.table(vd.judge(three, hyps, alpha), hyps, seeds=5)
@@ -326,3 +333,6 @@ def test_smoothed_endpoints_and_problem_by_problem_tests_from_the_kept_records(t
     assert per_problem(spec, out, "b", "a") == [("0", 0, 2, 0.5), ("1", 1, 1, 1.0)]
     md = report(spec, out)
     assert "| main | b vs A | s0 +0/-2 (p 0.5), s1 +1/-1 (p 1) |" in md
+    (out / "b" / "seed1" / "outcomes" / "heldout.ids.json").write_text('["x", "y", "z", "w"]')
+    (out / "a" / "seed1" / "outcomes" / "heldout.ids.json").write_text('["p", "q", "r", "s"]')
+    assert per_problem(spec, out, "b", "a") == [("0", 0, 2, 0.5)]  # other problems: no paired test

@@ -177,6 +177,8 @@ def test_the_shipped_gsm8k_reads_whole_and_a_gzipped_file_of_yours_reads_too(tmp
     mine = tmp_path / "mine.jsonl.gz"
     mine.write_bytes(gzip.compress(b'{"problem": "1+1?", "answer": "2"}\n'))
     assert [r["answer"] for r in load_rows(mine)] == ["2"]
-    mine.write_bytes(gzip.compress(b'{"problem": "1+1?", "answer": "2"}\n')[:-9])  # truncated
-    with pytest.raises(DataError, match=r"mine.jsonl.gz: not a readable gzip file"):
-        load_rows(mine)
+    good = gzip.compress(b'{"problem": "1+1?", "answer": "2"}\n' * 50)
+    for damaged in (good[:-9], good[:10] + b"\xff" + good[11:]):  # truncated; a reserved deflate block type
+        mine.write_bytes(damaged)
+        with pytest.raises(DataError, match=r"mine.jsonl.gz: not a readable gzip file"):
+            load_rows(mine)

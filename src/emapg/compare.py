@@ -244,27 +244,30 @@ def endpoints(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def final_outcomes(run: Path, model: str = "policy", which_set: str = "heldout") -> list[int] | None:
-    """A run's last evaluation of ``model`` on ``which_set``, problem by problem (RUN/outcomes/), or None
-    for a run that kept none."""
-    path = run / "outcomes" / "outcomes.jsonl"
+def final_outcomes(run: Path, model: str = "policy", which_set: str = "heldout") -> tuple[list, list[int]] | None:
+    """A run's last evaluation of ``model`` on ``which_set``, problem by problem (RUN/outcomes/): (the
+    set's problem ids, 0/1 per problem), or None for a run that kept none."""
+    path, ids = run / "outcomes" / "outcomes.jsonl", run / "outcomes" / f"{which_set}.ids.json"
     if not path.exists():
         return None
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     mine = [x for x in lines if x["model"] == model and x["set"] == which_set]
-    return [int(c) for c in max(mine, key=lambda x: x["step"])["solved"]] if mine else None
+    if not mine:
+        return None
+    solved = [int(c) for c in max(mine, key=lambda x: x["step"])["solved"]]
+    return (json.loads(ids.read_text()) if ids.exists() else list(range(len(solved)))), solved
 
 
 def per_problem(spec: Spec, out: Path, a: str, b: str, model: str = "policy",
                 which_set: str = "heldout") -> list[tuple[str, int, int, float]]:
     """Seed by seed, the exact McNemar test of config ``a``'s final ``model`` against ``b``'s on the same
     problems: (seed, problems only a solved, problems only b solved, two-sided p). Seeds without kept
-    outcomes on both sides are left out."""
+    outcomes on both sides, or whose two runs were evaluated on different problems, are left out."""
     rows = []
     for s in spec.seeds:
         oa, ob = (final_outcomes(out / c / f"seed{s}", model, which_set) for c in (a, b))
-        if oa is not None and ob is not None:
-            rows.append((str(s), *mcnemar_p(oa, ob)))
+        if oa is not None and ob is not None and oa[0] == ob[0]:
+            rows.append((str(s), *mcnemar_p(oa[1], ob[1])))
     return rows
 
 

@@ -346,14 +346,14 @@ def _one_of(names: Iterable[str], what: str = "") -> Rule:
     return (lambda v: v in names), f"{what or 'expected one of'} {', '.join(names)}"
 
 
-def _at_least(low: float, null: bool = False) -> Rule:
-    return (lambda v: (null and v is None) or (v is not None and math.isfinite(v) and v >= low)), \
-        f"must be >= {low:g}" + (" or null" if null else "")
+def _at_least(low: float, null: bool = False, finite: bool = False) -> Rule:
+    return (lambda v: (null and v is None) or (v is not None and (not finite or math.isfinite(v)) and v >= low)), \
+        f"must be {'a finite number ' if finite else ''}>= {low:g}" + (" or null" if null else "")
 
 
-def _above(low: float, null: bool = False) -> Rule:
-    return (lambda v: (null and v is None) or (v is not None and math.isfinite(v) and v > low)), \
-        f"must be > {low:g}" + (" or null" if null else "")
+def _above(low: float, null: bool = False, finite: bool = False) -> Rule:
+    return (lambda v: (null and v is None) or (v is not None and (not finite or math.isfinite(v)) and v > low)), \
+        f"must be {'a finite number ' if finite else ''}> {low:g}" + (" or null" if null else "")
 
 
 def _within(low: float, high: float, low_open: bool = False, high_open: bool = False, null: bool = False) -> Rule:
@@ -372,7 +372,7 @@ RULES: dict[str, Rule] = {
     "algo.k": _at_least(0),
     "algo.eta": _within(0, 1, low_open=True),
     "algo.ema_every": _at_least(1),
-    "algo.beta": _at_least(0),
+    "algo.beta": _at_least(0, finite=True),
     "algo.is_clip": _above(0, null=True),
     "algo.eps_low": _within(0, 1, high_open=True),
     "algo.eps_high": _at_least(0),
@@ -393,8 +393,8 @@ RULES: dict[str, Rule] = {
     "prompts_per_step": _at_least(1),
     "mini_batch_prompts": _at_least(1, null=True),
     "micro_batch_prompts": _at_least(1),
-    "lr": _above(0),
-    "weight_decay": _at_least(0),
+    "lr": _above(0, finite=True),
+    "weight_decay": _at_least(0, finite=True),
     "warmup_steps": ((lambda v: v >= 0), "must be >= 0 (0 = no warmup)"),
     "chunk_size": _at_least(1),
     "long_prompts": _one_of(("error", "truncate")),
@@ -422,7 +422,11 @@ def check_fields(values: dict[str, Any]) -> None:
     The config loader checks every field this way; the TRL plug-in checks its keyword arguments."""
     for name, value in values.items():
         ok, expected = RULES[name]
-        if not ok(value):
+        try:
+            good = ok(value)
+        except TypeError:  # a value of another type, given directly (the TRL plug-in's arguments)
+            good = False
+        if not good:
             raise ConfigError(f"{name}: {expected}, got {value!r}")
 
 

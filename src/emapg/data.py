@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,11 @@ def resolve(path: str | Path) -> Path:
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    if path.suffix != ".gz":
+        return _jsonl_rows(path)
     try:
         return _jsonl_rows(path)
-    except (OSError, EOFError) as e:  # a damaged .gz: gzip raises while it reads
+    except (OSError, EOFError, zlib.error) as e:  # a damaged .gz: gzip raises while it reads
         raise DataError(f"{path}: not a readable gzip file ({type(e).__name__}: {e})") from None
 
 

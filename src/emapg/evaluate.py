@@ -141,7 +141,10 @@ class RunEvaluator:
     of the set's ids (``RUN/outcomes/SET.ids.json``), so two runs can be compared problem by problem
     (:func:`emapg.stats.mcnemar_p`)."""
 
-    def __init__(self, cfg: Any, task: Task, tokenizer, run_dir, dist: distributed.DistInfo, progress: bool):
+    def __init__(self, cfg: Any, task: Task, tokenizer, run_dir, dist: distributed.DistInfo, progress: bool,
+                 fit=None):
+        """``fit(task)``: what the trainer checks every prompt with (the context length): applied to the
+        transfer task too, before its set is drawn."""
         from emapg.tasks import make_task
 
         self.cfg, self.tokenizer, self.main = cfg, tokenizer, dist.is_main
@@ -153,6 +156,8 @@ class RunEvaluator:
             self.sets["heldout"] = (task, task.eval_examples(cfg.eval.size))
         if cfg.eval.size and cfg.eval.transfer:
             other = make_task(cfg.task, **{**cfg.task_args, **cfg.eval.transfer})
+            if fit is not None:
+                fit(other)
             self.sets["transfer"] = (other, other.eval_examples(cfg.eval.transfer_size or cfg.eval.size))
         self.folder = Path(run_dir) / "outcomes"
         if self.main and self.sets:

@@ -32,7 +32,7 @@ from emapg.anchor import EMAAnchor
 from emapg.checkpoint import export_models, intact_checkpoint, restore_training, save_training, tied_names
 from emapg.config import TrainConfig, check_world, save_config
 from emapg.distributed import gathered
-from emapg.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row, eval_sampling
+from emapg.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.forward import SHARD_METHODS, model_logprobs
 from emapg.lm import set_pass_mode
 from emapg.metrics import MetricsWriter, add_stats, peak_memory_row, rollout_row, update_row
@@ -109,14 +109,15 @@ class Trainer:
         # The estimator's head and both sampling specs, read from the config once.
         self.head = algo.kl_head(cfg.algo)
         self.sampling = algo.rollout_sampling(cfg.rollout, self.head)
-        with distributed.rank_zero_first(self.dist):
+        with distributed.rank_zero_first(self.dist):  # rank 0 fills the caches (a converted model, an index)
             self.model, self.tokenizer = training_policy(cfg, self.dist.device)
             self.task = make_task(cfg.task, **cfg.task_args)
-        # before the first step: a prompt that cannot fit is refused (or cut), never run for minutes
-        fit_prompts(self.task, self.tokenizer, context_length(self.model),
-                    max(response_budget(self.task, cfg.rollout.max_new_tokens), eval_sampling(cfg).max_new_tokens),
-                    cfg.long_prompts, warn=self.main)
-        self.evaluator = RunEvaluator(cfg, self.task, self.tokenizer, self.run_dir, self.dist, progress=progress)
+            # before the first step: a prompt that cannot fit is refused (or cut), never run for minutes
+            budget = max(response_budget(self.task, cfg.rollout.max_new_tokens), cfg.eval.max_new_tokens or 0)
+            fit = lambda t: fit_prompts(t, self.tokenizer, context_length(self.model), budget,  # noqa: E731
+                                        cfg.long_prompts, warn=self.main)
+            fit(self.task)
+            self.evaluator = RunEvaluator(cfg, self.task, self.tokenizer, self.run_dir, self.dist, progress, fit)
         names = set(self.model.state_dict()) - tied_names(self.model)  # before sharding: plain names
         ckpt = intact_checkpoint(self.run_dir, names, warn=self.main) if resume else None
         since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
@@ -300,8 +301,9 @@ class Trainer:
     # ---- evaluation, checkpoints, shutdown ------------------------------------------------------------
 
     def evaluate(self, which: str = "policy") -> dict[str, Any]:
-        """Held-out accuracy of the policy or the anchor; each rank evaluates its share of the set."""
-        return self._evaluate(which, sets=("heldout",))["heldout"]
+        """Held-out accuracy of the policy or the anchor (each rank evaluates its share; {} without a set)."""
+        res = self._evaluate(which, sets=("heldout",)).get("heldout", {})
+        return {k: v for k, v in res.items() if k != "solved"}  # the per-problem outcomes went to RUN/outcomes
 
     def _evaluate(self, which: str, sets: tuple[str, ...] = ("heldout", "transfer"), reuse=None) -> dict[str, Any]:
         """The policy or the anchor on the run's held-out sets ({set: result}; :class:`RunEvaluator`)."""
@@ -310,8 +312,7 @@ class Trainer:
             return self.evaluator.run(g, which, self.step, sets, reuse=reuse)
 
     def _initial_anchor_eval(self) -> dict[str, Any] | None:
-        """An anchor that is the initial policy, evaluated at step 0 with the same settings, has that
-        held-out evaluation: it is reused, not run again (None: run it)."""
+        """The step-0 evaluation, for an anchor that is the initial policy, same settings (None: run it)."""
         same = (self.anchor_is_initial and self.initial_eval is not None
                 and self.initial_eval_settings == self.evaluator.settings)
         return self.initial_eval if same else None

@@ -7,10 +7,12 @@ the sign it states: +1 (above 0), -1 (below), 0 (no difference) or "no lower" (n
 
 Raw verdict (as the study first stated it): a directional claim holds when the 95% t-interval excludes
 0 in its direction, fails when it excludes 0 the other way, else is undecided. Corrected verdict: a
-directional claim holds when its one-sided p-value, Holm-adjusted over the directional claims of its
-family, is below alpha; it fails when its raw verdict fails. Both the t-test's and the exact sign-flip
-permutation test's p-values are adjusted and shown; the corrected verdict is the t-test's (the study's
-stated test), the sign-flip column the nonparametric check beside it. A claim of no difference is not
+directional claim holds when its one-sided p-value, Holm-adjusted over all the directional claims of
+its family (a claim without data counts as p = 1), is below alpha / 2, the same two-sided level as the
+interval's, so a corrected verdict is never looser than the raw one; it fails when its raw verdict
+fails. Both the t-test's and the exact sign-flip permutation test's p-values are adjusted and shown;
+the corrected verdict is the t-test's (the study's stated test), the sign-flip column the
+nonparametric check beside it. A claim of no difference is not
 a test of an effect: no correction applies, and "holds" there means only that no difference was
 detected. A hypothesis holds when all its claims hold and fails when any fails.
 """
@@ -146,19 +148,23 @@ def judge(summary: dict[str, Any], hypotheses: list[Hypothesis], alpha: float = 
             j = Judged(h.name, c, len(diffs), statistics.fmean(diffs) if diffs else None,
                        interval95(diffs) if len(diffs) >= 2 else None,
                        t_pvalue(diffs, alt) if c.directional and len(diffs) >= 2 else None,
-                       sign_flip_p(diffs, alt) if c.directional and diffs else None, raw_verdict(diffs, c.sign))
+                       sign_flip_p(diffs, alt) if c.directional and 0 < len(diffs) <= 20 else None,
+                       raw_verdict(diffs, c.sign))
             if not c.directional:
                 j.corrected = j.corrected_flip = j.raw  # no correction for a claim of no effect
             out.append(j)
     family_of = {h.name: h.family for h in hypotheses}
     for family in sorted(set(family_of.values())):
-        mine = [j for j in out if family_of[j.hypothesis] == family and j.claim.directional and j.p_t is not None]
-        adj_t = holm({str(i): j.p_t for i, j in enumerate(mine)})
-        adj_f = holm({str(i): j.p_flip for i, j in enumerate(mine)})
+        mine = [j for j in out if family_of[j.hypothesis] == family and j.claim.directional]
+        adj_t = holm({str(i): 1.0 if j.p_t is None else j.p_t for i, j in enumerate(mine)})
+        adj_f = holm({str(i): 1.0 if j.p_flip is None else j.p_flip for i, j in enumerate(mine)})
         for i, j in enumerate(mine):
-            j.holm_t, j.holm_flip = adj_t[str(i)], adj_f[str(i)]
-            j.corrected = "fails" if j.raw == "fails" else "holds" if j.holm_t < alpha else "undecided"
-            j.corrected_flip = "fails" if j.raw == "fails" else "holds" if j.holm_flip < alpha else "undecided"
+            if j.p_t is not None:
+                j.holm_t = adj_t[str(i)]
+                j.corrected = "fails" if j.raw == "fails" else "holds" if j.holm_t < alpha / 2 else "undecided"
+            if j.p_flip is not None:
+                j.holm_flip = adj_f[str(i)]
+                j.corrected_flip = "fails" if j.raw == "fails" else "holds" if j.holm_flip < alpha / 2 else "undecided"
     return out
 
 
@@ -168,8 +174,9 @@ def _p(x: float | None) -> str:
 
 def table(judged: list[Judged], hypotheses: list[Hypothesis], seeds: int, alpha: float = 0.05) -> str:
     """The claims' table and each hypothesis's raw and corrected verdict (markdown)."""
-    lines = [f"Holm's correction within each family at alpha {alpha:g}; p-values one-sided in the claimed "
-             "direction (claims of no difference: not corrected, 'holds' = no difference detected).", "",
+    lines = [f"Holm's correction within each family; p-values one-sided in the claimed direction; a claim holds "
+             f"corrected when its Holm p is below {alpha / 2:g} (two-sided {alpha:g}, the interval's level); claims "
+             "of no difference: not corrected, 'holds' = no difference detected.", "",
              "| hypothesis (family) | claim | seeds | mean (points) | 95% t-interval | p (t) | p (sign-flip) | "
              "Holm p (t) | Holm p (sign-flip) | raw verdict | corrected | corrected (sign-flip) |",
              "|" + "---|" * 12]
