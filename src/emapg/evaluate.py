@@ -188,7 +188,8 @@ class RunEvaluator:
             if name == "heldout" and reuse is not None:
                 res = reuse
             else:
-                label = f"eval {which} ({name}) at step {step} ({len(examples)} problems)" if self.progress else None
+                where = "" if name == "heldout" else f" on the {name} set"
+                label = f"eval {which}{where} at step {step} ({len(examples)} problems)" if self.progress else None
                 res = evaluate_shared(model, self.tokenizer, task, examples, self.spec, rank=self.rank,
                                       world=self.world, seed=self.cfg.seed, progress=label)
             self._record(name, which, step, res)
