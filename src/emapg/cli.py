@@ -2,8 +2,9 @@
 
     emapg train [--config FILE] [--out DIR] [--resume DIR] [--nproc N] [KEY=VALUE ...]
     emapg eval  --model PATH_OR_NAME --task NAME [--data FILE ...] [--samples N] [--out DIR]
-    emapg index build --corpus FILE --out DIR          BM25 index of a {id, title, text} JSONL corpus
-    emapg serve-retriever --index DIR [--host H] [--port P]   Search-R1 /retrieve over HTTP
+    emapg index build --corpus FILE --out DIR [--dense]  BM25 (and dense) index of a {id, title, text} corpus
+    emapg index dense --index DIR [--embedder NAME]      add a dense (faiss) index to an index folder
+    emapg serve-retriever --index DIR [--retriever bm25|dense|hybrid] [--host H] [--port P]   Search-R1 /retrieve
     emapg kb make --out DIR [--seed S]                  the generated two-hop knowledge base as files
     emapg compare --spec FILE --out DIR [--quick] [--only NAME ...] [--jobs N] [--report-only]
 """
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from emapg.config import ConfigError, load_config
+from emapg.retrieval import KINDS
 
 DEFAULT_RECIPE = "cpu_demo"
 RECIPES = Path(__file__).resolve().parent / "recipes"  # shipped inside the package (recipes/ links here)
@@ -149,9 +151,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_index_build(args: argparse.Namespace) -> int:
     from emapg.retrieval.bm25 import build_index
 
-    fields = json.loads(args.fields) if args.fields else None
+    try:
+        fields = json.loads(args.fields) if args.fields else None
+    except ValueError as e:
+        raise ConfigError(f"--fields: not JSON ({e})") from None
     meta = build_index(args.corpus, args.out, fields=fields)
-    print(f"emapg index: {meta['documents']} passages indexed into {args.out}",
+    print(f"emapg index: {meta['documents']} passages indexed into {args.out}", file=sys.stderr)
+    if args.dense:
+        args.index = args.out
+        return cmd_index_dense(args)
+    return 0
+
+
+def cmd_index_dense(args: argparse.Namespace) -> int:
+    from emapg.retrieval.dense import build_dense
+
+    meta = build_dense(args.index, args.embedder, batch_size=args.batch_size, factory=args.factory)
+    print(f"emapg index: {meta['documents']} passages encoded by {meta['embedder']} ({meta['dim']} dimensions, "
+          f"faiss {meta['factory']}) into {Path(args.index) / 'dense'} in {meta['build_seconds']:.0f} s",
           file=sys.stderr)
     return 0
 
@@ -159,7 +176,7 @@ def cmd_index_build(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from emapg.retrieval.server import serve
 
-    serve(args.index, host=args.host, port=args.port, allow_remote=args.allow_remote)
+    serve(args.index, host=args.host, port=args.port, allow_remote=args.allow_remote, retriever=args.retriever)
     return 0
 
 
@@ -236,15 +253,30 @@ def _eval_parser(sub) -> None:
     e.set_defaults(func=cmd_eval)
 
 
+def _dense_args(p) -> None:
+    p.add_argument("--embedder", default="minilm",
+                   help="minilm (all-MiniLM-L6-v2, shipped in emapg[dense]) or a sentence-transformers folder")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--factory", default="Flat", help="a faiss index_factory string (default Flat: exact search)")
+
+
 def _retrieval_parsers(sub) -> None:
     ix = sub.add_parser("index", help="retrieval indexes").add_subparsers(dest="index_command", required=True)
     b = ix.add_parser("build", help="build a BM25 index (bm25s + PyStemmer) from a JSONL corpus of {id, title, text}")
     b.add_argument("--corpus", required=True)
     b.add_argument("--out", required=True)
     b.add_argument("--fields", help='JSON column mapping, e.g. \'{"text": "contents"}\'')
+    b.add_argument("--dense", action="store_true", help="also encode a dense index (as `emapg index dense`)")
+    _dense_args(b)
     b.set_defaults(func=cmd_index_build)
+    d = ix.add_parser("dense", help="encode an index folder's passages into a faiss index (resumable)")
+    d.add_argument("--index", required=True, help="an index folder built by `emapg index build`")
+    _dense_args(d)
+    d.set_defaults(func=cmd_index_dense)
     sv = sub.add_parser("serve-retriever", help="serve an index over HTTP in Search-R1's /retrieve format")
     sv.add_argument("--index", required=True)
+    sv.add_argument("--retriever", choices=KINDS, default="bm25",
+                    help="bm25, dense (needs `emapg index dense`) or hybrid (both, reciprocal-rank fusion)")
     sv.add_argument("--host", default="127.0.0.1", help="default loopback only")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--allow-remote", action="store_true",
@@ -290,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("emapg: interrupted", file=sys.stderr)
         return 130
-    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         print(f"emapg: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a read-only folder, a full disk...

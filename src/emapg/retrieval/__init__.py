@@ -1,8 +1,10 @@
-"""Passage retrieval for search-augmented tasks: an embedded BM25 index and a Search-R1 compatible HTTP API.
+"""Passage retrieval for search-augmented tasks: BM25, dense and hybrid retrievers over one index folder,
+and a Search-R1 compatible HTTP API.
 
-``open_retriever(index=...)`` loads a local index built by ``emapg.retrieval.bm25.build_index``;
-``open_retriever(url=...)`` talks to a server speaking Search-R1's ``POST /retrieve`` protocol
-(``emapg.retrieval.server`` or Search-R1's own retrieval server).
+``open_retriever(index=..., kind=...)`` loads a local index folder: ``bm25`` (built by
+``emapg.retrieval.bm25.build_index``), ``dense`` (its ``dense/`` part, ``emapg.retrieval.dense.build_dense``)
+or ``hybrid`` (both, fused by reciprocal rank); ``open_retriever(url=...)`` talks to a server speaking
+Search-R1's ``POST /retrieve`` protocol (``emapg.retrieval.server`` or Search-R1's own retrieval server).
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Passage", "Retriever", "RetrieverError", "open_retriever",
-           "BM25Index", "build_index", "HTTPRetriever", "make_server", "serve"]
+__all__ = ["Passage", "Retriever", "RetrieverError", "open_retriever", "KINDS",
+           "BM25Index", "build_index", "DenseIndex", "build_dense", "HybridRetriever", "HTTPRetriever",
+           "make_server", "serve"]
+
+KINDS = ("bm25", "dense", "hybrid")
+"""The retrievers an index folder can serve."""
 
 
 @dataclass(frozen=True)
@@ -40,22 +46,32 @@ class Retriever(Protocol):
     def search(self, queries: list[str], topk: int = 3) -> list[list[Passage]]: ...
 
 
-def open_retriever(index: str | None = None, url: str | None = None) -> Retriever:
-    """A retriever on a local BM25 index folder (``index``) or a retrieval server (``url``); give exactly one."""
+def open_retriever(index: str | None = None, url: str | None = None, kind: str = "bm25") -> Retriever:
+    """A retriever on a local index folder (``index``, as ``kind``: bm25, dense or hybrid) or a retrieval
+    server (``url``, which chose its own kind); give exactly one of index and url."""
     if (index is None) == (url is None):
-        raise ValueError("open_retriever needs exactly one of index= (a BM25 index folder) "
+        raise ValueError("open_retriever needs exactly one of index= (an index folder) "
                          "or url= (a retrieval server)")
-    if index is not None:
-        from emapg.retrieval.bm25 import BM25Index
+    if kind not in KINDS:
+        raise ValueError(f"retriever: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if index is None:
+        from emapg.retrieval.client import HTTPRetriever
 
+        return HTTPRetriever(url)
+    from emapg.retrieval.bm25 import BM25Index
+    from emapg.retrieval.dense import DenseIndex
+
+    if kind == "bm25":
         return BM25Index.load(index)
-    from emapg.retrieval.client import HTTPRetriever
+    if kind == "dense":
+        return DenseIndex.load(index)
+    from emapg.retrieval.hybrid import HybridRetriever
 
-    return HTTPRetriever(url)
+    return HybridRetriever(BM25Index.load(index), DenseIndex.load(index))
 
 
-_LAZY = {"BM25Index": "bm25", "build_index": "bm25", "HTTPRetriever": "client", "make_server": "server",
-         "serve": "server"}
+_LAZY = {"BM25Index": "bm25", "build_index": "bm25", "DenseIndex": "dense", "build_dense": "dense",
+         "HybridRetriever": "hybrid", "HTTPRetriever": "client", "make_server": "server", "serve": "server"}
 
 
 def __getattr__(name: str) -> Any:

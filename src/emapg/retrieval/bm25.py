@@ -10,6 +10,7 @@ so an existing index is replaced only once the new one is complete.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -17,12 +18,18 @@ from pathlib import Path
 import numpy as np
 
 from emapg.atomic import folder_atomic
-from emapg.data import DataError, load_rows
 from emapg.retrieval import Passage
+from emapg.retrieval.passages import (
+    DENSE_DIR,
+    PASSAGES_FILE,
+    passages_digest,
+    read_corpus,
+    read_passages,
+    write_passages,
+)
 
 FORMAT_VERSION = 1
 META_FILE = "emapg_index.json"
-PASSAGES_FILE = "passages.jsonl"
 STEMMER_LANGUAGE = "english"
 STOPWORDS = "en"
 _BM25S_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "indices.csc.index.npy",
@@ -39,22 +46,20 @@ def _import_bm25s():
     return bm25s, Stemmer
 
 
-def _field(corpus: Path, pid: str, row: dict, name: str) -> str:
-    value = row.get(name)
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return str(value)
-    raise DataError(f"{corpus}: passage id {pid!r}: field {name!r} must be a string, got {type(value).__name__}")
-
-
 def _replaceable(out: Path) -> bool:
     """Whether ``out`` may be replaced: absent, an empty folder or an existing index."""
     if not out.exists():
         return True
     return out.is_dir() and ((out / META_FILE).is_file() or not any(out.iterdir()))
+
+
+def _keep_dense(out: Path, tmp: Path) -> None:
+    """Carry an existing dense index into a rebuilt folder when the passages are byte-identical
+    (a dense index of other passages is dropped: ``DenseIndex.load`` would refuse it anyway)."""
+    dense = out / DENSE_DIR
+    if (dense / "dense.json").is_file() and (out / PASSAGES_FILE).is_file() \
+            and passages_digest(out) == passages_digest(tmp):
+        shutil.copytree(dense, tmp / DENSE_DIR)
 
 
 def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | None = None) -> dict:
@@ -69,21 +74,8 @@ def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | No
     corpus, out = Path(corpus), Path(out)
     if not _replaceable(out):
         raise FileExistsError(f"{out} exists and is not an emapg index or an empty folder; refusing to replace it")
-    rows = load_rows(corpus, fields, required=("id", "text"))
-    ids: list[str] = []
-    titles: list[str] = []
-    texts: list[str] = []
-    seen: dict[str, int] = {}
-    for i, row in enumerate(rows):
-        pid = str(row["id"])
-        if pid in seen:
-            raise DataError(f"{corpus}: duplicate id {pid!r} (passages {seen[pid] + 1} and {i + 1})")
-        seen[pid] = i
-        ids.append(pid)
-        titles.append(_field(corpus, pid, row, "title"))
-        texts.append(_field(corpus, pid, row, "text"))
-    del rows, seen
-
+    passages = read_corpus(corpus, fields)
+    titles, texts = passages.titles, passages.texts
     tokens = bm25s.tokenize([f"{t} {x}" if t else x for t, x in zip(titles, texts, strict=True)],
                             stopwords=STOPWORDS, stemmer=Stemmer.Stemmer(STEMMER_LANGUAGE), show_progress=False)
     retriever = bm25s.BM25()
@@ -92,12 +84,11 @@ def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | No
 
     with folder_atomic(out) as tmp:  # a rebuilt index replaces the old one only when complete
         retriever.save(tmp, show_progress=False)
-        with open(tmp / PASSAGES_FILE, "w", encoding="utf-8") as f:
-            for pid, title, text in zip(ids, titles, texts, strict=True):
-                f.write(json.dumps({"id": pid, "title": title, "text": text}, ensure_ascii=False) + "\n")
+        write_passages(passages, tmp)
+        _keep_dense(out, tmp)
         meta = {
             "format_version": FORMAT_VERSION,
-            "documents": len(ids),
+            "documents": len(passages),
             "corpus": str(corpus.resolve()),
             "stemmer": STEMMER_LANGUAGE,
             "stopwords": STOPWORDS,
@@ -134,13 +125,8 @@ class BM25Index:
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: unsupported index format version {meta.get('format_version')!r} "
                              f"(this emapg reads version {FORMAT_VERSION}); rebuild the index")
-        ids, titles, texts = [], [], []
-        with open(path / PASSAGES_FILE, encoding="utf-8") as f:
-            for line in f:
-                p = json.loads(line)
-                ids.append(p["id"])
-                titles.append(p["title"])
-                texts.append(p["text"])
+        passages = read_passages(path)
+        ids, titles, texts = passages.ids, passages.titles, passages.texts
         retriever = bm25s.BM25.load(path, mmap=mmap, load_corpus=False, show_progress=False)
         n = int(retriever.scores["num_docs"])
         if n != len(ids):

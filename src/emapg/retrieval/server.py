@@ -289,12 +289,13 @@ def check_address(host: str, port: int, allow_remote: bool) -> None:
 
 
 def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, verbose: bool = False,
-          allow_remote: bool = False) -> None:
-    """Serve a BM25 index folder until interrupted (Ctrl-C); loopback only unless ``allow_remote``."""
-    from emapg.retrieval.bm25 import BM25Index
+          allow_remote: bool = False, retriever: str = "bm25") -> None:
+    """Serve an index folder until interrupted (Ctrl-C) as ``retriever`` (bm25, dense or hybrid; see
+    ``emapg.retrieval.open_retriever``); loopback only unless ``allow_remote``."""
+    from emapg.retrieval import open_retriever
 
     check_address(host, port, allow_remote)
-    index = BM25Index.load(index_dir)
+    index = open_retriever(index=str(index_dir), kind=retriever)
     try:
         server = make_server(index, host, port, verbose=verbose)
     except OSError as e:
@@ -302,7 +303,7 @@ def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, v
     try:
         h, p = server.server_address[:2]
         shown = f"[{h}]" if ":" in h else h
-        print(f"emapg retrieval: serving {len(index)} documents from {index_dir} at http://{shown}:{p}/retrieve",
+        print(f"emapg retrieval: serving {len(index)} documents ({retriever}) from {index_dir} at http://{shown}:{p}/retrieve",
               file=sys.stderr, flush=True)
         if not _is_loopback(host):
             print(f"emapg retrieval: warning: --allow-remote: bound to {host}, reachable from the network "

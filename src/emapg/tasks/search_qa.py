@@ -20,7 +20,8 @@ from typing import Any
 
 from emapg.data import load_rows
 from emapg.models import cache_dir
-from emapg.retrieval import open_retriever
+from emapg.retrieval import KINDS, open_retriever
+from emapg.retrieval.passages import DENSE_DIR
 from emapg.rewards.qa import qa_em, qa_f1
 from emapg.tags import extract_answer
 from emapg.tasks.base import AgentConfig, Example, Task
@@ -49,26 +50,38 @@ FEWSHOT = (
 TEMPLATES = {"search_r1": SEARCH_R1, "fewshot": FEWSHOT}
 
 
-def synthetic_index(options: dict[str, Any]) -> tuple[Path, dict[str, list[dict]]]:
-    """The generated knowledge base and its BM25 index, built once into the emapg cache."""
+def synthetic_index(options: dict[str, Any], retriever: str = "bm25") -> tuple[Path, dict[str, list[dict]]]:
+    """The generated knowledge base and its BM25 index (and, for a dense or hybrid retriever, its dense
+    index), built once into the emapg cache; a lock lets parallel runs share one build."""
+    import fcntl
+
     from emapg.retrieval.bm25 import build_index  # bm25s: the optional extra emapg[search]
 
     kb = make_kb(**options)
     key = hashlib.sha256(json.dumps(kb["corpus"], sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir() / f"kb-{key}"
-    if not (folder / "index" / "emapg_index.json").exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        corpus = folder / "corpus.jsonl"
-        corpus.write_text("".join(json.dumps(d) + "\n" for d in kb["corpus"]))
-        build_index(corpus, folder / "index")
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "index" / "emapg_index.json").exists():
+            corpus = folder / "corpus.jsonl"
+            corpus.write_text("".join(json.dumps(d) + "\n" for d in kb["corpus"]))
+            build_index(corpus, folder / "index")
+        if retriever != "bm25" and not (folder / "index" / DENSE_DIR / "dense.json").exists():
+            from emapg.retrieval.dense import build_dense  # faiss, sentence-transformers: emapg[dense]
+
+            build_dense(folder / "index", progress=False)
     return folder / "index", kb
 
 
 class SearchQATask(Task):
     """Args:
         train_file (one file or a list), eval_file: QA rows; question_field, answers_field: their column names.
-        index: a BM25 index folder; retriever_url: a running retriever (one of index, retriever_url,
-            synthetic). synthetic: true or options of :func:`emapg.tasks.multihop_kb.make_kb`.
+        index: an index folder (``emapg index build``); retriever_url: a running retriever (one of index,
+            retriever_url, synthetic). synthetic: true or options of :func:`emapg.tasks.multihop_kb.make_kb`.
+        retriever: how a local index (``index`` or ``synthetic``) is searched: bm25, dense (a faiss index of
+            MiniLM embeddings; ``emapg index dense``, built on the fly for synthetic) or hybrid (both fused
+            by reciprocal rank). A server (``retriever_url``) chose its own with ``--retriever``.
         template: search_r1 or fewshot. reward: em or f1. response_prefix: text that opens the model's
             turn, e.g. "<search>" (it is part of the prompt; the model writes what follows).
         format_weight: training-reward bonus for a well-formed answer (held-out accuracy ignores it).
@@ -89,7 +102,8 @@ class SearchQATask(Task):
                  reward: str = "em", max_turns: int = 4, passages: int = 3, max_turn_tokens: int = 128,
                  max_total_tokens: int = 1024, max_info_tokens: int = 384, eval_size: int = 500,
                  response_prefix: str = "", format_weight: float = 0.0, force_answer: bool = False,
-                 turn_prefix: str = "", hops: str = "two", one_hop_frac: float = 0.5, eval_hops: str = "two"):
+                 turn_prefix: str = "", hops: str = "two", one_hop_frac: float = 0.5, eval_hops: str = "two",
+                 retriever: str = "bm25"):
         if template not in TEMPLATES:
             raise ValueError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
         if reward not in ("em", "f1"):
@@ -97,6 +111,12 @@ class SearchQATask(Task):
         sources = [x for x in (index, retriever_url, synthetic) if x]
         if len(sources) != 1:
             raise ValueError("task_args: the search_qa task needs exactly one of index, retriever_url, synthetic")
+        if retriever not in KINDS:
+            raise ValueError(f"task_args.retriever: expected one of {', '.join(KINDS)}, got {retriever!r}")
+        if retriever_url and retriever != "bm25":
+            raise ValueError("task_args.retriever: a retrieval server (retriever_url) searches as it was started "
+                             "(emapg serve-retriever --retriever ...); drop task_args.retriever")
+        self.retriever_kind = retriever
         self.template, self.reward_kind, self.response_prefix = template, reward, response_prefix
         self.format_weight = format_weight
         self.agent = AgentConfig(max_turns=max_turns, passages=passages, max_turn_tokens=max_turn_tokens,
@@ -113,7 +133,7 @@ class SearchQATask(Task):
         self.hops, self.one_hop_frac = hops, one_hop_frac
         self._train_one_hop: list[Example] = []
         if synthetic:
-            path, kb = synthetic_index(synthetic if isinstance(synthetic, dict) else {})
+            path, kb = synthetic_index(synthetic if isinstance(synthetic, dict) else {}, retriever)
             self._index = str(path)
             train = kb["train"] if hops != "one" else kb["train_one_hop"]
             held = kb["eval"] if eval_hops == "two" else kb["eval_one_hop"]
@@ -147,7 +167,8 @@ class SearchQATask(Task):
     def retriever(self):
         """The retriever, opened on first use."""
         if self._retriever is None:
-            self._retriever = open_retriever(index=self._index, url=self._url)
+            self._retriever = open_retriever(index=self._index, url=self._url,
+                                             kind=self.retriever_kind if self._index else "bm25")
         return self._retriever
 
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:

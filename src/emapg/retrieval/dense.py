@@ -1,0 +1,183 @@
+"""A dense retriever: passages encoded once by an embedder (``embed.py``) into a faiss index beside the BM25
+index, in the same folder, over the same ``passages.jsonl``.
+
+    INDEX/                  the BM25 index (``emapg index build``): passages.jsonl, emapg_index.json, ...
+    INDEX/dense/            dense.json (the embedder, its prefixes, the passages' digest), index.faiss
+    INDEX/.dense.partial/   while building: the encoded shards so far (a killed build resumes from them)
+
+Vectors are unit-norm, so inner product is cosine similarity; the default faiss index is exact
+(``Flat``); any faiss ``index_factory`` string (``HNSW32``, ``IVF4096,Flat``) may be given for large
+corpora. The faiss file is faiss's own binary format (no pickle). ``dense/`` appears only when complete
+(written to a temporary sibling and renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from emapg.atomic import folder_atomic, write_json_atomic
+from emapg.retrieval import Passage
+from emapg.retrieval.embed import Embedder, weights_digest
+from emapg.retrieval.passages import DENSE_DIR, PASSAGES_FILE, passages_digest, read_passages
+
+FORMAT_VERSION = 1
+META_FILE, FAISS_FILE, PARTIAL_DIR = "dense.json", "index.faiss", ".dense.partial"
+
+
+def _import_faiss():
+    try:
+        import faiss
+    except ImportError as e:
+        raise ImportError(f"the dense retriever needs faiss-cpu and sentence-transformers ({e}); "
+                          "install them with: pip install 'emapg[dense]'") from None
+    return faiss
+
+
+def _shard_path(partial: Path, i: int) -> Path:
+    return partial / f"shard-{i:06d}.npy"
+
+
+def _save_shard(path: Path, vecs: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, vecs)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _partial_state(partial: Path, plan: dict) -> int:
+    """How many shards a previous build of the same plan finished (0: start afresh, debris removed)."""
+    if partial.is_dir():
+        try:
+            same = json.loads((partial / "plan.json").read_text()) == plan
+        except (OSError, ValueError):
+            same = False
+        if same:
+            done = 0
+            while _shard_path(partial, done).is_file():
+                done += 1
+            return done
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    write_json_atomic(partial / "plan.json", plan)
+    return 0
+
+
+def build_dense(index: str | Path, embedder: str | Embedder = "minilm", *, batch_size: int = 64,
+                shard_size: int = 4096, factory: str = "Flat", progress: bool = True) -> dict:
+    """Encode the passages of the BM25 index folder ``index`` into ``index/dense/``; returns its metadata.
+
+    Resumable: shards of ``shard_size`` passages are saved as they finish, and a build of the same passages
+    with the same embedder, prefixes and shard size continues from them after a kill."""
+    faiss = _import_faiss()
+    index = Path(index)
+    if not (index / PASSAGES_FILE).is_file():
+        raise FileNotFoundError(f"{index} is not an emapg index folder (no {PASSAGES_FILE}); build the BM25 "
+                                "index first: emapg index build --corpus FILE --out DIR")
+    if not isinstance(shard_size, int) or shard_size < 1 or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"shard_size and batch_size must be integers >= 1, got {shard_size!r}, {batch_size!r}")
+    start = time.perf_counter()
+    emb = embedder if isinstance(embedder, Embedder) else Embedder(embedder)
+    passages = read_passages(index)
+    if not len(passages):
+        raise ValueError(f"{index}/{PASSAGES_FILE}: no passages to encode")
+    plan = {**emb.identity(), "passages_sha256": passages_digest(index), "documents": len(passages),
+            "shard_size": shard_size}
+    partial = index / PARTIAL_DIR
+    done = _partial_state(partial, plan)
+    shards = -(-len(passages) // shard_size)
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(passages), initial=min(done * shard_size, len(passages)), unit="passage",
+              desc=f"dense index ({emb.name})", disable=not progress) as bar:
+        for s in range(done, shards):
+            rows = range(s * shard_size, min((s + 1) * shard_size, len(passages)))
+            _save_shard(_shard_path(partial, s), emb.encode([passages.contents(i) for i in rows], query=False,
+                                                            batch_size=batch_size))
+            bar.update(len(rows))
+    vecs = np.concatenate([np.load(_shard_path(partial, s)) for s in range(shards)])
+    ix = faiss.index_factory(emb.dim, factory, faiss.METRIC_INNER_PRODUCT)
+    if not ix.is_trained:
+        ix.train(vecs)
+    ix.add(vecs)
+    with folder_atomic(index / DENSE_DIR) as tmp:
+        faiss.write_index(ix, str(tmp / FAISS_FILE))
+        meta = {"format_version": FORMAT_VERSION, **plan, "factory": factory, "faiss_version": faiss.__version__,
+                "build_seconds": round(time.perf_counter() - start, 3)}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    shutil.rmtree(partial, ignore_errors=True)
+    return meta
+
+
+class DenseIndex:
+    """A loaded dense index; ``search`` is safe to call from many threads (encoding is serialised)."""
+
+    def __init__(self, path: Path, faiss_index, embedder: Embedder, passages, meta: dict):
+        self.path, self.meta, self.embedder = path, meta, embedder
+        self._index, self._passages = faiss_index, passages
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | Path, embedder: str | None = None) -> DenseIndex:
+        """Load ``path/dense`` (``path`` the index folder). ``embedder`` overrides where the recorded
+        embedder is found (a moved folder); its weights must be the ones the passages were encoded with."""
+        faiss = _import_faiss()
+        path = Path(path)
+        dense = path / DENSE_DIR
+        if not (dense / META_FILE).is_file() or not (dense / FAISS_FILE).is_file():
+            raise FileNotFoundError(f"{path} has no dense index ({DENSE_DIR}/{META_FILE} and "
+                                    f"{DENSE_DIR}/{FAISS_FILE}); build one with: emapg index dense --index {path}")
+        meta = json.loads((dense / META_FILE).read_text(encoding="utf-8"))
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{dense}: unsupported dense index format {meta.get('format_version')!r} "
+                             f"(this emapg reads version {FORMAT_VERSION}); rebuild it")
+        if passages_digest(path) != meta["passages_sha256"]:
+            raise ValueError(f"{dense}: encoded from other passages than {path / PASSAGES_FILE} holds now; "
+                             f"rebuild it: emapg index dense --index {path}")
+        emb = Embedder(embedder or meta["embedder"], query_prefix=meta["query_prefix"],
+                       passage_prefix=meta["passage_prefix"])
+        if weights_digest(emb.folder) != meta["weights_sha256"]:
+            raise ValueError(f"{dense}: its passages were encoded by other weights than embedder "
+                             f"{emb.name!r} ({emb.folder}) holds; rebuild it or give the embedder it was built with")
+        ix = faiss.read_index(str(dense / FAISS_FILE))
+        passages = read_passages(path)
+        if ix.ntotal != len(passages) or ix.d != emb.dim:
+            raise ValueError(f"{dense}: {ix.ntotal} vectors of dimension {ix.d} for {len(passages)} passages and "
+                             f"a {emb.dim}-dimensional embedder; rebuild it")
+        return cls(path, ix, emb, passages, meta)
+
+    def __len__(self) -> int:
+        return len(self._passages)
+
+    def __repr__(self) -> str:
+        return f"DenseIndex({str(self.path)!r}, documents={len(self)}, embedder={self.embedder.name!r})"
+
+    def search(self, queries: list[str], topk: int = 3) -> list[list[Passage]]:
+        """The ``topk`` passages nearest each query (cosine), best first; an empty query gets none."""
+        if isinstance(queries, str):
+            raise TypeError("search takes a list of queries, not a single string")
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
+        for q in queries:
+            if not isinstance(q, str):
+                raise TypeError(f"queries must be strings, got {type(q).__name__}")
+        asked = [i for i, q in enumerate(queries) if q.strip()]
+        results: list[list[Passage]] = [[] for _ in queries]
+        if not asked:
+            return results
+        with self._lock:  # one encoder, shared: torch's forward is not re-entrant on one module
+            vecs = self.embedder.encode([queries[i] for i in asked], query=True)
+        scores, rows = self._index.search(vecs, min(topk, len(self._passages)))
+        p = self._passages
+        for i, sc, rw in zip(asked, scores, rows, strict=True):
+            results[i] = [Passage(p.ids[r], p.titles[r], p.texts[r], float(s))
+                          for s, r in zip(sc, rw, strict=True) if r >= 0]
+        return results

