@@ -8,7 +8,11 @@ q the head ids of a top-k KL estimator. Per micro-batch:
     rho  = pi_theta(p) / pi_old(p)                                  the PPO ratio of each token
     PG   = agg(clipped surrogate(rho, A))                           A: group advantages
     KL   = agg(KL-hat(pi_theta || pi_ema))                          estimator from emapg.kl
-    loss = PG + beta * KL
+    loss = pg_coef * PG + beta * KL                                 pg_coef = 1 unless distilling
+
+On-policy distillation (``algo.teacher``) puts a fixed teacher pi_T where pi_ema stands in KL; the
+samples stay the policy's own, so the top-k reverse estimator is the unbiased per-token reverse KL to
+the teacher, in value and gradient, at any k; ``pg_coef = 0`` drops the reward from the loss.
 
 The trainer runs the passes; this module says what they must gather and composes the loss.
 """
@@ -127,7 +131,7 @@ def loss(pol: TokenLogprobs, anc: AnchorStats, mb: RolloutBatch, a: AlgoConfig,
                             a.eps_low, a.eps_high, a.dual_clip)
     pg = aggregate(sur.loss, mask, a.agg, **counts)
     kl_term = aggregate(_scatter(kl_tok, valid), mask, a.agg, **counts)
-    total = pg + a.beta * kl_term
+    total = a.pg_coef * pg + a.beta * kl_term
     stats = {"pg_loss": pg.item(), "kl": kl_term.item(),
              "clip_frac": float((sur.clipped * mask).sum()), "dual_clip_frac": float((sur.dual_clipped * mask).sum()),
              "ratio_max": float(sur.ratio[valid].max()) if valid.any() else 1.0, "tokens": float(valid.sum())}

@@ -49,6 +49,13 @@ class AlgoConfig:
     """Apply the EMA update every this many training steps."""
     beta: float = 0.001
     """Weight of the KL term in the loss."""
+    teacher: str | None = None
+    """On-policy distillation: a fixed teacher model (a local Hugging Face folder or a built-in name, with
+    the policy's tokenizer) replaces the EMA anchor as the KL's reference; the EMA anchor is still kept
+    and evaluated. None = EMA-PG (the KL is to the anchor)."""
+    pg_coef: float = 1.0
+    """Weight of the policy-gradient term: loss = pg_coef * PG + beta * KL. 0 = pure on-policy
+    distillation (no reward in the loss; needs algo.teacher)."""
     is_clip: float | None = None
     """Clip the KL's importance weight s from above (None = no clip, unbiased)."""
     eps_low: float = 0.2
@@ -373,6 +380,9 @@ RULES: dict[str, Rule] = {
     "algo.eta": _within(0, 1, low_open=True),
     "algo.ema_every": _at_least(1),
     "algo.beta": _at_least(0, finite=True),
+    "algo.pg_coef": _at_least(0, finite=True),
+    "algo.teacher": ((lambda v: v is None or (isinstance(v, str) and v.strip() != "")),
+                     "expected a model folder or built-in name, or null"),
     "algo.is_clip": _above(0, null=True),
     "algo.eps_low": _within(0, 1, high_open=True),
     "algo.eps_high": _at_least(0),
@@ -446,6 +456,11 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
     ("rollout.temperature", lambda c: c.rollout.backend != "vllm" or 0.01 <= c.rollout.temperature <= 2.0,
      lambda c: f"the vllm backend samples at 0.01 <= T <= 2, got {c.rollout.temperature}"),
     ("rollout.n", lambda c: c.algo.advantage != "rloo" or c.rollout.n >= 2, lambda c: "rloo advantages need n >= 2"),
+    ("algo.pg_coef", lambda c: c.algo.pg_coef > 0 or c.algo.teacher is not None,
+     lambda c: "0 trains on the KL term alone, which pulls the policy toward its own EMA: set algo.teacher "
+               "(on-policy distillation) or pg_coef > 0"),
+    ("algo.beta", lambda c: c.algo.beta > 0 or c.algo.teacher is None,
+     lambda c: f"0 with algo.teacher={c.algo.teacher!r} ignores the teacher: distillation needs beta > 0"),
     ("gradient_checkpointing", lambda c: not (c.gradient_checkpointing and c.prefix_sharing),
      lambda c: "needs prefix_sharing: false (checkpointed layers keep no key/value cache to share), got True"),
     ("mini_batch_prompts", lambda c: c.prompts_per_step % _mini(c) == 0,

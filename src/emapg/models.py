@@ -216,3 +216,48 @@ def training_policy(cfg: Any, device: torch.device) -> tuple[nn.Module, Any]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.eval()
     return model, tokenizer
+
+
+def _vocab_difference(student_tok, teacher_tok) -> str:
+    """'' when the two tokenizers map the same strings to the same ids; else what differs, briefly."""
+    s, t = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if s == t:
+        return ""
+    moved = sorted(k for k in s.keys() & t.keys() if s[k] != t[k])
+    only_s, only_t = sorted(s.keys() - t.keys()), sorted(t.keys() - s.keys())
+    parts = [f"{len(s)} vs {len(t)} tokens"]
+    if moved:
+        parts.append(f"{len(moved)} with other ids, e.g. {moved[0]!r}: {s[moved[0]]} vs {t[moved[0]]}")
+    if only_s or only_t:
+        parts.append(f"{len(only_s)} only in the policy's, {len(only_t)} only in the teacher's"
+                     + (f", e.g. {(only_s or only_t)[0]!r}" if only_s or only_t else ""))
+    return "; ".join(parts)
+
+
+def teacher_model(cfg: Any, student: nn.Module, tokenizer, device: torch.device) -> nn.Module:
+    """``algo.teacher`` for on-policy distillation: loaded frozen on ``device`` in ``cfg.dtype``, in eval
+    mode, its head checked for the lean path. Refused (ConfigError) unless its tokenizer is the policy's:
+    the KL compares the two distributions id by id. A teacher whose output layer has more rows than the
+    policy's (vocabulary padding, as between Qwen2.5 sizes) is cut to the policy's rows, ids no tokenizer
+    string maps to; one with fewer is refused."""
+    name = cfg.algo.teacher
+    try:
+        teacher, teacher_tok = load_model(name, cfg.dtype, seed=cfg.seed)
+    except FileNotFoundError as e:
+        raise ConfigError(f"algo.teacher: {str(e).removeprefix('model: ')}") from None
+    diff = _vocab_difference(tokenizer, teacher_tok)
+    if diff:
+        raise ConfigError(f"algo.teacher: {name!r} has another tokenizer than the policy {cfg.model!r} ({diff}); "
+                          "distillation compares the two models' probabilities of the same token ids, so the "
+                          "teacher must use the policy's tokenizer")
+    rows_s = student.get_output_embeddings().weight.shape[0]
+    rows_t = teacher.get_output_embeddings().weight.shape[0]
+    if rows_t < rows_s:
+        raise ConfigError(f"algo.teacher: {name!r} scores {rows_t} token ids, fewer than the policy's {rows_s}")
+    if rows_t > rows_s:
+        teacher.resize_token_embeddings(rows_s)
+    teacher.requires_grad_(False)
+    teacher.to(device)
+    check_lean_head(teacher, name)
+    teacher.eval()
+    return teacher

@@ -36,7 +36,7 @@ from emapg.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.forward import SHARD_METHODS, model_logprobs
 from emapg.lm import set_pass_mode
 from emapg.metrics import MetricsWriter, add_stats, peak_memory_row, rollout_row, update_row
-from emapg.models import policy_model, training_policy
+from emapg.models import policy_model, teacher_model, training_policy
 from emapg.objective import group_advantages
 from emapg.prompts import context_length, fit_prompts
 from emapg.rollout import response_budget, rollout_for_task
@@ -59,6 +59,19 @@ def rank_prompts(prompts: int, mini: int, world: int, rank: int) -> list[int]:
     return [m + rank * share + i for m in range(0, prompts, mini) for i in range(share)]
 
 
+def build_teacher(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
+                  dist: distributed.DistInfo) -> torch.nn.Module | None:
+    """``algo.teacher`` (on-policy distillation), frozen, sharded like an anchor's copy under torchrun;
+    None without one. Loaded before the policy is sharded (its vocabulary is checked against it)."""
+    if cfg.algo.teacher is None:
+        return None
+    with distributed.rank_zero_first(dist):  # rank 0 fills the caches (a converted built-in model)
+        teacher = teacher_model(cfg, model, tokenizer, dist.device)
+    if dist.enabled:
+        distributed.shard(teacher, cfg.mixed_precision, methods=SHARD_METHODS)
+    return teacher
+
+
 def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.DistInfo,
                   since_start: bool) -> tuple[EMAAnchor, EMAAnchor | None, bool]:
     """The EMA anchor, the frozen initial policy when kl_to_init needs its own (a full copy, or the
@@ -67,11 +80,12 @@ def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.Di
 
     eta = 1 since step 0 (``since_start``: a resumed run asks its checkpoint): the anchor is the initial
     policy, so it serves for kl_to_init too (and its final evaluation is the step-0 one). A run resumed
-    with eta = 1 after steps at eta < 1 has an anchor that moved."""
+    with eta = 1 after steps at eta < 1 has an anchor that moved. With a teacher the KL's reference pass
+    is the teacher's, so kl_to_init always has a pass of its own."""
     full = cfg.lora.r == 0 and dist.enabled
     anchor_copy = frozen_copy(model) if full else None
     anchor_is_initial = cfg.algo.eta == 1.0 and since_start
-    own_init = cfg.log_kl_to_init and not anchor_is_initial
+    own_init = cfg.log_kl_to_init and (not anchor_is_initial or cfg.algo.teacher is not None)
     init_copy = frozen_copy(model) if full and own_init else None
     if dist.enabled:
         for m in (model, anchor_copy, init_copy):
@@ -121,6 +135,7 @@ class Trainer:
         names = set(self.model.state_dict()) - tied_names(self.model)  # before sharding: plain names
         ckpt = intact_checkpoint(self.run_dir, names, warn=self.main) if resume else None
         since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
+        self.teacher = build_teacher(self.model, self.tokenizer, cfg, self.dist)  # None: the KL is to the anchor
         self.anchor, self.init_anchor, self.anchor_is_initial = build_anchors(self.model, cfg, self.dist, since_start)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, cfg)
@@ -195,7 +210,9 @@ class Trainer:
         """This rank's share of step ``step``'s prompts, sampled, scored, with group advantages."""
         cfg = self.cfg
         examples = self.task.train_examples(random.Random(step_seed(cfg.seed, step)), cfg.prompts_per_step)
-        examples = [examples[i] for i in self._my_prompts()]  # the global batch is the same on every rank
+        mine = rank_prompts(cfg.prompts_per_step, cfg.mini_batch_prompts or cfg.prompts_per_step, self.dist.world,
+                            self.dist.rank)
+        examples = [examples[i] for i in mine]  # the global batch is the same on every rank
         if self.engine is not None:
             self.engine.sync(self.model, version=self.step)  # the weights after self.step updates
             batch = rollout_for_task(self.model, self.tokenizer, self.task, examples, self.sampling,
@@ -243,12 +260,13 @@ class Trainer:
 
     @torch.no_grad()
     def anchor_pass(self, mb: RolloutBatch) -> AnchorStats:
-        """The no-grad passes of a micro-batch: the anchor at the sampled tokens and at the head ids
-        that :func:`emapg.algo.anchor_request` names; pi_old when it needs a pass; the initial policy
-        for the kl_to_init diagnostic."""
+        """The no-grad passes of a micro-batch: the KL's reference (the anchor, or the teacher) at the
+        sampled tokens and at the head ids that :func:`emapg.algo.anchor_request` names; pi_old when it
+        needs a pass; the initial policy for the kl_to_init diagnostic."""
         ids, k_self = algo.anchor_request(self.head, mb, self.model.get_output_embeddings().weight.shape[0])
-        with self.anchor.use(self.model) as anchor_model:
-            st = self._logprobs(anchor_model, mb, ids=ids, k_self=k_self)
+        ref = self.anchor.use(self.model) if self.teacher is None else contextlib.nullcontext(self.teacher)
+        with ref as ref_model:
+            st = self._logprobs(ref_model, mb, ids=ids, k_self=k_self)
         needs_old = algo.needs_old_pass(self.cfg.algo, self.cfg.rollout.top_p)
         old = self._logprobs(self.model, mb).logp_tok if needs_old else None
         init = None
@@ -332,11 +350,6 @@ class Trainer:
             self.engine = None
 
     # ---- pieces ---------------------------------------------------------------------------------------
-
-    def _my_prompts(self) -> list[int]:
-        cfg = self.cfg
-        return rank_prompts(cfg.prompts_per_step, cfg.mini_batch_prompts or cfg.prompts_per_step, self.dist.world,
-                            self.dist.rank)
 
     def _autocast(self):
         return distributed.autocast(self.cfg.mixed_precision, self.dist)

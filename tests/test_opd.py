@@ -1,0 +1,185 @@
+"""On-policy distillation (algo.teacher): the top-k reverse KL to a fixed teacher is the full-vocabulary
+reverse KL in expectation, in value and gradient, at any k (exact enumeration through algo.loss); the
+trainer's KL is to the teacher and its pass equals a plain forward of it; a wrong tokenizer is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_trainer import SMOKE, full_logits, strip_timing  # noqa: E402
+
+from emapg import algo
+from emapg.config import AlgoConfig, ConfigError, load_config
+from emapg.kl import token_kl
+from emapg.logprobs import TokenLogprobs
+from emapg.metrics import read_metrics
+from emapg.models import byte_tokenizer, save_hf_folder, tiny_model
+from emapg.rollout.batch import RolloutBatch
+from emapg.trainer import Trainer
+
+V = 7
+
+
+def expected_loss_and_grad(z: torch.Tensor, t: torch.Tensor, a: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """E over the sampled token p ~ pi_theta (on-policy: the sampler is the policy, no grad through
+    the draw) of algo.loss at one position, and of its gradient in the policy's logits z, by
+    enumerating all V tokens. The head is the sampler's top-k, as recorded at sampling."""
+    logt, logp0 = t.log_softmax(-1), z.detach().log_softmax(-1)
+    k = algo.kl_head(a).sampler_k
+    q = logp0.topk(k).indices[None] if k else None
+    value, grad = torch.zeros((), dtype=z.dtype), torch.zeros_like(z)
+    for p in range(V):
+        logp = z.log_softmax(-1)  # a fresh graph per draw
+        tok = torch.tensor([[p]])
+        mask = torch.ones(1, 1, dtype=torch.long)
+        samp = logp0[p].view(1, 1)
+        mb = RolloutBatch(prompt_ids=mask, prompt_mask=mask, response_ids=tok, response_mask=mask, samp_logp=samp,
+                          n=1, samp_topk=None if q is None else q[None], advantages=torch.zeros(1, dtype=z.dtype))
+        ids, _ = algo.anchor_request(algo.kl_head(a), mb, V)
+        st = TokenLogprobs(logp_tok=logt[p].view(1), lse=torch.zeros(1), logp_ids=None if ids is None else logt[ids])
+        anc = algo.anchor_stats(algo.kl_head(a), st, ids, mb, None, None)
+        pol = TokenLogprobs(logp_tok=logp[p].view(1), lse=torch.zeros(1),
+                            logp_ids=None if anc.head_ids is None else logp[anc.head_ids])
+        loss, _ = algo.loss(pol, anc, mb, a, {"num_tokens": 1.0, "num_seqs": 1.0, "max_len": 1})
+        (g,) = torch.autograd.grad(loss, z)
+        w = float(logp0[p].exp())
+        value, grad = value + w * loss.detach(), grad + w * g
+    return value, grad
+
+
+def reverse_and_forward(z: torch.Tensor, t: torch.Tensor):
+    """KL(pi_theta || pi_T) over all of V, and the gradients in z of it and of KL(pi_T || pi_theta)."""
+    logp, logt = z.log_softmax(-1), t.log_softmax(-1)
+    reverse = (logp.exp() * (logp - logt)).sum()
+    forward = (logt.exp() * (logt - logp)).sum()
+    return reverse.detach(), torch.autograd.grad(reverse, z, retain_graph=True)[0], torch.autograd.grad(forward, z)[0]
+
+
+@pytest.mark.parametrize(("estimator", "k"), [("topk_reverse", 0), ("topk_reverse", 1), ("topk_reverse", 3),
+                                              ("topk_reverse", V), ("k3pp", 0), ("k4", 0)])
+def test_distillation_loss_and_gradient_are_the_full_reverse_kl_in_expectation(estimator, k):
+    g = torch.Generator().manual_seed(k)
+    z = torch.randn(V, generator=g, dtype=torch.float64).requires_grad_(True)
+    t = 2.0 * torch.randn(V, generator=g, dtype=torch.float64)
+    full, want_grad, _ = reverse_and_forward(z, t)
+    value, grad = expected_loss_and_grad(z, t, AlgoConfig(kl=estimator, k=k, beta=1.0, pg_coef=0.0, teacher="t"))
+    torch.testing.assert_close(value, full, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-9, atol=1e-12)
+    assert float(full) > 0.1  # teacher and student do differ
+
+
+def test_k3_distils_with_the_forward_kls_gradient():
+    """GRPO's k3 (the usual KL-only distillation loss): the reverse KL's value, but the forward KL's
+    gradient in expectation (its importance weight carries no gradient), not the reverse KL's."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(V, generator=g, dtype=torch.float64).requires_grad_(True)
+    t = 2.0 * torch.randn(V, generator=g, dtype=torch.float64)
+    full, reverse_grad, forward_grad = reverse_and_forward(z, t)
+    value, grad = expected_loss_and_grad(z, t, AlgoConfig(kl="k3", beta=1.0, pg_coef=0.0, teacher="t"))
+    torch.testing.assert_close(value, full, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, forward_grad, rtol=1e-9, atol=1e-12)
+    assert float((grad - reverse_grad).abs().max()) > 1e-2
+
+
+def test_the_paper_form_is_biased_in_gradient_where_ours_is_not():
+    """The same enumeration fails for the paper's top-k form at 0 < k < V (spec section 3): the test can fail."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(V, generator=g, dtype=torch.float64).requires_grad_(True)
+    t = 2.0 * torch.randn(V, generator=g, dtype=torch.float64)
+    full = (z.softmax(-1) * (z.log_softmax(-1) - t.log_softmax(-1))).sum()
+    (want,) = torch.autograd.grad(full, z)
+    _, paper = expected_loss_and_grad(z, t, AlgoConfig(kl="topk_reverse", k=3, form="paper", beta=1.0, pg_coef=0.0))
+    _, ours = expected_loss_and_grad(z, t, AlgoConfig(kl="topk_reverse", k=3, beta=1.0, pg_coef=0.0))
+    assert float((paper - want).abs().max()) > 1e-3
+    assert float((ours - want).abs().max()) < 1e-10
+
+
+def cfg(*overrides):
+    return load_config(SMOKE, ["export=false", *overrides])
+
+
+def teacher_folder(path, seed=7, vocab=259, tokenizer=None):
+    """A saved tiny Llama (another seed: other weights than the policy's) with the byte tokenizer."""
+    save_hf_folder(tiny_model("llama", vocab_size=vocab, seed=seed), tokenizer or byte_tokenizer(), path)
+    return str(path)
+
+
+def test_the_trainers_kl_is_to_the_teacher(tmp_path):
+    """The logged kl of a distillation update equals kl.token_kl on full logits of a plain forward of
+    the teacher (the policy moved away from the sampler, the initial policy); the EMA anchor still follows
+    the policy."""
+    teacher = teacher_folder(tmp_path / "teacher")
+    tr = Trainer(cfg("steps=1", "eval.size=0", f"algo.teacher={teacher}", "algo.pg_coef=0", "algo.beta=1",
+                     "algo.k=4", "mini_batch_prompts=null", "algo.eta=0.5"), tmp_path / "run", progress=False)
+    batch = tr.rollout(1)
+    sampler = full_logits(tr.model, batch, 1.0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    from emapg.models import load_model
+
+    plain_teacher, _ = load_model(teacher)
+    mask = batch.response_mask
+    want = token_kl(full_logits(tr.model, batch, 1.0), full_logits(plain_teacher, batch, 1.0), batch.response_ids,
+                    estimator="topk_reverse", k=4, sampling_logits=sampler)
+    want = float((want * mask).sum() / mask.sum())
+    w_before = next(tr.model.parameters()).detach().clone()
+    row = tr.update(batch)
+    assert want > 0.05 and row["kl"] == pytest.approx(want, rel=1e-4)
+    assert row["grad_norm"] > 0
+    assert not any(p.requires_grad for p in tr.teacher.parameters())
+    with tr.anchor.use(tr.model) as m:  # eta 0.5: the anchor moved halfway from the start to the policy
+        assert not torch.equal(next(m.parameters()), w_before)
+
+
+def test_a_teacher_equal_to_the_frozen_anchor_gives_the_same_run(tmp_path):
+    """GRPO's frozen reference (eta = 1) and a teacher that is the same initial model are one loss."""
+    init = tmp_path / "init"
+    from emapg.models import load_model
+
+    model, tok = load_model("tiny-llama", seed=0)
+    save_hf_folder(model, tok, init)
+    common = ("steps=2", "eval.size=0", "save_every=0", "algo.beta=0.5")
+    Trainer(cfg(*common, "algo.eta=1.0"), tmp_path / "frozen", progress=False).train()
+    Trainer(cfg(*common, "algo.eta=0.9", f"algo.teacher={init}"), tmp_path / "teacher", progress=False).train()
+    a, b = strip_timing(read_metrics(tmp_path / "frozen")), strip_timing(read_metrics(tmp_path / "teacher"))
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "pg_loss", "kl", "reward_mean", "grad_norm", "clip_frac"):
+            if key in ra:
+                assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-9), key
+    assert a[-1]["kl"] > 0
+
+
+def test_lora_student_distils(tmp_path):
+    teacher = teacher_folder(tmp_path / "teacher")
+    tr = Trainer(cfg("steps=2", "eval.size=0", "save_every=0", f"algo.teacher={teacher}", "algo.pg_coef=0",
+                     "algo.beta=1", "lora.r=4", "lora.target_modules=[q_proj,v_proj]", "lr=1e-2"),
+                 tmp_path / "run", progress=False)
+    tr.train()
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2 and all(r["kl"] > 0 and r["grad_norm"] > 0 for r in rows)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
+    other = byte_tokenizer()
+    other.add_special_tokens({"additional_special_tokens": ["<tool>"]})  # one id more
+    bad = teacher_folder(tmp_path / "other", vocab=260, tokenizer=other)
+    with pytest.raises(ConfigError, match=r"algo.teacher: .* has another tokenizer than the policy 'tiny-llama' "
+                                          r"\(259 vs 260 tokens; 0 only in the policy's, 1 only in the teacher's"):
+        Trainer(cfg(f"algo.teacher={bad}"), tmp_path / "a", progress=False)
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    with pytest.raises(ConfigError, match="algo.teacher: .*nowhere.* is neither a built-in name"):
+        Trainer(cfg(f"algo.teacher={tmp_path / 'nowhere'}"), tmp_path / "b", progress=False)
+    small = teacher_folder(tmp_path / "small", vocab=200)
+    with pytest.raises(ConfigError, match="scores 200 token ids, fewer than the policy's 259"):
+        Trainer(cfg(f"algo.teacher={small}"), tmp_path / "c", progress=False)
+
+
+def test_a_padded_teacher_vocabulary_is_cut_to_the_policys(tmp_path):
+    """Same tokenizer, more output rows (padding, as between Qwen2.5 sizes): the rows beyond the policy's are
+    dropped, so both distributions are over the same ids."""
+    padded = teacher_folder(tmp_path / "padded", vocab=272)
+    tr = Trainer(cfg(f"algo.teacher={padded}", "steps=1", "eval.size=0"), tmp_path / "run", progress=False)
+    assert tr.teacher.get_output_embeddings().weight.shape[0] == 259
+    assert tr.train_step(1)["kl"] > 0
