@@ -1,10 +1,12 @@
 """The KL estimators on real LLM distributions: bias and gradient variance of every estimator, exact.
 
 Positions: responses sampled (temperature 1) by SmolLM2-135M-Instruct policies from real EMA-PG
-checkpoints, on two-digit-addition and GSM8K prompts. Two (policy, anchor) pairs:
+checkpoints, on two-digit-addition and GSM8K prompts. Three (policy, anchor) pairs:
 
   early    the policy after 10 steps of the demo against the initial model (a frozen anchor)
   trained  the policy after 30 steps against its EMA anchor (eta 0.9)
+  distill  on-policy distillation (``--teacher``): the initial model as the student against a teacher
+           (e.g. the demo's exported anchor), the KL the student is trained on with algo.teacher
 
 At every position, over the sampled token p ~ pi, each estimator's expected value, expected
 gradient in the policy logits and gradient variance are computed exactly over the full vocabulary
@@ -24,6 +26,8 @@ The checkpoints come from the demo run with its step-10 checkpoint kept:
     # or, with a demo run that kept only its last two checkpoints, a 10-step run of the same seed:
     emapg train --out runs/demo10 steps=10 eval.size=0 save_every=10 export=false
     python bench/estimator_lab.py --run runs/demo --early-run runs/demo10
+    # the distillation pair only (the demo's anchor as the teacher of the initial SmolLM2):
+    python bench/estimator_lab.py --teacher runs/demo/export/anchor --out runs/estimator_lab_opd
 """
 
 from __future__ import annotations
@@ -69,6 +73,17 @@ def load_pair(run: Path, step: int, which: str):
     for m in (policy, anchor):
         m.eval().requires_grad_(False)
     return policy, anchor, tok
+
+
+def load_distill_pair(teacher: str):
+    """(student, teacher): the initial SmolLM2-135M-Instruct and a teacher with its tokenizer."""
+    from emapg.models import load_model
+
+    student, tok = load_model("smollm2-135m", "float32")
+    teach, _ = load_model(teacher, "float32")
+    for m in (student, teach):
+        m.eval().requires_grad_(False)
+    return student, teach, tok
 
 
 def positions(policy, anchor, tok, examples, max_new: int, seed: int, cap: int):
@@ -175,7 +190,9 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", type=Path, required=True, help="a demo run folder with checkpoints at steps 10 and 30")
+    p.add_argument("--run", type=Path, default=None, help="a demo run folder with checkpoints at steps 10 and 30")
+    p.add_argument("--teacher", default=None,
+                   help="a teacher model folder: adds the distillation pair (the initial SmolLM2 as the student)")
     p.add_argument("--early-run", type=Path, default=None,
                    help="the run folder holding the step-10 checkpoint, if not --run (a 10-step run of the same "
                         "seed has the same step 10: every step seeds itself)")
@@ -183,6 +200,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/estimator_lab"))
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    if args.run is None and args.teacher is None:
+        p.error("give --run (the early and trained pairs), --teacher (the distillation pair), or both")
     torch.set_num_threads(args.threads)
     from emapg.tasks import make_task
 
@@ -190,8 +209,12 @@ def main() -> None:
             "gsm8k": (make_task("math", eval_file=str(GSM8K), template="chat").eval_examples(12), 64)}
     random.seed(0)
     results = {}
-    for pair, step in (("early", 10), ("trained", 30)):
-        policy, anchor, tok = load_pair(args.early_run or args.run if pair == "early" else args.run, step, pair)
+    pairs = ([("early", 10), ("trained", 30)] if args.run else []) + ([("distill", 0)] if args.teacher else [])
+    for pair, step in pairs:
+        if pair == "distill":
+            policy, anchor, tok = load_distill_pair(args.teacher)
+        else:
+            policy, anchor, tok = load_pair(args.early_run or args.run if pair == "early" else args.run, step, pair)
         logits = [positions(policy, anchor, tok, ex, max_new, seed=0, cap=args.positions)
                   for ex, max_new in data.values()]
         pol = torch.cat([x[0] for x in logits])

@@ -166,7 +166,8 @@ def cmd_index_build(args: argparse.Namespace) -> int:
 def cmd_index_dense(args: argparse.Namespace) -> int:
     from emapg.retrieval.dense import build_dense
 
-    meta = build_dense(args.index, args.embedder, batch_size=args.batch_size, factory=args.factory)
+    meta = build_dense(args.index, args.embedder, batch_size=args.batch_size, factory=args.factory,
+                       device=args.device)
     print(f"emapg index: {meta['documents']} passages encoded by {meta['embedder']} ({meta['dim']} dimensions, "
           f"faiss {meta['factory']}) into {Path(args.index) / 'dense'} in {meta['build_seconds']:.0f} s",
           file=sys.stderr)
@@ -258,6 +259,7 @@ def _dense_args(p) -> None:
                    help="minilm (all-MiniLM-L6-v2, shipped in emapg[dense]) or a sentence-transformers folder")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--factory", default="Flat", help="a faiss index_factory string (default Flat: exact search)")
+    p.add_argument("--device", default="auto", help="where passages are encoded: auto (a GPU if any), cpu, cuda")
 
 
 def _retrieval_parsers(sub) -> None:

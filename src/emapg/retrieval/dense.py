@@ -72,11 +72,12 @@ def _partial_state(partial: Path, plan: dict) -> int:
 
 
 def build_dense(index: str | Path, embedder: str | Embedder = "minilm", *, batch_size: int = 64,
-                shard_size: int = 4096, factory: str = "Flat", progress: bool = True) -> dict:
+                shard_size: int = 4096, factory: str = "Flat", progress: bool = True, device: str = "auto") -> dict:
     """Encode the passages of the BM25 index folder ``index`` into ``index/dense/``; returns its metadata.
 
     Resumable: shards of ``shard_size`` passages are saved as they finish, and a build of the same passages
-    with the same embedder, prefixes and shard size continues from them after a kill."""
+    with the same embedder, prefixes and shard size continues from them after a kill. ``device``: where the
+    embedder encodes (``auto``: the GPU when there is one)."""
     faiss = _import_faiss()
     index = Path(index)
     if not (index / PASSAGES_FILE).is_file():
@@ -85,7 +86,11 @@ def build_dense(index: str | Path, embedder: str | Embedder = "minilm", *, batch
     if not isinstance(shard_size, int) or shard_size < 1 or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"shard_size and batch_size must be integers >= 1, got {shard_size!r}, {batch_size!r}")
     start = time.perf_counter()
-    emb = embedder if isinstance(embedder, Embedder) else Embedder(embedder)
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    emb = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=device)
     passages = read_passages(index)
     if not len(passages):
         raise ValueError(f"{index}/{PASSAGES_FILE}: no passages to encode")
