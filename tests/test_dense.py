@@ -263,3 +263,51 @@ def test_the_search_task_retrieves_with_each_kind(tmp_path, monkeypatch):
         SearchQATask(synthetic=opts, retriever="colbert")
     with pytest.raises(ValueError, match="searches as it was started"):
         SearchQATask(retriever_url="http://127.0.0.1:1/retrieve", eval_file="x.jsonl", retriever="dense")
+
+
+def test_a_damaged_shard_is_encoded_again(tmp_path, embedder, monkeypatch):
+    build_index(write_jsonl(tmp_path / "corpus.jsonl", CORPUS), tmp_path / "i")
+    calls = []
+    real = Embedder.encode
+
+    def dies_on_third(self, texts, **kw):
+        calls.append(len(texts))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, texts, **kw)
+
+    monkeypatch.setattr(Embedder, "encode", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        build_dense(tmp_path / "i", embedder, shard_size=3, progress=False)
+    (tmp_path / "i" / ".dense.partial" / "shard-000001.npy").write_bytes(b"\x93NUMPY garbage")  # a torn write
+    calls.clear()
+    build_dense(tmp_path / "i", embedder, shard_size=3, progress=False)
+    assert calls == [3, 2]  # shard 0 kept, shard 1 (damaged) and shard 2 encoded
+    monkeypatch.undo()
+    assert [r[0].id for r in DenseIndex.load(tmp_path / "i").search([q for q, _ in QUERIES])] == \
+        [pid for _, pid in QUERIES]
+
+
+def test_one_build_at_a_time_and_a_bad_factory_fails_before_encoding(tmp_path, embedder, monkeypatch):
+    import fcntl
+
+    build_index(write_jsonl(tmp_path / "corpus.jsonl", CORPUS), tmp_path / "i")
+    with open(tmp_path / "i" / ".dense.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(RuntimeError, match="another dense index build is running"):
+            build_dense(tmp_path / "i", embedder, progress=False)
+    monkeypatch.setattr(Embedder, "encode", lambda *a, **k: pytest.fail("encoded before checking the factory"))
+    with pytest.raises(ValueError, match="factory 'IVF4,Bogus'"):
+        build_dense(tmp_path / "i", embedder, factory="IVF4,Bogus", progress=False)
+
+
+def test_hybrid_shares_one_copy_of_the_passages_and_the_task_checks_its_index(tiny, tmp_path):
+    from emapg.tasks.search_qa import SearchQATask
+
+    hybrid = open_retriever(index=str(tiny), kind="hybrid")
+    assert hybrid.dense._passages.texts is hybrid.sparse.passages.texts
+    bare = tmp_path / "bare"
+    build_index(write_jsonl(tmp_path / "c.jsonl", CORPUS), bare)
+    with pytest.raises(ValueError, match=f"needs a dense index in {bare}; build it with: emapg index dense"):
+        SearchQATask(index=str(bare), eval_file=str(write_jsonl(tmp_path / "q.jsonl", [
+            {"id": "1", "question": "q", "answers": ["a"]}])), retriever="dense")

@@ -62,9 +62,9 @@ def test_distillation_loss_and_gradient_are_the_full_reverse_kl_in_expectation(e
     z = torch.randn(V, generator=g, dtype=torch.float64).requires_grad_(True)
     t = 2.0 * torch.randn(V, generator=g, dtype=torch.float64)
     full, want_grad, _ = reverse_and_forward(z, t)
-    value, grad = expected_loss_and_grad(z, t, AlgoConfig(kl=estimator, k=k, beta=1.0, pg_coef=0.0, teacher="t"))
-    torch.testing.assert_close(value, full, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(grad, want_grad, rtol=1e-9, atol=1e-12)
+    value, grad = expected_loss_and_grad(z, t, AlgoConfig(kl=estimator, k=k, beta=0.5, pg_coef=0.0, teacher="t"))
+    torch.testing.assert_close(value, 0.5 * full, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, 0.5 * want_grad, rtol=1e-9, atol=1e-12)
     assert float(full) > 0.1  # teacher and student do differ
 
 
@@ -92,6 +92,29 @@ def test_the_paper_form_is_biased_in_gradient_where_ours_is_not():
     _, ours = expected_loss_and_grad(z, t, AlgoConfig(kl="topk_reverse", k=3, beta=1.0, pg_coef=0.0))
     assert float((paper - want).abs().max()) > 1e-3
     assert float((ours - want).abs().max()) < 1e-10
+
+
+def test_the_loss_is_pg_coef_times_pg_plus_beta_times_kl():
+    """With rewards in play (non-zero advantages): loss(pg_coef, beta) = pg_coef * PG + beta * KL, in value
+    and gradient, each term from the same algo.loss with the other weighted 0."""
+    import test_algo
+
+    policy, teacher, _, batch = test_algo.make_case(4, "topk_reverse")
+    counts = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(test_algo.B),
+              "max_len": test_algo.L}
+
+    def loss(pg_coef, beta):
+        a = AlgoConfig(kl="topk_reverse", k=test_algo.K, beta=beta, pg_coef=pg_coef, teacher="t")
+        return algo.loss(*test_algo.passes(policy, teacher, batch, a), batch, a, counts)[0]
+
+    pg, kl_term, both = loss(1.0, 0.0), loss(0.0, 1.0), loss(0.7, 0.3)
+    torch.testing.assert_close(both, 0.7 * pg + 0.3 * kl_term, rtol=1e-12, atol=1e-14)
+    (g_both,) = torch.autograd.grad(both, policy)
+    (g_pg,) = torch.autograd.grad(pg, policy)
+    (g_kl,) = torch.autograd.grad(kl_term, policy)
+    torch.testing.assert_close(g_both, 0.7 * g_pg + 0.3 * g_kl, rtol=1e-10, atol=1e-14)
+    assert float(g_pg.abs().sum()) > 1e-3 and float(g_kl.abs().sum()) > 1e-3  # both terms carry gradient
+    assert abs(float(pg)) > 1e-4 and float(kl_term) > 1e-4
 
 
 def cfg(*overrides):
@@ -174,6 +197,27 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
     small = teacher_folder(tmp_path / "small", vocab=200)
     with pytest.raises(ConfigError, match="scores 200 token ids, fewer than the policy's 259"):
         Trainer(cfg(f"algo.teacher={small}"), tmp_path / "c", progress=False)
+
+
+def test_an_untied_padded_teacher_is_cut_to_the_policys_rows(tmp_path):
+    """Untied head (as Qwen2.5-7B/72B): after the cut, the teacher's logits are its first 259 original ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from emapg.models import load_model
+
+    torch.manual_seed(3)
+    untied = LlamaForCausalLM(LlamaConfig(vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                          bos_token_id=0, eos_token_id=1, pad_token_id=1))
+    save_hf_folder(untied, byte_tokenizer(), tmp_path / "untied")
+    tr = Trainer(cfg(f"algo.teacher={tmp_path / 'untied'}", "steps=1", "eval.size=0"), tmp_path / "run",
+                 progress=False)
+    original, _ = load_model(str(tmp_path / "untied"))
+    ids = torch.tensor([[5, 70, 120, 200, 258]])
+    with torch.no_grad():
+        cut, full = tr.teacher(input_ids=ids).logits, original(input_ids=ids).logits
+    assert cut.shape[-1] == 259 and not tr.teacher.config.tie_word_embeddings
+    torch.testing.assert_close(cut, full[..., :259])
 
 
 def test_a_padded_teacher_vocabulary_is_cut_to_the_policys(tmp_path):

@@ -39,7 +39,7 @@ CURVES = {  # panel title -> metrics key
     "held-out accuracy (policy)": "eval/policy_accuracy",
     "held-out accuracy (anchor)": "eval/anchor_accuracy",
     "reward": "reward_mean",
-    "KL to the anchor": "kl",
+    "KL to the anchor (to the teacher when distilling)": "kl",
     "KL to the initial policy": "kl_to_init",
     "entropy": "entropy",
 }

@@ -457,7 +457,7 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
      lambda c: f"the vllm backend samples at 0.01 <= T <= 2, got {c.rollout.temperature}"),
     ("rollout.n", lambda c: c.algo.advantage != "rloo" or c.rollout.n >= 2, lambda c: "rloo advantages need n >= 2"),
     ("algo.pg_coef", lambda c: c.algo.pg_coef > 0 or c.algo.teacher is not None,
-     lambda c: "0 trains on the KL term alone, which pulls the policy toward its own EMA: set algo.teacher "
+     lambda c: "0 leaves only the KL to the policy's own anchor in the loss: set algo.teacher "
                "(on-policy distillation) or pg_coef > 0"),
     ("algo.beta", lambda c: c.algo.beta > 0 or c.algo.teacher is None,
      lambda c: f"0 with algo.teacher={c.algo.teacher!r} ignores the teacher: distillation needs beta > 0"),

@@ -81,11 +81,11 @@ def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.Di
     eta = 1 since step 0 (``since_start``: a resumed run asks its checkpoint): the anchor is the initial
     policy, so it serves for kl_to_init too (and its final evaluation is the step-0 one). A run resumed
     with eta = 1 after steps at eta < 1 has an anchor that moved. With a teacher the KL's reference pass
-    is the teacher's, so kl_to_init always has a pass of its own."""
+    is the teacher's, so kl_to_init gets a pass of its own, on the anchor itself when it is the initial policy."""
     full = cfg.lora.r == 0 and dist.enabled
     anchor_copy = frozen_copy(model) if full else None
     anchor_is_initial = cfg.algo.eta == 1.0 and since_start
-    own_init = cfg.log_kl_to_init and (not anchor_is_initial or cfg.algo.teacher is not None)
+    own_init = cfg.log_kl_to_init and not anchor_is_initial
     init_copy = frozen_copy(model) if full and own_init else None
     if dist.enabled:
         for m in (model, anchor_copy, init_copy):
@@ -93,6 +93,8 @@ def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.Di
                 distributed.shard(m, cfg.mixed_precision, methods=SHARD_METHODS)
     anchor = EMAAnchor(model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=anchor_copy)
     init_anchor = EMAAnchor(model, eta=1.0, module=init_copy) if own_init else None
+    if cfg.log_kl_to_init and anchor_is_initial and cfg.algo.teacher is not None:
+        init_anchor = anchor  # no second copy of the initial weights
     return anchor, init_anchor, anchor_is_initial
 
 

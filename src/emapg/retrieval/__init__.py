@@ -67,7 +67,8 @@ def open_retriever(index: str | None = None, url: str | None = None, kind: str =
         return DenseIndex.load(index)
     from emapg.retrieval.hybrid import HybridRetriever
 
-    return HybridRetriever(BM25Index.load(index), DenseIndex.load(index))
+    sparse = BM25Index.load(index)
+    return HybridRetriever(sparse, DenseIndex.load(index, passages=sparse.passages))  # one copy of the text
 
 
 _LAZY = {"BM25Index": "bm25", "build_index": "bm25", "DenseIndex": "dense", "build_dense": "dense",

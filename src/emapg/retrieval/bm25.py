@@ -10,6 +10,7 @@ so an existing index is replaced only once the new one is complete.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -22,6 +23,7 @@ from emapg.retrieval import Passage
 from emapg.retrieval.passages import (
     DENSE_DIR,
     PASSAGES_FILE,
+    Passages,
     passages_digest,
     read_corpus,
     read_passages,
@@ -59,7 +61,7 @@ def _keep_dense(out: Path, tmp: Path) -> None:
     dense = out / DENSE_DIR
     if (dense / "dense.json").is_file() and (out / PASSAGES_FILE).is_file() \
             and passages_digest(out) == passages_digest(tmp):
-        shutil.copytree(dense, tmp / DENSE_DIR)
+        shutil.copytree(dense, tmp / DENSE_DIR, copy_function=os.link)  # hard links: no second copy
 
 
 def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | None = None) -> dict:
@@ -133,6 +135,11 @@ class BM25Index:
             raise ValueError(f"{path}: the BM25 matrix has {n} documents but {PASSAGES_FILE} has {len(ids)}; "
                              "rebuild the index")
         return cls(path, retriever, ids, titles, texts, meta)
+
+    @property
+    def passages(self) -> Passages:
+        """The index's passages in index order (the lists themselves, not a copy)."""
+        return Passages(self._ids, self._titles, self._texts)
 
     def __len__(self) -> int:
         return len(self._ids)

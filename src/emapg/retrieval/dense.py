@@ -25,7 +25,7 @@ import numpy as np
 from emapg.atomic import folder_atomic, write_json_atomic
 from emapg.retrieval import Passage
 from emapg.retrieval.embed import Embedder, weights_digest
-from emapg.retrieval.passages import DENSE_DIR, PASSAGES_FILE, passages_digest, read_passages
+from emapg.retrieval.passages import DENSE_DIR, PASSAGES_FILE, Passages, passages_digest, read_passages
 
 FORMAT_VERSION = 1
 META_FILE, FAISS_FILE, PARTIAL_DIR = "dense.json", "index.faiss", ".dense.partial"
@@ -53,8 +53,18 @@ def _save_shard(path: Path, vecs: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _partial_state(partial: Path, plan: dict) -> int:
-    """How many shards a previous build of the same plan finished (0: start afresh, debris removed)."""
+def _good_shard(path: Path, rows: int, dim: int) -> bool:
+    """Whether a saved shard reads back as ``rows`` float32 vectors of ``dim`` (a damaged one is encoded again)."""
+    try:
+        v = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError):
+        return False
+    return v.dtype == np.float32 and v.shape == (rows, dim)
+
+
+def _partial_state(partial: Path, plan: dict, rows_of) -> int:
+    """How many shards a previous build of the same plan finished and left intact (0: start afresh,
+    debris removed); ``rows_of(s)`` is shard s's passage count."""
     if partial.is_dir():
         try:
             same = json.loads((partial / "plan.json").read_text()) == plan
@@ -62,7 +72,8 @@ def _partial_state(partial: Path, plan: dict) -> int:
             same = False
         if same:
             done = 0
-            while _shard_path(partial, done).is_file():
+            while _shard_path(partial, done).is_file() and _good_shard(_shard_path(partial, done), rows_of(done),
+                                                                        plan["dim"]):
                 done += 1
             return done
         shutil.rmtree(partial)
@@ -76,29 +87,48 @@ def build_dense(index: str | Path, embedder: str | Embedder = "minilm", *, batch
     """Encode the passages of the BM25 index folder ``index`` into ``index/dense/``; returns its metadata.
 
     Resumable: shards of ``shard_size`` passages are saved as they finish, and a build of the same passages
-    with the same embedder, prefixes and shard size continues from them after a kill. ``device``: where the
-    embedder encodes (``auto``: the GPU when there is one)."""
-    faiss = _import_faiss()
+    with the same embedder, prefixes and shard size continues from them after a kill (a damaged shard is
+    encoded again). One build at a time per folder (a lock says so). ``device``: where the embedder
+    encodes (``auto``: the GPU when there is one)."""
+    import fcntl
+
     index = Path(index)
     if not (index / PASSAGES_FILE).is_file():
         raise FileNotFoundError(f"{index} is not an emapg index folder (no {PASSAGES_FILE}); build the BM25 "
                                 "index first: emapg index build --corpus FILE --out DIR")
     if not isinstance(shard_size, int) or shard_size < 1 or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"shard_size and batch_size must be integers >= 1, got {shard_size!r}, {batch_size!r}")
+    with open(index / ".dense.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{index}: another dense index build is running there") from None
+        return _build_locked(index, embedder, batch_size, shard_size, factory, progress, device)
+
+
+def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, factory: str, progress: bool,
+                  device: str) -> dict:
+    faiss = _import_faiss()
     start = time.perf_counter()
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     emb = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=device)
+    try:  # a wrong factory string fails here, before hours of encoding
+        faiss.index_factory(emb.dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        raise ValueError(f"factory {factory!r}: not a faiss index_factory string for {emb.dim} dimensions "
+                         f"({str(e).strip().splitlines()[-1]})") from None
     passages = read_passages(index)
     if not len(passages):
         raise ValueError(f"{index}/{PASSAGES_FILE}: no passages to encode")
     plan = {**emb.identity(), "passages_sha256": passages_digest(index), "documents": len(passages),
             "shard_size": shard_size}
     partial = index / PARTIAL_DIR
-    done = _partial_state(partial, plan)
     shards = -(-len(passages) // shard_size)
+    rows_of = lambda s: min(shard_size, len(passages) - s * shard_size)  # noqa: E731
+    done = _partial_state(partial, plan, rows_of)
     from tqdm.auto import tqdm
 
     with tqdm(total=len(passages), initial=min(done * shard_size, len(passages)), unit="passage",
@@ -108,11 +138,11 @@ def build_dense(index: str | Path, embedder: str | Embedder = "minilm", *, batch
             _save_shard(_shard_path(partial, s), emb.encode([passages.contents(i) for i in rows], query=False,
                                                             batch_size=batch_size))
             bar.update(len(rows))
-    vecs = np.concatenate([np.load(_shard_path(partial, s)) for s in range(shards)])
     ix = faiss.index_factory(emb.dim, factory, faiss.METRIC_INNER_PRODUCT)
-    if not ix.is_trained:
-        ix.train(vecs)
-    ix.add(vecs)
+    if not ix.is_trained:  # IVF, PQ: trained on every vector (sample the corpus yourself if it is too large)
+        ix.train(np.concatenate([np.load(_shard_path(partial, s)) for s in range(shards)]))
+    for s in range(shards):  # added shard by shard: one shard's vectors in memory beside the index
+        ix.add(np.load(_shard_path(partial, s)))
     with folder_atomic(index / DENSE_DIR) as tmp:
         faiss.write_index(ix, str(tmp / FAISS_FILE))
         meta = {"format_version": FORMAT_VERSION, **plan, "factory": factory, "faiss_version": faiss.__version__,
@@ -131,9 +161,10 @@ class DenseIndex:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | Path, embedder: str | None = None) -> DenseIndex:
+    def load(cls, path: str | Path, embedder: str | None = None, passages: Passages | None = None) -> DenseIndex:
         """Load ``path/dense`` (``path`` the index folder). ``embedder`` overrides where the recorded
-        embedder is found (a moved folder); its weights must be the ones the passages were encoded with."""
+        embedder is found (a moved folder); its weights must be the ones the passages were encoded with.
+        ``passages``: the folder's passages when already read (a hybrid retriever shares BM25's)."""
         faiss = _import_faiss()
         path = Path(path)
         dense = path / DENSE_DIR
@@ -153,7 +184,7 @@ class DenseIndex:
             raise ValueError(f"{dense}: its passages were encoded by other weights than embedder "
                              f"{emb.name!r} ({emb.folder}) holds; rebuild it or give the embedder it was built with")
         ix = faiss.read_index(str(dense / FAISS_FILE))
-        passages = read_passages(path)
+        passages = passages if passages is not None else read_passages(path)
         if ix.ntotal != len(passages) or ix.d != emb.dim:
             raise ValueError(f"{dense}: {ix.ntotal} vectors of dimension {ix.d} for {len(passages)} passages and "
                              f"a {emb.dim}-dimensional embedder; rebuild it")

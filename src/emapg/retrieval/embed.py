@@ -83,7 +83,9 @@ class Embedder:
     def __init__(self, name: str = "minilm", *, query_prefix: str | None = None, passage_prefix: str | None = None,
                  device: str = "cpu"):
         SentenceTransformer = _import_st()
-        self.name, self.folder = name, model_folder(name)
+        self.folder = model_folder(name)
+        # a folder is recorded by its absolute path: a dense index loads from any working directory
+        self.name = name if name in BUILTIN else str(self.folder.resolve())
         self.model = SentenceTransformer(str(self.folder), device=device, local_files_only=True)
         auto = default_prefixes(name, dict(self.model.prompts or {}))
         self.prefixes = Prefixes(auto.query if query_prefix is None else query_prefix,

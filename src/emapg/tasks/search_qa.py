@@ -60,6 +60,10 @@ def synthetic_index(options: dict[str, Any], retriever: str = "bm25") -> tuple[P
     kb = make_kb(**options)
     key = hashlib.sha256(json.dumps(kb["corpus"], sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir() / f"kb-{key}"
+    index = folder / "index"
+    dense_wanted = retriever != "bm25" and not (index / DENSE_DIR / "dense.json").exists()
+    if (index / "emapg_index.json").exists() and not dense_wanted:
+        return index, kb  # built: no lock needed (a read-only cache works)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -117,6 +121,9 @@ class SearchQATask(Task):
             raise ValueError("task_args.retriever: a retrieval server (retriever_url) searches as it was started "
                              "(emapg serve-retriever --retriever ...); drop task_args.retriever")
         self.retriever_kind = retriever
+        if index and retriever != "bm25" and not (Path(index) / DENSE_DIR / "dense.json").is_file():
+            raise ValueError(f"task_args.retriever: {retriever} needs a dense index in {index}; build it with: "
+                             f"emapg index dense --index {index}")
         self.template, self.reward_kind, self.response_prefix = template, reward, response_prefix
         self.format_weight = format_weight
         self.agent = AgentConfig(max_turns=max_turns, passages=passages, max_turn_tokens=max_turn_tokens,
