@@ -101,11 +101,8 @@ def test_dense_ranks_the_right_passage_first_on_paraphrases(tiny):
         index.search("x")
 
 
-def test_a_killed_build_resumes_to_the_same_index(tmp_path, embedder, monkeypatch):
-    build_index(write_jsonl(tmp_path / "corpus.jsonl", CORPUS), tmp_path / "a")
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    build_dense(tmp_path / "a", embedder, shard_size=3, progress=False)
-
+def interrupt_on_third_encode(monkeypatch):
+    """Embedder.encode that records each call's size and is killed (Ctrl-C) on its third call."""
     calls = []
     real = Embedder.encode
 
@@ -116,6 +113,15 @@ def test_a_killed_build_resumes_to_the_same_index(tmp_path, embedder, monkeypatc
         return real(self, texts, **kw)
 
     monkeypatch.setattr(Embedder, "encode", dies_on_third)
+    return calls, dies_on_third
+
+
+def test_a_killed_build_resumes_to_the_same_index(tmp_path, embedder, monkeypatch):
+    build_index(write_jsonl(tmp_path / "corpus.jsonl", CORPUS), tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    build_dense(tmp_path / "a", embedder, shard_size=3, progress=False)
+
+    calls, dies_on_third = interrupt_on_third_encode(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         build_dense(tmp_path / "b", embedder, shard_size=3, progress=False)
     assert not (tmp_path / "b" / "dense").exists()  # nothing half-written where a loader looks
@@ -267,16 +273,7 @@ def test_the_search_task_retrieves_with_each_kind(tmp_path, monkeypatch):
 
 def test_a_damaged_shard_is_encoded_again(tmp_path, embedder, monkeypatch):
     build_index(write_jsonl(tmp_path / "corpus.jsonl", CORPUS), tmp_path / "i")
-    calls = []
-    real = Embedder.encode
-
-    def dies_on_third(self, texts, **kw):
-        calls.append(len(texts))
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(self, texts, **kw)
-
-    monkeypatch.setattr(Embedder, "encode", dies_on_third)
+    calls, dies_on_third = interrupt_on_third_encode(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         build_dense(tmp_path / "i", embedder, shard_size=3, progress=False)
     (tmp_path / "i" / ".dense.partial" / "shard-000001.npy").write_bytes(b"\x93NUMPY garbage")  # a torn write
