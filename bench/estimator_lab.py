@@ -77,11 +77,11 @@ def load_pair(run: Path, step: int, which: str):
 
 def load_distill_pair(teacher: str):
     """(student, teacher): the initial SmolLM2-135M-Instruct and a teacher with its tokenizer."""
-    from emapg.models import _vocab_difference, load_model
+    from emapg.models import load_model, vocab_difference
 
     student, tok = load_model("smollm2-135m", "float32")
     teach, teacher_tok = load_model(teacher, "float32")
-    diff = _vocab_difference(tok, teacher_tok)
+    diff = vocab_difference(tok, teacher_tok)
     if diff or teach.get_output_embeddings().weight.shape != student.get_output_embeddings().weight.shape:
         raise SystemExit(f"--teacher {teacher}: not SmolLM2's tokenizer and vocabulary ({diff or 'output size'})")
     for m in (student, teach):

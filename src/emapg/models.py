@@ -218,7 +218,7 @@ def training_policy(cfg: Any, device: torch.device) -> tuple[nn.Module, Any]:
     return model, tokenizer
 
 
-def _vocab_difference(student_tok, teacher_tok) -> str:
+def vocab_difference(student_tok, teacher_tok) -> str:
     """'' when the two tokenizers map the same strings to the same ids; else what differs, briefly."""
     s, t = student_tok.get_vocab(), teacher_tok.get_vocab()
     if s == t:
@@ -229,8 +229,8 @@ def _vocab_difference(student_tok, teacher_tok) -> str:
     if moved:
         parts.append(f"{len(moved)} with other ids, e.g. {moved[0]!r}: {s[moved[0]]} vs {t[moved[0]]}")
     if only_s or only_t:
-        parts.append(f"{len(only_s)} only in the policy's, {len(only_t)} only in the teacher's"
-                     + (f", e.g. {(only_s or only_t)[0]!r}" if only_s or only_t else ""))
+        parts.append(f"{len(only_s)} only in the policy's, {len(only_t)} only in the teacher's, "
+                     f"e.g. {(only_s or only_t)[0]!r}")
     return "; ".join(parts)
 
 
@@ -245,7 +245,7 @@ def teacher_model(cfg: Any, student: nn.Module, tokenizer, device: torch.device)
         teacher, teacher_tok = load_model(name, cfg.dtype, seed=cfg.seed)
     except FileNotFoundError as e:
         raise ConfigError(f"algo.teacher: {str(e).removeprefix('model: ')}") from None
-    diff = _vocab_difference(tokenizer, teacher_tok)
+    diff = vocab_difference(tokenizer, teacher_tok)
     if diff:
         raise ConfigError(f"algo.teacher: {name!r} has another tokenizer than the policy {cfg.model!r} ({diff}); "
                           "distillation compares the two models' probabilities of the same token ids, so the "

@@ -24,6 +24,7 @@ from emapg.retrieval.passages import (
     DENSE_DIR,
     PASSAGES_FILE,
     Passages,
+    has_dense,
     passages_digest,
     read_corpus,
     read_passages,
@@ -58,10 +59,8 @@ def _replaceable(out: Path) -> bool:
 def _keep_dense(out: Path, tmp: Path) -> None:
     """Carry an existing dense index into a rebuilt folder when the passages are byte-identical
     (a dense index of other passages is dropped: ``DenseIndex.load`` would refuse it anyway)."""
-    dense = out / DENSE_DIR
-    if (dense / "dense.json").is_file() and (out / PASSAGES_FILE).is_file() \
-            and passages_digest(out) == passages_digest(tmp):
-        shutil.copytree(dense, tmp / DENSE_DIR, copy_function=os.link)  # hard links: no second copy
+    if has_dense(out) and (out / PASSAGES_FILE).is_file() and passages_digest(out) == passages_digest(tmp):
+        shutil.copytree(out / DENSE_DIR, tmp / DENSE_DIR, copy_function=os.link)  # hard links: no second copy
 
 
 def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | None = None) -> dict:

@@ -26,9 +26,10 @@ from emapg.atomic import folder_atomic, write_json_atomic
 from emapg.retrieval import Passage
 from emapg.retrieval.embed import Embedder, weights_digest
 from emapg.retrieval.passages import DENSE_DIR, PASSAGES_FILE, Passages, passages_digest, read_passages
+from emapg.retrieval.passages import DENSE_META as META_FILE
 
 FORMAT_VERSION = 1
-META_FILE, FAISS_FILE, PARTIAL_DIR = "dense.json", "index.faiss", ".dense.partial"
+FAISS_FILE, PARTIAL_DIR = "index.faiss", ".dense.partial"
 
 
 def _import_faiss():
@@ -72,8 +73,7 @@ def _partial_state(partial: Path, plan: dict, rows_of) -> int:
             same = False
         if same:
             done = 0
-            while _shard_path(partial, done).is_file() and _good_shard(_shard_path(partial, done), rows_of(done),
-                                                                        plan["dim"]):
+            while _good_shard(_shard_path(partial, done), rows_of(done), plan["dim"]):  # a missing one: OSError
                 done += 1
             return done
         shutil.rmtree(partial)
@@ -116,7 +116,7 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
         device = "cuda" if torch.cuda.is_available() else "cpu"
     emb = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=device)
     try:  # a wrong factory string fails here, before hours of encoding
-        faiss.index_factory(emb.dim, factory, faiss.METRIC_INNER_PRODUCT)
+        ix = faiss.index_factory(emb.dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as e:
         raise ValueError(f"factory {factory!r}: not a faiss index_factory string for {emb.dim} dimensions "
                          f"({str(e).strip().splitlines()[-1]})") from None
@@ -138,7 +138,6 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
             _save_shard(_shard_path(partial, s), emb.encode([passages.contents(i) for i in rows], query=False,
                                                             batch_size=batch_size))
             bar.update(len(rows))
-    ix = faiss.index_factory(emb.dim, factory, faiss.METRIC_INNER_PRODUCT)
     if not ix.is_trained:  # IVF, PQ: trained on every vector (sample the corpus yourself if it is too large)
         ix.train(np.concatenate([np.load(_shard_path(partial, s)) for s in range(shards)]))
     for s in range(shards):  # added shard by shard: one shard's vectors in memory beside the index

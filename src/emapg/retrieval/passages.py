@@ -15,8 +15,13 @@ from pathlib import Path
 from emapg.data import DataError, load_rows
 
 PASSAGES_FILE = "passages.jsonl"
-DENSE_DIR = "dense"
-"""Where ``emapg.retrieval.dense`` keeps its index inside an index folder."""
+DENSE_DIR, DENSE_META = "dense", "dense.json"
+"""Where ``emapg.retrieval.dense`` keeps its index inside an index folder, and its metadata file."""
+
+
+def has_dense(folder: Path) -> bool:
+    """Whether an index folder holds a finished dense index (its metadata is written last)."""
+    return (Path(folder) / DENSE_DIR / DENSE_META).is_file()
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 from emapg.data import load_rows
 from emapg.models import cache_dir
 from emapg.retrieval import KINDS, open_retriever
-from emapg.retrieval.passages import DENSE_DIR
+from emapg.retrieval.passages import has_dense
 from emapg.rewards.qa import qa_em, qa_f1
 from emapg.tags import extract_answer
 from emapg.tasks.base import AgentConfig, Example, Task
@@ -61,21 +61,20 @@ def synthetic_index(options: dict[str, Any], retriever: str = "bm25") -> tuple[P
     key = hashlib.sha256(json.dumps(kb["corpus"], sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir() / f"kb-{key}"
     index = folder / "index"
-    dense_wanted = retriever != "bm25" and not (index / DENSE_DIR / "dense.json").exists()
-    if (index / "emapg_index.json").exists() and not dense_wanted:
+    if (index / "emapg_index.json").exists() and (retriever == "bm25" or has_dense(index)):
         return index, kb  # built: no lock needed (a read-only cache works)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "index" / "emapg_index.json").exists():
+        if not (index / "emapg_index.json").exists():  # another run may have built it meanwhile
             corpus = folder / "corpus.jsonl"
             corpus.write_text("".join(json.dumps(d) + "\n" for d in kb["corpus"]))
-            build_index(corpus, folder / "index")
-        if retriever != "bm25" and not (folder / "index" / DENSE_DIR / "dense.json").exists():
+            build_index(corpus, index)
+        if retriever != "bm25" and not has_dense(index):
             from emapg.retrieval.dense import build_dense  # faiss, sentence-transformers: emapg[dense]
 
-            build_dense(folder / "index", progress=False)
-    return folder / "index", kb
+            build_dense(index, progress=False)
+    return index, kb
 
 
 class SearchQATask(Task):
@@ -121,7 +120,7 @@ class SearchQATask(Task):
             raise ValueError("task_args.retriever: a retrieval server (retriever_url) searches as it was started "
                              "(emapg serve-retriever --retriever ...); drop task_args.retriever")
         self.retriever_kind = retriever
-        if index and retriever != "bm25" and not (Path(index) / DENSE_DIR / "dense.json").is_file():
+        if index and retriever != "bm25" and not has_dense(Path(index)):
             raise ValueError(f"task_args.retriever: {retriever} needs a dense index in {index}; build it with: "
                              f"emapg index dense --index {index}")
         self.template, self.reward_kind, self.response_prefix = template, reward, response_prefix
