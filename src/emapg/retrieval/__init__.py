@@ -59,10 +59,11 @@ def open_retriever(index: str | None = None, url: str | None = None, kind: str =
 
         return HTTPRetriever(url)
     from emapg.retrieval.bm25 import BM25Index
-    from emapg.retrieval.dense import DenseIndex
 
     if kind == "bm25":
         return BM25Index.load(index)
+    from emapg.retrieval.dense import DenseIndex  # only for the kinds that need it
+
     if kind == "dense":
         return DenseIndex.load(index)
     from emapg.retrieval.hybrid import HybridRetriever
