@@ -4,16 +4,19 @@ trainer's KL is to the teacher and its pass equals a plain forward of it; a wron
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_trainer import SMOKE, full_logits, strip_timing  # noqa: E402
 
 from emapg import algo
+from emapg.checkpoint import latest_checkpoint, load_checkpoint
 from emapg.config import AlgoConfig, ConfigError, load_config
 from emapg.kl import token_kl
 from emapg.logprobs import TokenLogprobs
 from emapg.metrics import read_metrics
-from emapg.models import byte_tokenizer, save_hf_folder, tiny_model
+from emapg.models import byte_tokenizer, load_model, save_hf_folder, tiny_model, weights_digest
 from emapg.rollout.batch import RolloutBatch
 from emapg.trainer import Trainer
 
@@ -227,3 +230,41 @@ def test_a_padded_teacher_vocabulary_is_cut_to_the_policys(tmp_path):
     tr = Trainer(cfg(f"algo.teacher={padded}", "steps=1", "eval.size=0"), tmp_path / "run", progress=False)
     assert tr.teacher.get_output_embeddings().weight.shape[0] == 259
     assert tr.train_step(1)["kl"] > 0
+
+
+def test_a_resume_refuses_a_teacher_whose_weights_changed(tmp_path):
+    """The checkpoint records the teacher's sha256: the same teacher resumes to the uninterrupted run;
+    one retrained in place is refused (nothing written), and accepted with force, recorded."""
+    teacher = tmp_path / "teacher"
+    teacher_folder(teacher)
+    common = ("eval.size=0", "save_every=1", f"algo.teacher={teacher}", "algo.beta=0.5")
+    Trainer(cfg("steps=2", *common), tmp_path / "whole", progress=False).train()
+    Trainer(cfg("steps=1", *common), tmp_path / "run", progress=False).train()
+    tr = Trainer(cfg("steps=2", *common), tmp_path / "run", resume=True, progress=False)
+    assert tr.teacher_sha256 == weights_digest(load_model(str(teacher))[0])
+    tr.train()
+    assert strip_timing(read_metrics(tmp_path / "run")) == strip_timing(read_metrics(tmp_path / "whole"))
+
+    teacher_folder(teacher, seed=8)  # retrained in place: same name, other weights
+    before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    with pytest.raises(ConfigError, match=r"--resume .*run: algo.teacher .* has other weights than the teacher "
+                                          r"this run was trained with .*pass --force"):
+        Trainer(cfg("steps=3", *common), tmp_path / "run", resume=True, progress=False)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+    assert not (tmp_path / "run" / "resumes.jsonl").exists()
+    tr = Trainer(cfg("steps=3", *common), tmp_path / "run", resume=True, progress=False, force=True)
+    (entry,) = [json.loads(line) for line in open(tmp_path / "run" / "resumes.jsonl")]
+    assert entry["forced"] and entry["changed"]["teacher_sha256"][1] == tr.teacher_sha256
+    tr.train()
+    assert tr.save() and load_checkpoint(latest_checkpoint(tmp_path / "run"))["state"]["teacher_sha256"] == \
+        tr.teacher_sha256
+
+
+def test_the_weights_digest_sees_one_changed_value():
+    model = tiny_model("llama", vocab_size=V, seed=0)
+    a = weights_digest(model)
+    assert weights_digest(tiny_model("llama", vocab_size=V, seed=0)) == a
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-3
+    assert weights_digest(model) != a
+    assert weights_digest(model.to(torch.bfloat16)) != weights_digest(model.to(torch.float32))

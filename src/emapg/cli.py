@@ -75,7 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             claim_run_folder(run_dir, has_checkpoint(run_dir))
     if args.nproc > 1 and not launched:
         return _launch(args, run_dir)
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume))
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), force=args.force)
     if trainer.main:
         print(f"emapg: run folder {run_dir} ({trainer.dist.world} process(es), {trainer.dist.device})",
               file=sys.stderr)
@@ -229,7 +229,8 @@ def _train_parser(sub) -> None:
     t.add_argument("--out", help="run folder (default runs/<time>-<task>)")
     t.add_argument("--resume", help="continue the run in this folder from its latest checkpoint")
     t.add_argument("--force", action="store_true",
-                   help="with --resume: accept overrides that change what the resumed steps replay (seed, algo...)")
+                   help="with --resume: accept changes to what the resumed steps replay (overrides of seed, "
+                        "algo...; a teacher whose weights changed)")
     t.add_argument("--nproc", type=int, default=1,
                    help="data-parallel processes on this machine (runs torchrun; or launch torchrun yourself)")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.eta=0.95 steps=100")

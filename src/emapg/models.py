@@ -234,6 +234,17 @@ def vocab_difference(student_tok, teacher_tok) -> str:
     return "; ".join(parts)
 
 
+def weights_digest(model: nn.Module) -> str:
+    """sha256 over a model's tensors (names, dtypes, shapes and bytes, in state-dict order): what a
+    teacher's answers depend on, recorded in a run's checkpoints so that a resume can check it."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def teacher_model(cfg: Any, student: nn.Module, tokenizer, device: torch.device) -> nn.Module:
     """``algo.teacher`` for on-policy distillation: loaded frozen on ``device`` in ``cfg.dtype``, in eval
     mode, its head checked for the lean path. Refused (ConfigError) unless its tokenizer is the policy's:

@@ -79,3 +79,22 @@ def record_resume(run_dir: Path, cfg_file: Path, cfg: TrainConfig, overrides: li
     with open(Path(run_dir) / "resumes.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
     save_config(cfg, cfg_file)
+
+
+def check_teacher(run_dir: Path, name: str, recorded: str | None, now: str, force: bool, main: bool) -> None:
+    """A resumed distillation run's teacher against the one its checkpoint was trained with (sha256 of
+    its weights): a teacher retrained or replaced in place would change the resumed steps silently.
+    Raises ConfigError unless ``force``; a forced change is recorded in ``resumes.jsonl`` (by ``main``).
+    A checkpoint without a record (written before emapg kept one) is not checked."""
+    if recorded is None or recorded == now:
+        return
+    if not force:
+        raise ConfigError(f"--resume {run_dir}: algo.teacher {name!r} has other weights than the teacher this "
+                          f"run was trained with (sha256 {now[:12]}... now, {recorded[:12]}... in its checkpoint), "
+                          "which would change what the resumed steps replay; pass --force to accept (it is "
+                          "recorded in resumes.jsonl), or start a new run")
+    if main:
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": [],
+                 "changed": {"teacher_sha256": [recorded, now]}, "forced": True}
+        with open(Path(run_dir) / "resumes.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")

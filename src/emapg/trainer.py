@@ -36,12 +36,13 @@ from emapg.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.forward import SHARD_METHODS, model_logprobs
 from emapg.lm import set_pass_mode
 from emapg.metrics import MetricsWriter, add_stats, peak_memory_row, rollout_row, update_row
-from emapg.models import policy_model, teacher_model, training_policy
+from emapg.models import policy_model, teacher_model, training_policy, weights_digest
 from emapg.objective import group_advantages
 from emapg.prompts import context_length, fit_prompts
 from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
+from emapg.runs import check_teacher
 from emapg.scoring import score_completions
 from emapg.tasks import make_task
 
@@ -59,17 +60,33 @@ def rank_prompts(prompts: int, mini: int, world: int, rank: int) -> list[int]:
     return [m + rank * share + i for m in range(0, prompts, mini) for i in range(share)]
 
 
-def build_teacher(model: torch.nn.Module, tokenizer, cfg: TrainConfig,
-                  dist: distributed.DistInfo) -> torch.nn.Module | None:
-    """``algo.teacher`` (on-policy distillation), frozen, sharded like an anchor's copy under torchrun;
-    None without one. Loaded before the policy is sharded (its vocabulary is checked against it)."""
+def build_teacher(model: torch.nn.Module, tokenizer, cfg: TrainConfig, dist: distributed.DistInfo,
+                  run_dir: Path, ckpt: dict[str, Any] | None, force: bool) -> tuple[torch.nn.Module | None, str | None]:
+    """``algo.teacher`` (on-policy distillation), frozen, sharded like an anchor's copy under torchrun, and
+    the sha256 of its weights (checked on resume against the checkpoint's ``ckpt``); (None, None) without
+    one. Loaded before the policy is sharded (its vocabulary is checked against it)."""
     if cfg.algo.teacher is None:
-        return None
+        return None, None
     with distributed.rank_zero_first(dist):  # rank 0 fills the caches (a converted built-in model)
         teacher = teacher_model(cfg, model, tokenizer, dist.device)
+    digest = weights_digest(teacher)
+    if ckpt is not None:
+        check_teacher(run_dir, cfg.algo.teacher, ckpt["state"].get("teacher_sha256"), digest, force, dist.is_main)
     if dist.enabled:
         distributed.shard(teacher, cfg.mixed_precision, methods=SHARD_METHODS)
-    return teacher
+    return teacher, digest
+
+
+def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, sampling, dist: distributed.DistInfo,
+                 run_dir: Path):
+    """None: our decode loop samples; ``rollout.backend: vllm``: this process's engine (optional extras),
+    sized for its share of a step's responses."""
+    if cfg.rollout.backend != "vllm":
+        return None
+    from emapg.rollout.vllm_backend import engine_for_run
+
+    return engine_for_run(cfg, model, tokenizer, task, sampling, rows=cfg.prompts_per_step // dist.world * sampling.n,
+                          device=dist.device.type, rank=dist.rank, workdir=run_dir / "vllm")
 
 
 def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.DistInfo,
@@ -114,7 +131,8 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 class Trainer:
     """Runs one configuration into a run folder. ``resume=True`` continues from its latest checkpoint."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
+                 force: bool = False):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
         self.dist = distributed.init(cfg.device, threads=cfg.threads)
         check_world(cfg, self.dist.world)
@@ -137,20 +155,14 @@ class Trainer:
         names = set(self.model.state_dict()) - tied_names(self.model)  # before sharding: plain names
         ckpt = intact_checkpoint(self.run_dir, names, warn=self.main) if resume else None
         since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
-        self.teacher = build_teacher(self.model, self.tokenizer, cfg, self.dist)  # None: the KL is to the anchor
+        self.teacher, self.teacher_sha256 = build_teacher(self.model, self.tokenizer, cfg, self.dist, self.run_dir,
+                                                          ckpt, force)  # None: the KL is to the anchor
         self.anchor, self.init_anchor, self.anchor_is_initial = build_anchors(self.model, cfg, self.dist, since_start)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, cfg)
         self.step, self.skipped_steps = 0, 0
         self.initial_eval = self.initial_eval_settings = None  # the step-0 evaluation, and what it was measured with
-        self.engine = None  # None: our decode loop samples; rollout.backend vllm: an engine (optional extras)
-        if cfg.rollout.backend == "vllm":
-            from emapg.rollout.vllm_backend import engine_for_run
-
-            self.engine = engine_for_run(cfg, self.model, self.tokenizer, self.task, self.sampling,
-                                         rows=cfg.prompts_per_step // self.dist.world * self.sampling.n,
-                                         device=self.dist.device.type, rank=self.dist.rank,
-                                         workdir=self.run_dir / "vllm")
+        self.engine = build_engine(cfg, self.model, self.tokenizer, self.task, self.sampling, self.dist, self.run_dir)
         if ckpt:
             st = restore_training(ckpt, self.model, self.anchor, self.optimizer, sharded=self.dist.enabled)
             self.step, self.skipped_steps = st["step"], st["skipped_steps"]
@@ -341,7 +353,8 @@ class Trainer:
         """Write a checkpoint of whole tensors (any number of processes can resume it). Collective."""
         state = {"skipped_steps": self.skipped_steps, "scheduler": self.scheduler.state_dict(),
                  "initial_eval": self.initial_eval, "initial_eval_settings": self.initial_eval_settings,
-                 "anchor_is_initial": self.anchor_is_initial, "seed": self.cfg.seed, "world": self.dist.world}
+                 "anchor_is_initial": self.anchor_is_initial, "seed": self.cfg.seed, "world": self.dist.world,
+                 "teacher_sha256": self.teacher_sha256}
         return save_training(self.run_dir, self.step, self.model, self.anchor, self.optimizer, state,
                              keep=self.cfg.keep_checkpoints, main=self.main)
 
