@@ -28,7 +28,7 @@ def run(nproc: int, *args: str) -> None:
     [],  # one PPO epoch, prefix sharing, top-k reverse KL, EMA update
     ["algo.ppo_epochs=2", "mini_batch_prompts=2", "algo.kl=k3"],  # 4 optimizer steps, pi_old recomputed
     ["lora.r=4", "lora.target_modules=[q_proj,v_proj]"],  # adapters sharded, anchor = EMA of adapters
-    ["algo.teacher=tiny-llama-h32", "algo.pg_coef=0.5", "algo.beta=0.5"],  # distillation: the teacher sharded too
+    ["algo.teacher=tiny-llama-h32", "algo.teacher_dtype=bfloat16", "algo.pg_coef=0.5", "algo.beta=0.5"],  # sharded too
 ], ids=["topk", "ppo-epochs", "lora", "teacher"])
 def test_two_processes_equal_one_process(tmp_path, overrides):
     one, two = tmp_path / "one", tmp_path / "two"

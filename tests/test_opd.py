@@ -130,22 +130,23 @@ def teacher_folder(path, seed=7, vocab=259, tokenizer=None):
     return str(path)
 
 
-def test_the_trainers_kl_is_to_the_teacher(tmp_path):
+@pytest.mark.parametrize("teacher_dtype", [None, "bfloat16"])
+def test_the_trainers_kl_is_to_the_teacher(tmp_path, teacher_dtype):
     """The logged kl of a distillation update equals kl.token_kl on full logits of a plain forward of
-    the teacher (the policy moved away from the sampler, the initial policy); the EMA anchor still follows
-    the policy."""
+    the teacher (the policy moved away from the sampler, the initial policy), also for a bfloat16 teacher
+    beside a float32 policy; the EMA anchor still follows the policy."""
     teacher = teacher_folder(tmp_path / "teacher")
-    tr = Trainer(cfg("steps=1", "eval.size=0", f"algo.teacher={teacher}", "algo.pg_coef=0", "algo.beta=1",
-                     "algo.k=4", "mini_batch_prompts=null", "algo.eta=0.5"), tmp_path / "run", progress=False)
+    tr = Trainer(cfg("steps=1", "eval.size=0", f"algo.teacher={teacher}", "algo.pg_coef=0", "algo.beta=1", "algo.k=4",
+                     "mini_batch_prompts=null", "algo.eta=0.5", f"algo.teacher_dtype={teacher_dtype or 'null'}"),
+                 tmp_path / "run", progress=False)
+    assert {p.dtype for p in tr.teacher.parameters()} == {getattr(torch, teacher_dtype or "float32")}
     batch = tr.rollout(1)
     sampler = full_logits(tr.model, batch, 1.0)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in tr.model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    from emapg.models import load_model
-
-    plain_teacher, _ = load_model(teacher)
+    plain_teacher, _ = load_model(teacher, teacher_dtype or "float32")
     mask = batch.response_mask
     want = token_kl(full_logits(tr.model, batch, 1.0), full_logits(plain_teacher, batch, 1.0), batch.response_ids,
                     estimator="topk_reverse", k=4, sampling_logits=sampler)
@@ -197,6 +198,8 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
     assert not (tmp_path / "a" / "metrics.jsonl").exists()
     with pytest.raises(ConfigError, match="algo.teacher: .*nowhere.* is neither a built-in name"):
         Trainer(cfg(f"algo.teacher={tmp_path / 'nowhere'}"), tmp_path / "b", progress=False)
+    with pytest.raises(ConfigError, match="algo.teacher_dtype: expected float32, bfloat16, float16 or null"):
+        cfg(f"algo.teacher={bad}", "algo.teacher_dtype=bf16")
     small = teacher_folder(tmp_path / "small", vocab=200)
     with pytest.raises(ConfigError, match="scores 200 token ids, fewer than the policy's 259"):
         Trainer(cfg(f"algo.teacher={small}"), tmp_path / "c", progress=False)

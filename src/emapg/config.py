@@ -53,6 +53,9 @@ class AlgoConfig:
     """On-policy distillation: a fixed teacher model (a local Hugging Face folder or a built-in name, with
     the policy's tokenizer) replaces the EMA anchor as the KL's reference; the EMA anchor is still kept
     and evaluated. None = EMA-PG (the KL is to the anchor)."""
+    teacher_dtype: str | None = None
+    """The teacher's weights: float32, bfloat16 or float16; None = the policy's ``dtype``. bfloat16 halves
+    a large teacher's memory (its log-probs are still computed in float32)."""
     pg_coef: float = 1.0
     """Weight of the policy-gradient term: loss = pg_coef * PG + beta * KL. 0 = pure on-policy
     distillation (no reward in the loss; needs algo.teacher)."""
@@ -383,6 +386,8 @@ RULES: dict[str, Rule] = {
     "algo.pg_coef": _at_least(0, finite=True),
     "algo.teacher": ((lambda v: v is None or (isinstance(v, str) and v.strip() != "")),
                      "expected a model folder or built-in name, or null"),
+    "algo.teacher_dtype": ((lambda v: v is None or v in ("float32", "bfloat16", "float16")),
+                           "expected float32, bfloat16, float16 or null (the policy's dtype)"),
     "algo.is_clip": _above(0, null=True),
     "algo.eps_low": _within(0, 1, high_open=True),
     "algo.eps_high": _at_least(0),

@@ -246,14 +246,14 @@ def weights_digest(model: nn.Module) -> str:
 
 
 def teacher_model(cfg: Any, student: nn.Module, tokenizer, device: torch.device) -> nn.Module:
-    """``algo.teacher`` for on-policy distillation: loaded frozen on ``device`` in ``cfg.dtype``, in eval
-    mode, its head checked for the lean path. Refused (ConfigError) unless its tokenizer is the policy's:
-    the KL compares the two distributions id by id. A teacher whose output layer has more rows than the
-    policy's (vocabulary padding, as between Qwen2.5 sizes) is cut to the policy's rows, ids no tokenizer
-    string maps to; one with fewer is refused."""
+    """``algo.teacher`` for on-policy distillation: loaded frozen on ``device`` in ``algo.teacher_dtype``
+    (default ``cfg.dtype``), in eval mode, its head checked for the lean path. Refused (ConfigError)
+    unless its tokenizer is the policy's: the KL compares the two distributions id by id. A teacher whose
+    output layer has more rows than the policy's (vocabulary padding, as between Qwen2.5 sizes) is cut to
+    the policy's rows, ids no tokenizer string maps to; one with fewer is refused."""
     name = cfg.algo.teacher
     try:
-        teacher, teacher_tok = load_model(name, cfg.dtype, seed=cfg.seed)
+        teacher, teacher_tok = load_model(name, cfg.algo.teacher_dtype or cfg.dtype, seed=cfg.seed)
     except FileNotFoundError as e:
         raise ConfigError(f"algo.teacher: {str(e).removeprefix('model: ')}") from None
     diff = vocab_difference(tokenizer, teacher_tok)
