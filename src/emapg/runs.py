@@ -74,11 +74,15 @@ def record_resume(run_dir: Path, cfg_file: Path, cfg: TrainConfig, overrides: li
                           "to accept (it is recorded in resumes.jsonl), or start a new run (nothing was changed)")
     if not changed:
         return
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": list(overrides), "changed": changed,
-             "forced": bool(unsafe)}
+    log_resume(run_dir, list(overrides), changed, forced=bool(unsafe))
+    save_config(cfg, cfg_file)
+
+
+def log_resume(run_dir: Path, overrides: list[str], changed: dict[str, list[Any]], forced: bool) -> None:
+    """Append one resume's changes to the run's ``resumes.jsonl``."""
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": overrides, "changed": changed, "forced": forced}
     with open(Path(run_dir) / "resumes.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
-    save_config(cfg, cfg_file)
 
 
 def check_teacher(run_dir: Path, name: str, recorded: str | None, now: str, force: bool, main: bool) -> None:
@@ -94,7 +98,4 @@ def check_teacher(run_dir: Path, name: str, recorded: str | None, now: str, forc
                           "which would change what the resumed steps replay; pass --force to accept (it is "
                           "recorded in resumes.jsonl), or start a new run")
     if main:
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": [],
-                 "changed": {"teacher_sha256": [recorded, now]}, "forced": True}
-        with open(Path(run_dir) / "resumes.jsonl", "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        log_resume(run_dir, [], {"teacher_sha256": [recorded, now]}, forced=True)
