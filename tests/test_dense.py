@@ -308,3 +308,73 @@ def test_hybrid_shares_one_copy_of_the_passages_and_the_task_checks_its_index(ti
     with pytest.raises(ValueError, match=f"needs a dense index in {bare}; build it with: emapg index dense"):
         SearchQATask(index=str(bare), eval_file=str(write_jsonl(tmp_path / "q.jsonl", [
             {"id": "1", "question": "q", "answers": ["a"]}])), retriever="dense")
+    with pytest.raises(ValueError, match="task_args.search_params: .* for a dense or hybrid retriever"):
+        SearchQATask(index=str(tiny), eval_file=str(tmp_path / "q.jsonl"), search_params={"nprobe": 8})
+
+
+def test_ivf_trains_on_a_seeded_sample_from_the_shards_and_keeps_its_nprobe(wiki, tmp_path, embedder):
+    """An IVF index trains on ``train_size`` sampled vectors (gathered from the shards, the same rows as
+    indexing the whole matrix), keeps the nprobe it was built with, and with nprobe = all lists answers
+    as the exact index does; a load may change nprobe."""
+    import faiss
+
+    from emapg.retrieval.dense import _training_sample
+
+    shutil.copytree(wiki, tmp_path / "i", ignore=shutil.ignore_patterns("dense"))
+    meta = build_dense(tmp_path / "i", embedder, shard_size=32, factory="IVF4,Flat", progress=False,
+                       search_params={"nprobe": 4}, train_size=50, train_seed=3)
+    assert meta["search_params"] == {"nprobe": 4} and meta["trained_on"] == {"rows": 50, "seed": 3}
+    exact, approx = DenseIndex.load(wiki), DenseIndex.load(tmp_path / "i")
+    assert approx.search_params == {"nprobe": 4} and "search_params={'nprobe': 4}" in repr(approx)
+    queries = ["a river in Europe", "19th-century painter", "a city in Asia", "a football club"]
+    assert [[h.id for h in r] for r in approx.search(queries, topk=5)] == \
+        [[h.id for h in r] for r in exact.search(queries, topk=5)]
+    assert faiss.extract_index_ivf(approx._index).nprobe == 4
+    one = DenseIndex.load(tmp_path / "i", search_params={"nprobe": 1})
+    assert faiss.extract_index_ivf(one._index).nprobe == 1 and one.search_params == {"nprobe": 1}
+
+    # the sample equals the picked rows of the whole matrix, drawn in order across shard boundaries
+    partial = tmp_path / "shards"
+    partial.mkdir()
+    full = np.random.default_rng(0).standard_normal((10, 3)).astype(np.float32)
+    for s, lo in enumerate(range(0, 10, 4)):
+        np.save(partial / f"shard-{s:06d}.npy", full[lo:lo + 4])
+    rows_of = lambda s: min(4, 10 - 4 * s)  # noqa: E731
+    pick = np.sort(np.random.default_rng(7).choice(10, 6, replace=False))
+    np.testing.assert_array_equal(_training_sample(partial, rows_of, 3, 4, 6, 7), full[pick])
+    np.testing.assert_array_equal(_training_sample(partial, rows_of, 3, 4, 99, 7), full)
+
+
+def test_search_params_that_do_not_apply_fail_early_and_say_why(tmp_path, tiny, embedder, monkeypatch, capsys):
+    with pytest.raises(ValueError, match=r"has no search parameter 'nprobe'.*IVF indexes take nprobe"):
+        DenseIndex.load(tiny, search_params={"nprobe": 8})  # an exact Flat index
+    with pytest.raises(ValueError, match="must be a positive number, got 'x'"):
+        DenseIndex.load(tiny, search_params={"efSearch": "x"})
+    with pytest.raises(ValueError, match="not to bm25"):
+        open_retriever(index=str(tiny), kind="bm25", search_params={"nprobe": 8})
+    build_index(write_jsonl(tmp_path / "corpus.jsonl", CORPUS), tmp_path / "i")
+    monkeypatch.setattr(Embedder, "encode", lambda *a, **k: pytest.fail("encoded before checking the parameters"))
+    with pytest.raises(ValueError, match="no search parameter 'efSearch'"):
+        build_dense(tmp_path / "i", embedder, factory="IVF2,Flat", search_params={"efSearch": 64}, progress=False)
+    with pytest.raises(ValueError, match="train_size must be an integer >= 1"):
+        build_dense(tmp_path / "i", embedder, factory="IVF2,Flat", train_size=0, progress=False)
+    assert cli.main(["index", "dense", "--index", str(tmp_path / "i"), "--search-param", "nprobe"]) == 2
+    assert "--search-param 'nprobe': expected NAME=NUMBER" in capsys.readouterr().err
+    assert cli.main(["serve-retriever", "--index", str(tiny), "--search-param", "nprobe=4", "--port", "0"]) == 2
+    assert "not to bm25" in capsys.readouterr().err
+
+
+def test_a_load_reads_the_passages_once(tiny, monkeypatch):
+    """passages.jsonl is read and hashed in one pass; a hybrid retriever reads it once for both indexes."""
+    from emapg.retrieval import dense, passages
+
+    assert read_passages(tiny).sha256 == passages.passages_digest(tiny)
+    reads = []
+    real = passages.read_passages
+    monkeypatch.setattr(dense, "passages_digest", lambda *a: pytest.fail("passages.jsonl hashed a second time"))
+    for module in (dense, __import__("emapg.retrieval.bm25", fromlist=["x"])):
+        monkeypatch.setattr(module, "read_passages", lambda f: reads.append(f) or real(f))
+    DenseIndex.load(tiny)
+    assert len(reads) == 1
+    hybrid = open_retriever(index=str(tiny), kind="hybrid")
+    assert len(reads) == 2 and hybrid.search(["anything"], topk=1)[0]

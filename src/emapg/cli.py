@@ -163,11 +163,27 @@ def cmd_index_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def search_params(pairs: list[str] | None) -> dict | None:
+    """``--search-param NAME=VALUE`` options as a mapping of faiss search parameters (None when none)."""
+    out: dict[str, float] = {}
+    for pair in pairs or []:
+        name, eq, value = pair.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not eq or not name.strip() or number is None:
+            raise ConfigError(f"--search-param {pair!r}: expected NAME=NUMBER, e.g. nprobe=32 or efSearch=128")
+        out[name.strip()] = int(number) if number.is_integer() else number
+    return out or None
+
+
 def cmd_index_dense(args: argparse.Namespace) -> int:
     from emapg.retrieval.dense import build_dense
 
     meta = build_dense(args.index, args.embedder, batch_size=args.batch_size, factory=args.factory,
-                       device=args.device)
+                       device=args.device, search_params=search_params(args.search_param),
+                       train_size=args.train_size)
     print(f"emapg index: {meta['documents']} passages encoded by {meta['embedder']} ({meta['dim']} dimensions, "
           f"faiss {meta['factory']}) into {Path(args.index) / 'dense'} in {meta['build_seconds']:.0f} s",
           file=sys.stderr)
@@ -177,7 +193,8 @@ def cmd_index_dense(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from emapg.retrieval.server import serve
 
-    serve(args.index, host=args.host, port=args.port, allow_remote=args.allow_remote, retriever=args.retriever)
+    serve(args.index, host=args.host, port=args.port, allow_remote=args.allow_remote, retriever=args.retriever,
+          search_params=search_params(args.search_param))
     return 0
 
 
@@ -261,6 +278,15 @@ def _dense_args(p) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--factory", default="Flat", help="a faiss index_factory string (default Flat: exact search)")
     p.add_argument("--device", default="auto", help="where passages are encoded: auto (a GPU if any), cpu, cuda")
+    _search_param_arg(p, "kept with the index")
+    p.add_argument("--train-size", type=int,
+                   help="vectors an IVF or PQ index trains on, a seeded sample (default 256 per IVF list, "
+                        "at least 65536; memory: rows x dimensions x 4 bytes)")
+
+
+def _search_param_arg(p, when: str) -> None:
+    p.add_argument("--search-param", action="append", metavar="NAME=VALUE",
+                   help=f"a faiss search parameter, {when}: nprobe=32 (IVF), efSearch=128 (HNSW); repeatable")
 
 
 def _retrieval_parsers(sub) -> None:
@@ -285,6 +311,7 @@ def _retrieval_parsers(sub) -> None:
     sv.add_argument("--allow-remote", action="store_true",
                     help="bind a non-loopback address (the server has no authentication: anyone who reaches it "
                          "can query it)")
+    _search_param_arg(sv, "over the index's own (dense, hybrid)")
     sv.set_defaults(func=cmd_serve)
     kb = sub.add_parser("kb", help="the generated multi-hop knowledge base").add_subparsers(dest="kb_command",
                                                                                          required=True)

@@ -46,14 +46,19 @@ class Retriever(Protocol):
     def search(self, queries: list[str], topk: int = 3) -> list[list[Passage]]: ...
 
 
-def open_retriever(index: str | None = None, url: str | None = None, kind: str = "bm25") -> Retriever:
+def open_retriever(index: str | None = None, url: str | None = None, kind: str = "bm25",
+                   search_params: dict | None = None) -> Retriever:
     """A retriever on a local index folder (``index``, as ``kind``: bm25, dense or hybrid) or a retrieval
-    server (``url``, which chose its own kind); give exactly one of index and url."""
+    server (``url``, which chose its own kind); give exactly one of index and url. ``search_params``: the
+    dense index's faiss search parameters (``{"nprobe": 64}``) over the ones it was built with."""
     if (index is None) == (url is None):
         raise ValueError("open_retriever needs exactly one of index= (an index folder) "
                          "or url= (a retrieval server)")
     if kind not in KINDS:
         raise ValueError(f"retriever: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if search_params and (index is None or kind == "bm25"):
+        raise ValueError("search_params: faiss search parameters apply to a local dense or hybrid retriever, "
+                         f"not to {'a retrieval server' if index is None else 'bm25'}")
     if index is None:
         from emapg.retrieval.client import HTTPRetriever
 
@@ -65,11 +70,12 @@ def open_retriever(index: str | None = None, url: str | None = None, kind: str =
     from emapg.retrieval.dense import DenseIndex  # only for the kinds that need it
 
     if kind == "dense":
-        return DenseIndex.load(index)
+        return DenseIndex.load(index, search_params=search_params)
     from emapg.retrieval.hybrid import HybridRetriever
 
     sparse = BM25Index.load(index)
-    return HybridRetriever(sparse, DenseIndex.load(index, passages=sparse.passages))  # one copy of the text
+    # one copy of the text, read and hashed once
+    return HybridRetriever(sparse, DenseIndex.load(index, passages=sparse.passages, search_params=search_params))
 
 
 _LAZY = {"BM25Index": "bm25", "build_index": "bm25", "DenseIndex": "dense", "build_dense": "dense",

@@ -103,12 +103,13 @@ def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | No
 class BM25Index:
     """A loaded BM25 index; ``search`` is safe to call from many threads at once."""
 
-    def __init__(self, path: Path, retriever, ids: list[str], titles: list[str], texts: list[str], meta: dict):
+    def __init__(self, path: Path, retriever, passages: Passages, meta: dict):
         self.path = path
         self.meta = meta
         self._bm25 = retriever
         self._vocab = retriever.vocab_dict
-        self._ids, self._titles, self._texts = ids, titles, texts
+        self._passages = passages
+        self._ids, self._titles, self._texts = passages.ids, passages.titles, passages.texts
         self._local = threading.local()  # PyStemmer objects are not thread-safe: one per thread
 
     @classmethod
@@ -127,18 +128,17 @@ class BM25Index:
             raise ValueError(f"{path}: unsupported index format version {meta.get('format_version')!r} "
                              f"(this emapg reads version {FORMAT_VERSION}); rebuild the index")
         passages = read_passages(path)
-        ids, titles, texts = passages.ids, passages.titles, passages.texts
         retriever = bm25s.BM25.load(path, mmap=mmap, load_corpus=False, show_progress=False)
         n = int(retriever.scores["num_docs"])
-        if n != len(ids):
-            raise ValueError(f"{path}: the BM25 matrix has {n} documents but {PASSAGES_FILE} has {len(ids)}; "
+        if n != len(passages):
+            raise ValueError(f"{path}: the BM25 matrix has {n} documents but {PASSAGES_FILE} has {len(passages)}; "
                              "rebuild the index")
-        return cls(path, retriever, ids, titles, texts, meta)
+        return cls(path, retriever, passages, meta)
 
     @property
     def passages(self) -> Passages:
-        """The index's passages in index order (the lists themselves, not a copy)."""
-        return Passages(self._ids, self._titles, self._texts)
+        """The index's passages in index order, with the digest of the file they were read from (not a copy)."""
+        return self._passages
 
     def __len__(self) -> int:
         return len(self._ids)

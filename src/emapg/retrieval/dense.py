@@ -7,8 +7,12 @@ index, in the same folder, over the same ``passages.jsonl``.
 
 Vectors are unit-norm, so inner product is cosine similarity; the default faiss index is exact
 (``Flat``); any faiss ``index_factory`` string (``HNSW32``, ``IVF4096,Flat``) may be given for large
-corpora. The faiss file is faiss's own binary format (no pickle). ``dense/`` appears only when complete
-(written to a temporary sibling and renamed).
+corpora. An approximate index's search parameters (``nprobe`` for IVF, ``efSearch`` for HNSW: more is
+slower and closer to exact) are set when it is built, kept in the faiss file and dense.json, and may be
+changed when it is loaded. An index that trains (IVF, PQ) trains on a seeded sample of the encoded
+vectors, read from the shards on disk (``train_size`` rows, by default the 256 per IVF list that faiss
+itself would sample), so the corpus never sits in memory at once. The faiss file is faiss's own binary
+format (no pickle). ``dense/`` appears only when complete (written to a temporary sibling and renamed).
 """
 
 from __future__ import annotations
@@ -39,6 +43,52 @@ def _import_faiss():
         raise ImportError(f"the dense retriever needs faiss-cpu and sentence-transformers ({e}); "
                           "install them with: pip install 'emapg[dense]'") from None
     return faiss
+
+
+def set_search_params(index, params: dict | None, where: str) -> dict:
+    """Set faiss search parameters (``{"nprobe": 32}``, ``{"efSearch": 128}``) on ``index``; returns them.
+    Raises ValueError naming ``where`` for a parameter that is not a number or that this index lacks."""
+    import faiss
+
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}: search parameters must be a mapping of name to number, got {params!r}")
+    space = faiss.ParameterSpace()
+    for name, value in params.items():
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{where}: search parameter {name!r} must be a positive number, got {value!r}")
+        try:
+            space.set_index_parameter(index, str(name), float(value))
+        except RuntimeError:
+            raise ValueError(f"{where}: this faiss index ({type(faiss.downcast_index(index)).__name__}) has no "
+                             f"search parameter {name!r} (IVF indexes take nprobe, HNSW efSearch; "
+                             "an exact Flat index takes none)") from None
+    return dict(params)
+
+
+def _training_sample(partial: Path, rows_of, shards: int, shard_size: int, size: int, seed: int) -> np.ndarray:
+    """``size`` of the encoded vectors, a seeded uniform sample without replacement, gathered shard by shard
+    from memory-mapped files (all of them, in order, when ``size`` covers the corpus)."""
+    n = sum(rows_of(s) for s in range(shards))
+    pick = np.arange(n) if size >= n else np.sort(np.random.default_rng(seed).choice(n, size, replace=False))
+    parts = []
+    for s in range(shards):
+        lo = np.searchsorted(pick, s * shard_size)
+        hi = np.searchsorted(pick, s * shard_size + rows_of(s))
+        if hi > lo:
+            parts.append(np.load(_shard_path(partial, s), mmap_mode="r")[pick[lo:hi] - s * shard_size])
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+
+
+def _default_train_size(faiss, index, documents: int) -> int:
+    """What faiss itself would train on: 256 vectors per IVF list (its k-means samples that many), at
+    least 65,536 (a PQ codebook's own k-means of 256 centroids samples as many), never above the corpus."""
+    try:
+        lists = faiss.extract_index_ivf(index).nlist
+    except RuntimeError:  # not an IVF index (PQ, PCA, ...)
+        lists = 0
+    return min(documents, max(256 * lists, 65_536))
 
 
 def _shard_path(partial: Path, i: int) -> Path:
@@ -83,31 +133,37 @@ def _partial_state(partial: Path, plan: dict, rows_of) -> int:
 
 
 def build_dense(index: str | Path, embedder: str | Embedder = "minilm", *, batch_size: int = 64,
-                shard_size: int = 4096, factory: str = "Flat", progress: bool = True, device: str = "auto") -> dict:
+                shard_size: int = 4096, factory: str = "Flat", progress: bool = True, device: str = "auto",
+                search_params: dict | None = None, train_size: int | None = None, train_seed: int = 0) -> dict:
     """Encode the passages of the BM25 index folder ``index`` into ``index/dense/``; returns its metadata.
 
     Resumable: shards of ``shard_size`` passages are saved as they finish, and a build of the same passages
     with the same embedder, prefixes and shard size continues from them after a kill (a damaged shard is
     encoded again). One build at a time per folder (a lock says so). ``device``: where the embedder
-    encodes (``auto``: the GPU when there is one)."""
+    encodes (``auto``: the GPU when there is one). ``search_params``: faiss search parameters kept with
+    the index (``{"nprobe": 32}``). ``train_size``: how many vectors an index that trains (IVF, PQ) trains
+    on, sampled with ``train_seed`` (None: 256 per IVF list, at least 65,536, at most the corpus)."""
     import fcntl
 
     index = Path(index)
     if not (index / PASSAGES_FILE).is_file():
         raise FileNotFoundError(f"{index} is not an emapg index folder (no {PASSAGES_FILE}); build the BM25 "
                                 "index first: emapg index build --corpus FILE --out DIR")
-    if not isinstance(shard_size, int) or shard_size < 1 or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"shard_size and batch_size must be integers >= 1, got {shard_size!r}, {batch_size!r}")
+    for name, value in (("shard_size", shard_size), ("batch_size", batch_size), ("train_size", train_size)):
+        if (value is not None or name != "train_size") and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     with open(index / ".dense.lock", "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(f"{index}: another dense index build is running there") from None
-        return _build_locked(index, embedder, batch_size, shard_size, factory, progress, device)
+        return _build_locked(index, embedder, batch_size, shard_size, factory, progress, device,
+                             search_params, train_size, train_seed)
 
 
 def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, factory: str, progress: bool,
-                  device: str) -> dict:
+                  device: str, search_params: dict | None, train_size: int | None, train_seed: int) -> dict:
     faiss = _import_faiss()
     start = time.perf_counter()
     if device == "auto":
@@ -120,10 +176,11 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
     except RuntimeError as e:
         raise ValueError(f"factory {factory!r}: not a faiss index_factory string for {emb.dim} dimensions "
                          f"({str(e).strip().splitlines()[-1]})") from None
+    search_params = set_search_params(ix, search_params, "search_params")  # a wrong one fails before encoding too
     passages = read_passages(index)
     if not len(passages):
         raise ValueError(f"{index}/{PASSAGES_FILE}: no passages to encode")
-    plan = {**emb.identity(), "passages_sha256": passages_digest(index), "documents": len(passages),
+    plan = {**emb.identity(), "passages_sha256": passages.sha256, "documents": len(passages),
             "shard_size": shard_size}
     partial = index / PARTIAL_DIR
     shards = -(-len(passages) // shard_size)
@@ -138,13 +195,19 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
             _save_shard(_shard_path(partial, s), emb.encode([passages.contents(i) for i in rows], query=False,
                                                             batch_size=batch_size))
             bar.update(len(rows))
-    if not ix.is_trained:  # IVF, PQ: trained on every vector (sample the corpus yourself if it is too large)
-        ix.train(np.concatenate([np.load(_shard_path(partial, s)) for s in range(shards)]))
+    trained = None
+    if not ix.is_trained:  # IVF, PQ: trained on a sample, gathered from the shards on disk
+        size = train_size or _default_train_size(faiss, ix, len(passages))
+        sample = _training_sample(partial, rows_of, shards, shard_size, size, train_seed)
+        ix.train(sample)
+        trained = {"rows": len(sample), "seed": train_seed}
+        del sample
     for s in range(shards):  # added shard by shard: one shard's vectors in memory beside the index
         ix.add(np.load(_shard_path(partial, s)))
     with folder_atomic(index / DENSE_DIR) as tmp:
         faiss.write_index(ix, str(tmp / FAISS_FILE))
         meta = {"format_version": FORMAT_VERSION, **plan, "factory": factory, "faiss_version": faiss.__version__,
+                "search_params": search_params, "trained_on": trained,
                 "build_seconds": round(time.perf_counter() - start, 3)}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     shutil.rmtree(partial, ignore_errors=True)
@@ -154,16 +217,20 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
 class DenseIndex:
     """A loaded dense index; ``search`` is safe to call from many threads (encoding is serialised)."""
 
-    def __init__(self, path: Path, faiss_index, embedder: Embedder, passages, meta: dict):
+    def __init__(self, path: Path, faiss_index, embedder: Embedder, passages, meta: dict,
+                 search_params: dict | None = None):
         self.path, self.meta, self.embedder = path, meta, embedder
         self._index, self._passages = faiss_index, passages
+        self.search_params = {**(meta.get("search_params") or {}), **(search_params or {})}
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | Path, embedder: str | None = None, passages: Passages | None = None) -> DenseIndex:
+    def load(cls, path: str | Path, embedder: str | None = None, passages: Passages | None = None,
+             search_params: dict | None = None) -> DenseIndex:
         """Load ``path/dense`` (``path`` the index folder). ``embedder`` overrides where the recorded
         embedder is found (a moved folder); its weights must be the ones the passages were encoded with.
-        ``passages``: the folder's passages when already read (a hybrid retriever shares BM25's)."""
+        ``passages``: the folder's passages when already read (a hybrid retriever shares BM25's).
+        ``search_params``: faiss search parameters over the ones it was built with (``{"nprobe": 64}``)."""
         faiss = _import_faiss()
         path = Path(path)
         dense = path / DENSE_DIR
@@ -174,7 +241,9 @@ class DenseIndex:
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{dense}: unsupported dense index format {meta.get('format_version')!r} "
                              f"(this emapg reads version {FORMAT_VERSION}); rebuild it")
-        if passages_digest(path) != meta["passages_sha256"]:
+        if passages is None:
+            passages = read_passages(path)  # read and hashed in one pass
+        if (passages.sha256 or passages_digest(path)) != meta["passages_sha256"]:
             raise ValueError(f"{dense}: encoded from other passages than {path / PASSAGES_FILE} holds now; "
                              f"rebuild it: emapg index dense --index {path}")
         emb = Embedder(embedder or meta["embedder"], query_prefix=meta["query_prefix"],
@@ -183,17 +252,17 @@ class DenseIndex:
             raise ValueError(f"{dense}: its passages were encoded by other weights than embedder "
                              f"{emb.name!r} ({emb.folder}) holds; rebuild it or give the embedder it was built with")
         ix = faiss.read_index(str(dense / FAISS_FILE))
-        passages = passages if passages is not None else read_passages(path)
         if ix.ntotal != len(passages) or ix.d != emb.dim:
             raise ValueError(f"{dense}: {ix.ntotal} vectors of dimension {ix.d} for {len(passages)} passages and "
                              f"a {emb.dim}-dimensional embedder; rebuild it")
-        return cls(path, ix, emb, passages, meta)
+        return cls(path, ix, emb, passages, meta, set_search_params(ix, search_params, f"{dense}: search_params"))
 
     def __len__(self) -> int:
         return len(self._passages)
 
     def __repr__(self) -> str:
-        return f"DenseIndex({str(self.path)!r}, documents={len(self)}, embedder={self.embedder.name!r})"
+        params = f", search_params={self.search_params}" if self.search_params else ""
+        return f"DenseIndex({str(self.path)!r}, documents={len(self)}, embedder={self.embedder.name!r}{params})"
 
     def search(self, queries: list[str], topk: int = 3) -> list[list[Passage]]:
         """The ``topk`` passages nearest each query (cosine), best first; an empty query gets none."""

@@ -26,11 +26,13 @@ def has_dense(folder: Path) -> bool:
 
 @dataclass
 class Passages:
-    """Passages in index order: row i is ``ids[i]``, ``titles[i]``, ``texts[i]``."""
+    """Passages in index order: row i is ``ids[i]``, ``titles[i]``, ``texts[i]``; ``sha256``: the digest of
+    the ``passages.jsonl`` they were read from (None when not read from one)."""
 
     ids: list[str]
     titles: list[str]
     texts: list[str]
+    sha256: str | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -76,13 +78,16 @@ def write_passages(passages: Passages, folder: Path) -> None:
 
 
 def read_passages(folder: Path) -> Passages:
-    out = Passages([], [], [])
-    with open(folder / PASSAGES_FILE, encoding="utf-8") as f:
+    """The folder's passages, hashed as they are read (one pass over the file gives both)."""
+    out, h = Passages([], [], []), hashlib.sha256()
+    with open(folder / PASSAGES_FILE, "rb") as f:
         for line in f:
+            h.update(line)
             p = json.loads(line)
             out.ids.append(p["id"])
             out.titles.append(p["title"])
             out.texts.append(p["text"])
+    out.sha256 = h.hexdigest()
     return out
 
 

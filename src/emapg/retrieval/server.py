@@ -289,13 +289,14 @@ def check_address(host: str, port: int, allow_remote: bool) -> None:
 
 
 def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, verbose: bool = False,
-          allow_remote: bool = False, retriever: str = "bm25") -> None:
+          allow_remote: bool = False, retriever: str = "bm25", search_params: dict | None = None) -> None:
     """Serve an index folder until interrupted (Ctrl-C) as ``retriever`` (bm25, dense or hybrid; see
-    ``emapg.retrieval.open_retriever``); loopback only unless ``allow_remote``."""
+    ``emapg.retrieval.open_retriever``, which also takes ``search_params``); loopback only unless
+    ``allow_remote``."""
     from emapg.retrieval import open_retriever
 
     check_address(host, port, allow_remote)
-    index = open_retriever(index=str(index_dir), kind=retriever)
+    index = open_retriever(index=str(index_dir), kind=retriever, search_params=search_params)
     try:
         server = make_server(index, host, port, verbose=verbose)
     except OSError as e:

@@ -85,6 +85,8 @@ class SearchQATask(Task):
         retriever: how a local index (``index`` or ``synthetic``) is searched: bm25, dense (a faiss index of
             MiniLM embeddings; ``emapg index dense``, built on the fly for synthetic) or hybrid (both fused
             by reciprocal rank). A server (``retriever_url``) chose its own with ``--retriever``.
+        search_params: a dense or hybrid retriever's faiss search parameters over the ones its index was
+            built with, e.g. ``{nprobe: 64}`` (IVF) or ``{efSearch: 256}`` (HNSW).
         template: search_r1 or fewshot. reward: em or f1. response_prefix: text that opens the model's
             turn, e.g. "<search>" (it is part of the prompt; the model writes what follows).
         format_weight: training-reward bonus for a well-formed answer (held-out accuracy ignores it).
@@ -106,7 +108,7 @@ class SearchQATask(Task):
                  max_total_tokens: int = 1024, max_info_tokens: int = 384, eval_size: int = 500,
                  response_prefix: str = "", format_weight: float = 0.0, force_answer: bool = False,
                  turn_prefix: str = "", hops: str = "two", one_hop_frac: float = 0.5, eval_hops: str = "two",
-                 retriever: str = "bm25"):
+                 retriever: str = "bm25", search_params: dict | None = None):
         if template not in TEMPLATES:
             raise ValueError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
         if reward not in ("em", "f1"):
@@ -119,7 +121,10 @@ class SearchQATask(Task):
         if retriever_url and retriever != "bm25":
             raise ValueError("task_args.retriever: a retrieval server (retriever_url) searches as it was started "
                              "(emapg serve-retriever --retriever ...); drop task_args.retriever")
-        self.retriever_kind = retriever
+        if search_params is not None and (not isinstance(search_params, dict) or retriever == "bm25"):
+            raise ValueError("task_args.search_params: a mapping of faiss search parameters (e.g. {nprobe: 64}) "
+                             f"for a dense or hybrid retriever, got {search_params!r} with retriever {retriever}")
+        self.retriever_kind, self.search_params = retriever, search_params
         if index and retriever != "bm25" and not has_dense(Path(index)):
             raise ValueError(f"task_args.retriever: {retriever} needs a dense index in {index}; build it with: "
                              f"emapg index dense --index {index}")
@@ -174,7 +179,8 @@ class SearchQATask(Task):
         """The retriever, opened on first use."""
         if self._retriever is None:
             self._retriever = open_retriever(index=self._index, url=self._url,
-                                             kind=self.retriever_kind if self._index else "bm25")
+                                             kind=self.retriever_kind if self._index else "bm25",
+                                             search_params=self.search_params if self._index else None)
         return self._retriever
 
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
