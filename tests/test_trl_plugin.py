@@ -281,3 +281,106 @@ def test_task_reward_scores_with_the_tasks_own_reward():
 
     assert task_reward(Seen())(["a", "b"], answer=["a", "a"], weight=[2, 3], trainer_state=None) == [2.0, 0.0]
     assert task_reward(Seen()).__name__ == "Seen_reward"
+
+
+# ---- on-policy distillation: teacher= -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> str:
+    """Another tiny model with the policy's tokenizer (other weights: seed 1)."""
+    model, tok = load_model("tiny-llama", "float32", seed=1)
+    path = tmp_path_factory.mktemp("teacher") / "model"
+    save_hf_folder(model, tok, path)
+    return str(path)
+
+
+def test_the_teacher_is_the_kl_reference_in_value_and_gradient(tiny, teacher, tmp_path):
+    """With teacher= TRL's reference pass runs on the teacher (no copy of the policy is built), and the
+    KL term equals emapg.kl on the policy's and the teacher's full logits, in value and gradient;
+    pg_coef = 0 leaves beta times that term, aggregated as GRPO does, as the whole loss."""
+    tr = make(EMAPGTrainer, tiny, tmp_path, teacher=teacher, kl="topk_reverse", k=5, temperature=0.7, pg_coef=0.0)
+    want_teacher, _ = load_model(teacher, "float32", seed=0)
+    got_teacher = tr.accelerator.unwrap_model(tr.ref_model)
+    assert tr.anchor is None and len(tr.teacher_sha256) == 64
+    for (name, a), b in zip(want_teacher.state_dict().items(), got_teacher.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # the teacher itself, not the policy
+    inputs = batch_of(tr)
+    policy = full_logits(tr.model, inputs, 0.7)
+    with torch.no_grad():
+        tlog = full_logits(want_teacher, inputs, 0.7)
+    tokens, mask = inputs["completion_ids"], inputs["completion_mask"].bool()
+    lp, lt = policy.log_softmax(-1), tlog.log_softmax(-1)
+    g = lambda t, i: t.gather(-1, i)  # noqa: E731
+    torch.testing.assert_close(inputs["ref_per_token_logps"][mask].double(), g(lt, tokens[..., None])[..., 0][mask],
+                               rtol=1e-4, atol=1e-5)
+    ids = tlog.topk(5, -1).indices
+    assert torch.equal(ids[mask], inputs["ref_head_ids"][mask])  # the teacher's own top-k
+    want = klmod.kl_from_logprobs("topk_reverse", g(lp, tokens[..., None])[..., 0], g(lt, tokens[..., None])[..., 0],
+                                  policy_logp_q=g(lp, ids), anchor_logp_q=g(lt, ids), in_q=klmod.in_head(ids, tokens))
+    m = mask.double()
+    want_loss = 0.1 * ((want * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1
+    loss = tr.compute_loss(tr.model, inputs)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-4, atol=1e-7)
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    g_got = torch.autograd.grad(loss, params, allow_unused=True)
+    g_want = torch.autograd.grad(want_loss, params, allow_unused=True)
+    for a, b in zip(g_got, g_want, strict=True):
+        if a is not None and b is not None:
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-3, atol=2e-6)
+
+
+def test_a_lora_student_distils_from_a_frozen_teacher(tiny, teacher, tmp_path):
+    from peft import LoraConfig
+
+    tr = make(EMAPGTrainer, tiny, tmp_path, teacher=teacher, max_steps=2,
+              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    ref = tr.accelerator.unwrap_model(tr.ref_model)
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    assert "ref" not in tr.model.peft_config  # no EMA adapter either
+    tr.train()
+    assert all(torch.equal(p, before[n]) for n, p in ref.named_parameters())
+    assert tr.state.log_history[0]["kl"] > 0
+
+
+def test_a_resume_keeps_the_teacher_and_refuses_another(tiny, teacher, tmp_path):
+    whole = make(EMAPGTrainer, tiny, tmp_path / "whole", teacher=teacher, max_steps=3)
+    whole.train()
+    part = make(EMAPGTrainer, tiny, tmp_path / "part", teacher=teacher, max_steps=3, save_strategy="steps",
+                save_steps=2)
+    part.train()
+    ckpt = tmp_path / "part" / "checkpoint-2"
+    assert (ckpt / "emapg_teacher.json").exists() and not (ckpt / EMA_FILE).exists()
+    resumed = make(EMAPGTrainer, tiny, tmp_path / "part", teacher=teacher, max_steps=3)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    other, tok = load_model("tiny-llama", "float32", seed=2)
+    save_hf_folder(other, tok, tmp_path / "other")
+    refused = make(EMAPGTrainer, tiny, tmp_path / "part", teacher=str(tmp_path / "other"), max_steps=3)
+    with pytest.raises(ValueError, match="trained against a teacher with weights sha256"):
+        refused.train(resume_from_checkpoint=str(ckpt))
+
+
+def test_teachers_that_do_not_fit_are_refused(tiny, teacher, tmp_path):
+    model, tok = load_model("tiny-llama", "float32", seed=1)
+    rows = model.get_output_embeddings().weight.shape[0]
+    model.resize_token_embeddings(rows + 8)  # vocabulary padding, as between Qwen2.5 sizes: cut to the policy's
+    save_hf_folder(model, tok, tmp_path / "padded")
+    tr = make(EMAPGTrainer, tiny, tmp_path / "a", teacher=str(tmp_path / "padded"))
+    assert tr.accelerator.unwrap_model(tr.ref_model).get_output_embeddings().weight.shape[0] == rows
+    tok.add_tokens(["<not-in-the-policy>"])
+    model.resize_token_embeddings(rows + 8)
+    save_hf_folder(model, tok, tmp_path / "other-tok")
+    with pytest.raises(ValueError, match="has another tokenizer than the policy"):
+        make(EMAPGTrainer, tiny, tmp_path / "b", teacher=str(tmp_path / "other-tok"))
+    with pytest.raises(ValueError, match="with a teacher .* drop eta"):
+        make(EMAPGTrainer, tiny, tmp_path / "c", teacher=teacher, eta=0.9)
+    with pytest.raises(ValueError, match="teacher_dtype must be"):
+        make(EMAPGTrainer, tiny, tmp_path / "d", teacher=teacher, teacher_dtype="fp8")
+    with pytest.raises(ValueError, match="EMAPGTrainer: teacher: "):
+        make(EMAPGTrainer, tiny, tmp_path / "e", teacher=str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match="EMAPGTrainer: algo.pg_coef"):
+        make(EMAPGTrainer, tiny, tmp_path / "f", teacher=teacher, pg_coef=-1.0)

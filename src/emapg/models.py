@@ -245,30 +245,44 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def teacher_model(cfg: Any, student: nn.Module, tokenizer, device: torch.device) -> nn.Module:
-    """``algo.teacher`` for on-policy distillation: loaded frozen on ``device`` in ``algo.teacher_dtype``
-    (default ``cfg.dtype``), in eval mode, its head checked for the lean path. Refused (ConfigError)
-    unless its tokenizer is the policy's: the KL compares the two distributions id by id. A teacher whose
-    output layer has more rows than the policy's (vocabulary padding, as between Qwen2.5 sizes) is cut to
-    the policy's rows, ids no tokenizer string maps to; one with fewer is refused."""
-    name = cfg.algo.teacher
+def load_teacher(name: str, dtype: str, seed: int, field: str = "algo.teacher") -> tuple[nn.Module, Any]:
+    """A distillation teacher and its tokenizer, by folder or built-in name; a missing one is a
+    ConfigError naming ``field``."""
     try:
-        teacher, teacher_tok = load_model(name, cfg.algo.teacher_dtype or cfg.dtype, seed=cfg.seed)
+        return load_model(name, dtype, seed=seed)
     except FileNotFoundError as e:
-        raise ConfigError(f"algo.teacher: {str(e).removeprefix('model: ')}") from None
-    diff = vocab_difference(tokenizer, teacher_tok)
+        raise ConfigError(f"{field}: {str(e).removeprefix('model: ')}") from None
+
+
+def fit_teacher(teacher: nn.Module, teacher_tok, student: nn.Module, tokenizer, name: str, policy: str,
+                field: str = "algo.teacher") -> nn.Module:
+    """Make ``teacher`` a frozen distillation target for ``student``, in place. Refused (ConfigError
+    naming ``field``) unless its tokenizer is the policy's (when ``teacher_tok`` is known): the KL compares
+    the two distributions id by id. A teacher whose output layer has more rows than the policy's
+    (vocabulary padding, as between Qwen2.5 sizes) is cut to the policy's rows, ids no tokenizer string
+    maps to; one with fewer is refused."""
+    diff = vocab_difference(tokenizer, teacher_tok) if teacher_tok is not None else ""
     if diff:
-        raise ConfigError(f"algo.teacher: {name!r} has another tokenizer than the policy {cfg.model!r} ({diff}); "
+        raise ConfigError(f"{field}: {name!r} has another tokenizer than the policy {policy!r} ({diff}); "
                           "distillation compares the two models' probabilities of the same token ids, so the "
                           "teacher must use the policy's tokenizer")
     rows_s = student.get_output_embeddings().weight.shape[0]
     rows_t = teacher.get_output_embeddings().weight.shape[0]
     if rows_t < rows_s:
-        raise ConfigError(f"algo.teacher: {name!r} scores {rows_t} token ids, fewer than the policy's {rows_s}")
+        raise ConfigError(f"{field}: {name!r} scores {rows_t} token ids, fewer than the policy's {rows_s}")
     if rows_t > rows_s:
         teacher.resize_token_embeddings(rows_s)
     teacher.requires_grad_(False)
-    teacher.to(device)
-    check_lean_head(teacher, name)
     teacher.eval()
+    return teacher
+
+
+def teacher_model(cfg: Any, student: nn.Module, tokenizer, device: torch.device) -> nn.Module:
+    """``algo.teacher`` for on-policy distillation: loaded in ``algo.teacher_dtype`` (default ``cfg.dtype``),
+    fitted to the policy (``fit_teacher``: same tokenizer, padded rows cut, frozen, eval mode) and moved to
+    ``device``, its head checked for the lean path."""
+    teacher, teacher_tok = load_teacher(cfg.algo.teacher, cfg.algo.teacher_dtype or cfg.dtype, cfg.seed)
+    fit_teacher(teacher, teacher_tok, student, tokenizer, cfg.algo.teacher, cfg.model)
+    teacher.to(device)
+    check_lean_head(teacher, cfg.algo.teacher)
     return teacher

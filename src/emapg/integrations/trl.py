@@ -21,6 +21,15 @@ What changes against GRPOTrainer, and nothing else:
   importance weight s = pi / pi_old (pi_samp under vLLM's correction).
 * **Checkpoints** hold the average (``emapg_ema.safetensors``) and resume restores it.
 
+**On-policy distillation**: ``teacher=`` (a model folder, an emapg built-in name or a loaded model that
+uses the policy's tokenizer) takes the reference's place: the KL term is the per-token KL of the policy
+to the fixed teacher on the policy's own samples, by the same estimators (``topk_reverse``: exact over
+the teacher's top-k plus a sampled tail correction, unbiased in value and gradient), and ``pg_coef``
+weights TRL's own loss (``loss = pg_coef * GRPO + beta * KL``; 0 is pure distillation). No EMA is kept
+then (``eta`` is refused) and GRPOTrainer builds no reference copy of the policy. A teacher with padded
+output rows is cut to the policy's rows; checkpoints record the sha256 of its weights and a resume
+with other weights is refused.
+
 ``use_bias_correction_kl`` is TRL's switch between k3 and k3 times the ratio (emapg's ``k3pp`` on
 policy); here ``kl`` chooses the estimator and that switch is ignored.
 """
@@ -37,6 +46,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import TrainerCallback
 from trl import GRPOTrainer
+from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
 from emapg import kl as klmod
 from emapg.anchor import EMAAnchor
@@ -44,9 +54,10 @@ from emapg.atomic import write_json_atomic
 from emapg.config import ConfigError, check_fields
 from emapg.lm import head_transform
 from emapg.logprobs import token_logprobs, transform_logits
+from emapg.models import fit_teacher, load_teacher, weights_digest
 from emapg.tasks.base import Example
 
-EMA_FILE = "emapg_ema.safetensors"
+EMA_FILE, TEACHER_FILE = "emapg_ema.safetensors", "emapg_teacher.json"
 TESTED_TRL = ">=1.16,<1.17"
 
 
@@ -72,6 +83,33 @@ def task_reward(task) -> Callable[..., list[float]]:
     return reward
 
 
+def prepare_teacher(trainer: GRPOTrainer, teacher: str | nn.Module, dtype: str | None) -> tuple[nn.Module, str]:
+    """The distillation teacher as TRL's reference model (frozen, fitted to the policy's vocabulary, with
+    TRL's fused head at the sampling temperature, placed by accelerate) and the sha256 of its weights."""
+    policy = _unwrap_peft(trainer.accelerator.unwrap_model(trainer.model))
+    field = "EMAPGTrainer: teacher"
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"EMAPGTrainer: teacher_dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if isinstance(teacher, str):
+        name = teacher
+        teacher, teacher_tok = load_teacher(name, dtype or str(policy.dtype).removeprefix("torch."), trainer.args.seed,
+                                            field)
+    elif isinstance(teacher, nn.Module) and hasattr(teacher, "get_output_embeddings"):
+        name, teacher_tok = type(teacher).__name__, None  # a loaded model: its tokenizer is the caller's word
+        if dtype is not None:
+            teacher.to(getattr(torch, dtype))
+    else:
+        raise ConfigError(f"{field}: expected a model folder, a built-in name or a causal LM, got "
+                          f"{type(teacher).__name__}")
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    fit_teacher(teacher, teacher_tok, policy, tokenizer, name, policy.config.name_or_path, field)
+    if trainer.args.disable_dropout:
+        disable_dropout_in_model(teacher)
+    digest = weights_digest(teacher)
+    add_fused_lm_head(teacher, temperature=trainer.temperature, cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32)
+    return trainer.accelerator.prepare_model(teacher, evaluation_mode=True), digest
+
+
 class _EMAStep(TrainerCallback):
     """Moves the reference after each optimizer step (``on_step_end`` follows the step)."""
 
@@ -86,17 +124,26 @@ class EMAPGTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with an EMA reference and an emapg KL estimator; constructed like it.
 
     Args (besides GRPOTrainer's):
-        eta: EMA decay in (0, 1]; 1 keeps the initial reference (GRPO).
+        eta: EMA decay in (0, 1], default 0.9; 1 keeps the initial reference (GRPO).
         ema_every: update the reference every this many optimizer steps.
         kl: an emapg estimator name (:data:`emapg.kl.ESTIMATORS`), default the unbiased top-k reverse KL.
         k: head size of the top-k estimators.
         form: ``"unbiased"`` (default) or ``"paper"``.
+        teacher: on-policy distillation: the fixed reference of the KL term instead of the EMA (a model
+            folder, an emapg built-in name, or a loaded causal LM with the policy's tokenizer).
+        teacher_dtype: the teacher's dtype (default the policy's); ``pg_coef``: weight of TRL's own loss.
     """
 
-    def __init__(self, model, reward_funcs, args=None, *pos, eta: float = 0.9, ema_every: int = 1,
-                 kl: str = "topk_reverse", k: int = 32, form: str = "unbiased", **kwargs):
+    def __init__(self, model, reward_funcs, args=None, *pos, eta: float | None = None, ema_every: int = 1,
+                 kl: str = "topk_reverse", k: int = 32, form: str = "unbiased", teacher: str | nn.Module | None = None,
+                 teacher_dtype: str | None = None, pg_coef: float = 1.0, **kwargs):
+        if teacher is not None and eta is not None:
+            raise ValueError("EMAPGTrainer: with a teacher the KL's reference is the teacher, and no EMA is kept; "
+                             "drop eta")
+        eta = 0.9 if eta is None else eta
         try:  # the config's own table: the same ranges and names as `emapg train` accepts
-            check_fields({"algo.kl": kl, "algo.form": form, "algo.k": k, "algo.eta": eta, "algo.ema_every": ema_every})
+            check_fields({"algo.kl": kl, "algo.form": form, "algo.k": k, "algo.eta": eta, "algo.ema_every": ema_every,
+                          "algo.pg_coef": pg_coef})
         except ConfigError as e:
             raise ConfigError(f"EMAPGTrainer: {e}") from None
         est = klmod.estimator(kl)
@@ -111,9 +158,17 @@ class EMAPGTrainer(GRPOTrainer):
             raise ValueError("EMAPGTrainer: GRPOConfig.sync_ref_model mixes the reference every "
                              "ref_model_sync_steps; the EMA reference replaces it (set eta, ema_every instead)")
         self.kl_name, self.kl_k, self.kl_form = kl, (k if est.head != "none" else 0), form
+        self.pg_coef, self.teacher_name = float(pg_coef), (teacher if isinstance(teacher, str) else None)
         self._capture: list[tuple[Tensor, Tensor]] | None = None
         self._ref_head: dict[str, Tensor] | None = None
-        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        beta = args.beta
+        if teacher is not None:  # GRPOTrainer then builds no reference (a copy of the policy, or a ref adapter)
+            args.beta = 0.0
+        try:
+            super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        finally:
+            args.beta = beta
+        self.beta = beta
         zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
         if self.is_fsdp_enabled or zero3:
             raise ValueError("EMAPGTrainer: parameters sharded by FSDP or DeepSpeed ZeRO-3 are not supported yet "
@@ -121,6 +176,11 @@ class EMAPGTrainer(GRPOTrainer):
                              "emapg's own trainer (emapg train --nproc N, FSDP2)")
         policy = self.accelerator.unwrap_model(self.model)
         self.peft = hasattr(policy, "peft_config")
+        self.teacher_sha256 = None
+        if teacher is not None:
+            self.ref_model, self.teacher_sha256 = prepare_teacher(self, teacher, teacher_dtype)
+            self.anchor = None
+            return
         if self.peft:
             if "ref" not in policy.peft_config:
                 policy.add_adapter("ref", policy.peft_config["default"])
@@ -144,6 +204,8 @@ class EMAPGTrainer(GRPOTrainer):
 
     def ema_step(self) -> bool:
         """Count one optimizer step; move the reference when due. Returns whether it moved."""
+        if self.anchor is None:  # distillation: the teacher does not move
+            return False
         moved = self.anchor.step(self.accelerator.unwrap_model(self.model))
         if moved and self.peft:
             self._write_ref_adapter()
@@ -154,7 +216,11 @@ class EMAPGTrainer(GRPOTrainer):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:
+        if self.args.should_save and self.anchor is None:
+            write_json_atomic(os.path.join(folder, TEACHER_FILE),
+                              {"teacher": self.teacher_name, "teacher_sha256": self.teacher_sha256, "kl": self.kl_name,
+                               "k": self.kl_k, "form": self.kl_form, "pg_coef": self.pg_coef})
+        elif self.args.should_save:
             state = {k: v.detach().contiguous().cpu() for k, v in self.anchor.state_dict().items()}
             tmp = os.path.join(folder, f".{EMA_FILE}.tmp-{os.getpid()}")
             save_file(state, tmp)
@@ -167,6 +233,9 @@ class EMAPGTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
+        if self.anchor is None:
+            self._check_teacher(checkpoint)
+            return
         path = os.path.join(checkpoint, EMA_FILE)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: this checkpoint holds no EMA reference (was it written by "
@@ -176,6 +245,22 @@ class EMAPGTrainer(GRPOTrainer):
             self._write_ref_adapter()
         else:
             self.anchor._sync_module()
+
+    def _check_teacher(self, checkpoint: str) -> None:
+        """Refuse to resume distillation from ``checkpoint`` against a teacher with other weights."""
+        import json
+
+        path = os.path.join(checkpoint, TEACHER_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)["teacher_sha256"]
+        except (OSError, ValueError, KeyError):
+            raise FileNotFoundError(f"{path}: this checkpoint records no distillation teacher (was it written by "
+                                    "EMAPGTrainer with teacher=?)") from None
+        if saved != self.teacher_sha256:
+            raise ConfigError(f"EMAPGTrainer: {checkpoint} was trained against a teacher with weights sha256 "
+                              f"{saved[:12]}..., this teacher's are {self.teacher_sha256[:12]}...; resume with "
+                              "the same teacher, or start a new run")
 
     # ---- the reference's head, and the policy's log-probs at it ---------------------------------
 
@@ -195,7 +280,7 @@ class EMAPGTrainer(GRPOTrainer):
             handle.remove()
 
     def _is_ref_call(self, model: nn.Module) -> bool:
-        if self.peft:
+        if self.peft and self.anchor is not None:
             return getattr(self.accelerator.unwrap_model(model), "active_adapter", None) == "ref"
         return model is self.ref_model
 
@@ -271,10 +356,10 @@ class EMAPGTrainer(GRPOTrainer):
         m = mask.to(kl_tok.dtype)
         totals = self.accelerator.reduce(torch.stack([(kl_tok.detach() * m).sum(), m.sum()]), reduction="sum")
         self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
-        return loss + beta * self._aggregate(kl_tok, mask, inputs, mode)  # ... plus emapg's, aggregated alike
+        return self.pg_coef * loss + beta * self._aggregate(kl_tok, mask, inputs, mode)  # ... plus emapg's, alike
 
     def _token_kl(self, model, inputs, logp: Tensor, hidden: Tensor) -> Tensor:
-        """emapg's per-token KL estimate [B, C] of the policy against the EMA reference."""
+        """emapg's per-token KL estimate [B, C] of the policy against the reference (the EMA, or the teacher)."""
         tokens = inputs["completion_ids"]
         old = inputs.get("old_per_token_logps")  # pi_old, when it differs from the policy being trained
         samp = inputs.get("sampling_per_token_logps") if self.use_vllm else None  # vLLM's pi_samp
