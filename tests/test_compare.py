@@ -336,3 +336,33 @@ def test_smoothed_endpoints_and_problem_by_problem_tests_from_the_kept_records(t
     (out / "b" / "seed1" / "outcomes" / "heldout.ids.json").write_text('["x", "y", "z", "w"]')
     (out / "a" / "seed1" / "outcomes" / "heldout.ids.json").write_text('["p", "q", "r", "s"]')
     assert per_problem(spec, out, "b", "a") == [("0", 0, 2, 0.5)]  # other problems: no paired test
+
+
+def test_every_claim_of_the_stability_re_test_reads_what_compare_summarises(tmp_path):
+    """studies/stability2's claims name configs and per-seed metrics that compare's summary of runs shaped
+    like the study's (evaluations every 10 steps, anchor and transfer set) really holds: a misspelt metric
+    would leave a claim with no seeds, found only after the hours of runs."""
+    from emapg import verdicts as vd
+
+    spec_path = ROOT / "studies" / "stability2" / "spec.yaml"
+    spec = load_spec(spec_path)
+    alpha, hyps = vd.load_hypotheses(spec_path)
+    out = tmp_path / "out"
+    for i, name in enumerate(spec.configs):
+        for seed in (0, 1):
+            folder = out / name / f"seed{seed}"
+            folder.mkdir(parents=True)
+            rows = [{"step": 0, "eval/policy_accuracy": 0.3, "eval/transfer_policy_accuracy": 0.1}]
+            for step in (10, 20, 30, 40):
+                acc = 0.3 + 0.01 * (step / 10 + i + 3 * seed)
+                rows.append({"step": step, "reward_mean": 0.5, "eval/policy_accuracy": acc,
+                             "eval/anchor_accuracy": acc + 0.02, "eval/transfer_policy_accuracy": acc / 2,
+                             "eval/transfer_anchor_accuracy": acc / 2 + 0.01})
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (folder / "eval.json").write_text(json.dumps({"policy": {"accuracy": rows[-1]["eval/policy_accuracy"]},
+                                                          "anchor": {"accuracy": rows[-1]["eval/anchor_accuracy"]}}))
+    judged = vd.judge(summarize(spec, out), hyps, alpha)
+    assert len(judged) == sum(len(h.claims) for h in hyps) >= 8
+    assert [j.claim.text for j in judged if j.seeds != 2] == []
+    p3 = next(j for j in judged if j.hypothesis == "P3")  # anchor minus its own policy: +2 points, every seed
+    assert round(100 * p3.mean, 6) == 2.0
