@@ -384,3 +384,23 @@ def test_teachers_that_do_not_fit_are_refused(tiny, teacher, tmp_path):
         make(EMAPGTrainer, tiny, tmp_path / "e", teacher=str(tmp_path / "absent"))
     with pytest.raises(ValueError, match="EMAPGTrainer: algo.pg_coef"):
         make(EMAPGTrainer, tiny, tmp_path / "f", teacher=teacher, pg_coef=-1.0)
+
+
+def test_a_loaded_teacher_is_checked_against_its_tokenizer_when_given(tiny, teacher, tmp_path):
+    """A teacher passed as a loaded model: with teacher_tokenizer= its vocabulary is checked id by id as a
+    folder's is (another is refused); without it a warning says nothing checked it."""
+    import warnings
+
+    model, tok = load_model(teacher, "float32", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the right tokenizer: no warning about it
+        tr = make(EMAPGTrainer, tiny, tmp_path / "a", teacher=model, teacher_tokenizer=tok)
+    assert len(tr.teacher_sha256) == 64
+    with pytest.warns(UserWarning, match="no teacher_tokenizer was given"):
+        make(EMAPGTrainer, tiny, tmp_path / "b", teacher=load_model(teacher, "float32", seed=0)[0])
+    tok.add_tokens(["<not-in-the-policy>"])
+    with pytest.raises(ValueError, match="has another tokenizer than the policy"):
+        make(EMAPGTrainer, tiny, tmp_path / "c", teacher=load_model(teacher, "float32", seed=0)[0],
+             teacher_tokenizer=tok)
+    with pytest.raises(ValueError, match="teacher_tokenizer is for a loaded teacher"):
+        make(EMAPGTrainer, tiny, tmp_path / "d", teacher=teacher, teacher_tokenizer=tok)

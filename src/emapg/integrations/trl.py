@@ -22,13 +22,13 @@ What changes against GRPOTrainer, and nothing else:
 * **Checkpoints** hold the average (``emapg_ema.safetensors``) and resume restores it.
 
 **On-policy distillation**: ``teacher=`` (a model folder, an emapg built-in name or a loaded model that
-uses the policy's tokenizer) takes the reference's place: the KL term is the per-token KL of the policy
-to the fixed teacher on the policy's own samples, by the same estimators (``topk_reverse``: exact over
-the teacher's top-k plus a sampled tail correction, unbiased in value and gradient), and ``pg_coef``
-weights TRL's own loss (``loss = pg_coef * GRPO + beta * KL``; 0 is pure distillation). No EMA is kept
-then (``eta`` is refused) and GRPOTrainer builds no reference copy of the policy. A teacher with padded
-output rows is cut to the policy's rows; checkpoints record the sha256 of its weights and a resume
-with other weights is refused.
+uses the policy's tokenizer, checked when given as ``teacher_tokenizer=``) takes the reference's place:
+the KL term is the per-token KL of the policy to the fixed teacher on the policy's own samples, by the
+same estimators (``topk_reverse``: exact over the teacher's top-k plus a sampled tail correction,
+unbiased in value and gradient), and ``pg_coef`` weights TRL's own loss (``loss = pg_coef * GRPO +
+beta * KL``; 0 is pure distillation). No EMA is kept then (``eta`` is refused) and GRPOTrainer builds no
+reference copy of the policy. A teacher with padded output rows is cut to the policy's rows; checkpoints
+record the sha256 of its weights and a resume with other weights is refused.
 
 ``use_bias_correction_kl`` is TRL's switch between k3 and k3 times the ratio (emapg's ``k3pp`` on
 policy); here ``kl`` chooses the estimator and that switch is ignored.
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,19 +84,29 @@ def task_reward(task) -> Callable[..., list[float]]:
     return reward
 
 
-def prepare_teacher(trainer: GRPOTrainer, teacher: str | nn.Module, dtype: str | None) -> tuple[nn.Module, str]:
+def prepare_teacher(trainer: GRPOTrainer, teacher: str | nn.Module, dtype: str | None,
+                    teacher_tokenizer=None) -> tuple[nn.Module, str]:
     """The distillation teacher as TRL's reference model (frozen, fitted to the policy's vocabulary, with
-    TRL's fused head at the sampling temperature, placed by accelerate) and the sha256 of its weights."""
+    TRL's fused head at the sampling temperature, placed by accelerate) and the sha256 of its weights. A
+    loaded teacher's tokenizer is checked against the policy's when ``teacher_tokenizer`` is given; without
+    it a warning says that the caller vouches for it."""
     policy = _unwrap_peft(trainer.accelerator.unwrap_model(trainer.model))
     field = "EMAPGTrainer: teacher"
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"EMAPGTrainer: teacher_dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if isinstance(teacher, str):
+        if teacher_tokenizer is not None:
+            raise ConfigError("EMAPGTrainer: teacher_tokenizer is for a loaded teacher; a teacher folder or "
+                              "built-in name brings its own tokenizer")
         name = teacher
         teacher, teacher_tok = load_teacher(name, dtype or str(policy.dtype).removeprefix("torch."), trainer.args.seed,
                                             field)
     elif isinstance(teacher, nn.Module) and hasattr(teacher, "get_output_embeddings"):
-        name, teacher_tok = type(teacher).__name__, None  # a loaded model: its tokenizer is the caller's word
+        name, teacher_tok = type(teacher).__name__, getattr(teacher_tokenizer, "tokenizer", teacher_tokenizer)
+        if teacher_tok is None:
+            warnings.warn("EMAPGTrainer: the teacher is a loaded model and no teacher_tokenizer was given, so "
+                          "nothing checks that it maps token ids as the policy's tokenizer does (pass "
+                          "teacher_tokenizer=, or the teacher's folder as teacher=)", stacklevel=3)
         if dtype is not None:
             teacher.to(getattr(torch, dtype))
     else:
@@ -132,11 +143,12 @@ class EMAPGTrainer(GRPOTrainer):
         teacher: on-policy distillation: the fixed reference of the KL term instead of the EMA (a model
             folder, an emapg built-in name, or a loaded causal LM with the policy's tokenizer).
         teacher_dtype: the teacher's dtype (default the policy's); ``pg_coef``: weight of TRL's own loss.
+        teacher_tokenizer: a loaded teacher's tokenizer, checked against the policy's (id by id).
     """
 
     def __init__(self, model, reward_funcs, args=None, *pos, eta: float | None = None, ema_every: int = 1,
                  kl: str = "topk_reverse", k: int = 32, form: str = "unbiased", teacher: str | nn.Module | None = None,
-                 teacher_dtype: str | None = None, pg_coef: float = 1.0, **kwargs):
+                 teacher_dtype: str | None = None, pg_coef: float = 1.0, teacher_tokenizer=None, **kwargs):
         if teacher is not None and eta is not None:
             raise ValueError("EMAPGTrainer: with a teacher the KL's reference is the teacher, and no EMA is kept; "
                              "drop eta")
@@ -178,7 +190,7 @@ class EMAPGTrainer(GRPOTrainer):
         self.peft = hasattr(policy, "peft_config")
         self.teacher_sha256 = None
         if teacher is not None:
-            self.ref_model, self.teacher_sha256 = prepare_teacher(self, teacher, teacher_dtype)
+            self.ref_model, self.teacher_sha256 = prepare_teacher(self, teacher, teacher_dtype, teacher_tokenizer)
             self.anchor = None
             return
         if self.peft:
