@@ -17,10 +17,11 @@ WORKER = ROOT / "tests" / "dist_worker.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 
 
-def run(nproc: int, *args: str) -> None:
+def run(nproc: int, *args: str, worker: Path = WORKER, timeout: int = 300) -> None:
+    """``worker`` with ``args`` in ``nproc`` processes (torchrun for more than one); asserts it succeeded."""
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    proc = subprocess.run([*launcher, str(WORKER), *args], env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*launcher, str(worker), *args], env=ENV, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 

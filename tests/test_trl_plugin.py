@@ -410,21 +410,13 @@ def test_two_processes_under_ddp_keep_one_reference(tiny, teacher, tmp_path):
     """torchrun, 2 processes (gloo): the EMA reference follows the closed form of the synchronised policy
     on both ranks alike, and a teacher stays itself on both while the student trains."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
+    from test_distributed import run  # the launcher (torchrun) and environment of the distributed tests
 
-    worker = Path(__file__).resolve().parent / "trl_ddp_worker.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                          os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker), tiny,
-           teacher, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    theta0 = load_model(tiny, "float32", seed=0)[0].state_dict()
+    run(2, tiny, teacher, str(tmp_path), worker=Path(__file__).resolve().parent / "trl_ddp_worker.py", timeout=600)
+    initial = load_model(tiny, "float32", seed=0)[0]
+    theta0 = initial.state_dict()
     want_teacher = load_model(teacher, "float32", seed=0)[0].state_dict()
     for mode in ("ema", "teacher"):
         info = [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in (0, 1)]
@@ -434,7 +426,7 @@ def test_two_processes_under_ddp_keep_one_reference(tiny, teacher, tmp_path):
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), mode  # one policy, one reference
         policy = {k.removeprefix("policy."): v for k, v in a.items() if k.startswith("policy.")}
         ref = {k.removeprefix("ref."): v for k, v in a.items() if k.startswith("ref.")}
-        assert set(policy) == set(ref) == set(dict(load_model(tiny, "float32", seed=0)[0].named_parameters()))
+        assert set(policy) == set(ref) == set(dict(initial.named_parameters()))
         assert max(float((policy[n] - theta0[n]).abs().max()) for n in policy) > 1e-3  # it trained
         if mode == "ema":
             for name in ref:
