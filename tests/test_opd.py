@@ -153,7 +153,11 @@ def test_the_trainers_kl_is_to_the_teacher(tmp_path, teacher_dtype):
     want = float((want * mask).sum() / mask.sum())
     w_before = next(tr.model.parameters()).detach().clone()
     row = tr.update(batch)
-    assert want > 0.05 and row["kl"] == pytest.approx(want, rel=1e-4)
+    # a bfloat16 forward rounds differently in the trainer's chunked, prefix-shared passes than in one plain
+    # forward, and how much depends on the CPU's bf16 kernels (1.2e-4 relative on an AMD EPYC); the dtype
+    # itself is checked on the parameters above, the tolerance only has to tell the teacher from the policy
+    rel = 1e-4 if teacher_dtype is None else 1e-3
+    assert want > 0.05 and row["kl"] == pytest.approx(want, rel=rel)
     assert row["grad_norm"] > 0
     assert not any(p.requires_grad for p in tr.teacher.parameters())
     with tr.anchor.use(tr.model) as m:  # eta 0.5: the anchor moved halfway from the start to the policy
