@@ -603,6 +603,12 @@ def test_every_evaluation_keeps_its_per_problem_outcomes_on_both_held_out_sets(t
         key = f"eval/{r['model']}_accuracy" if r["set"] == "heldout" else f"eval/transfer_{r['model']}_accuracy"
         assert len(r["solved"]) == len(ids[r["set"]]) and set(r["solved"]) <= {"0", "1"}
         assert sum(map(int, r["solved"])) / len(r["solved"]) == pytest.approx(rows[r["step"]][key])
+    # eval.md pairs the last anchor and policy evaluations problem by problem
+    last = {r["model"]: r["solved"] for r in lines if r["step"] == 2 and r["set"] == "heldout"}
+    only_anchor = sum(a > b for a, b in zip(last["anchor"], last["policy"], strict=True))
+    only_policy = sum(b > a for a, b in zip(last["anchor"], last["policy"], strict=True))
+    assert (f"same 8 heldout problems (step 2): only the anchor solved {only_anchor}, only the policy "
+            f"{only_policy};") in (tmp_path / "eval.md").read_text()
     # a resume replays the steps after its checkpoint: their lines go, and come back once
     tr.evaluator.forget_after(1)
     assert [json.loads(x)["step"] for x in (tmp_path / "outcomes" / "outcomes.jsonl").read_text().splitlines()] \

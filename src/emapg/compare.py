@@ -31,6 +31,7 @@ import yaml
 from emapg.checkpoint import has_checkpoint
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
+from emapg.outcomes import final_outcomes
 from emapg.runs import claim_run_folder
 from emapg.stats import interval95, mcnemar_p
 from emapg.verdicts import anchor_minus_policy, judge, load_hypotheses, paired_diffs, table
@@ -242,20 +243,6 @@ def endpoints(rows: list[dict[str, Any]]) -> dict[str, float]:
         if name.startswith("transfer") and values:
             out[name] = values[-1]
     return out
-
-
-def final_outcomes(run: Path, model: str = "policy", which_set: str = "heldout") -> tuple[list, list[int]] | None:
-    """A run's last evaluation of ``model`` on ``which_set``, problem by problem (RUN/outcomes/): (the
-    set's problem ids, 0/1 per problem), or None for a run that kept none."""
-    path, ids = run / "outcomes" / "outcomes.jsonl", run / "outcomes" / f"{which_set}.ids.json"
-    if not path.exists():
-        return None
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    mine = [x for x in lines if x["model"] == model and x["set"] == which_set]
-    if not mine:
-        return None
-    solved = [int(c) for c in max(mine, key=lambda x: x["step"])["solved"]]
-    return (json.loads(ids.read_text()) if ids.exists() else list(range(len(solved)))), solved
 
 
 def per_problem(spec: Spec, out: Path, a: str, b: str, model: str = "policy",

@@ -12,6 +12,7 @@ import torch
 
 from emapg import distributed
 from emapg.atomic import write_json_atomic, write_text_atomic
+from emapg.outcomes import anchor_against_policy
 
 PLOTS = {
     "reward": ["reward_mean"],
@@ -184,13 +185,16 @@ def plot_run(run_dir: Path) -> list[Path]:
     return out
 
 
-def write_eval_table(run_dir: Path, table: dict[str, dict[str, Any] | None]) -> str:
-    """Write eval.json and eval.md (initial model, policy, anchor); return the markdown."""
+def write_eval_table(run_dir: Path, table: dict[str, dict[str, Any] | None], note: str | None = None) -> str:
+    """Write eval.json and eval.md (initial model, policy, anchor; ``note`` below the table in eval.md);
+    return the markdown."""
     write_json_atomic(Path(run_dir, "eval.json"), table)
     lines = ["| model | held-out accuracy |", "|---|---|"]
     for name, res in table.items():
         acc = None if not res else res.get("accuracy")
         lines.append(f"| {name} | {'n/a' if acc is None else f'{100 * acc:.1f}%'} |")
+    if note:
+        lines += ["", note]
     md = "\n".join(lines) + "\n"
     write_text_atomic(Path(run_dir, "eval.md"), md)
     return md
@@ -215,7 +219,8 @@ def eval_markdown(model: str, rows: list[dict[str, Any]]) -> str:
 
 def final_table(run_dir: Path, initial_eval: dict[str, Any] | None) -> dict[str, Any]:
     """The run's eval table, {'init', 'policy', 'anchor'}: the step-0 evaluation and the last evaluations
-    metrics.jsonl holds; written as eval.json and eval.md."""
+    metrics.jsonl holds; written as eval.json and eval.md, with the paired test of the anchor against its
+    policy on the same problems below the table where the run kept both's outcomes."""
     last = {}
     for row in read_metrics(run_dir):
         last.update({k: v for k, v in row.items() if k.startswith("eval/")})
@@ -223,7 +228,7 @@ def final_table(run_dir: Path, initial_eval: dict[str, Any] | None) -> dict[str,
     table = {"init": init,
              "policy": {"accuracy": last.get("eval/policy_accuracy")},
              "anchor": {"accuracy": last.get("eval/anchor_accuracy")}}
-    write_eval_table(run_dir, table)
+    write_eval_table(run_dir, table, anchor_against_policy(run_dir))
     return table
 
 

@@ -1,0 +1,39 @@
+"""A run's per-problem outcomes, read back: what :class:`emapg.evaluate.RunEvaluator` streams to
+``RUN/outcomes/`` (a line of 0/1 digits per evaluation, in the order of ``SET.ids.json``), and the paired
+test of the run's anchor against its own policy on the same problems."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from emapg.stats import mcnemar_p
+
+
+def final_outcomes(run: Path, model: str = "policy", which_set: str = "heldout",
+                   ) -> tuple[list, list[int], int] | None:
+    """A run's last evaluation of ``model`` on ``which_set``, problem by problem: (the set's problem ids,
+    0/1 per problem, the step), or None for a run that kept none."""
+    run = Path(run)
+    path, ids = run / "outcomes" / "outcomes.jsonl", run / "outcomes" / f"{which_set}.ids.json"
+    if not path.exists():
+        return None
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    mine = [x for x in lines if x["model"] == model and x["set"] == which_set]
+    if not mine:
+        return None
+    last = max(mine, key=lambda x: x["step"])
+    solved = [min(1, int(c)) for c in last["solved"]]
+    return (json.loads(ids.read_text()) if ids.exists() else list(range(len(solved)))), solved, last["step"]
+
+
+def anchor_against_policy(run: Path, which_set: str = "heldout") -> str | None:
+    """One sentence: the run's last anchor and policy evaluations on the same problems, paired (exact
+    McNemar); None unless both were kept at the same step."""
+    anchor, policy = final_outcomes(run, "anchor", which_set), final_outcomes(run, "policy", which_set)
+    if anchor is None or policy is None or anchor[2] != policy[2] or len(anchor[1]) != len(policy[1]):
+        return None
+    only_anchor, only_policy, p = mcnemar_p(anchor[1], policy[1])
+    return (f"Anchor against policy on the same {len(anchor[1])} {which_set} problems (step {anchor[2]}): "
+            f"only the anchor solved {only_anchor}, only the policy {only_policy}; exact McNemar p = {p:.3g}"
+            " (two-sided).")
