@@ -32,19 +32,22 @@ def finished_runs(root: Path) -> list[Path]:
 
 def copy_runs(src: Path, dst: Path) -> list[Path]:
     """Copy each finished run's record files from ``src`` to ``dst``; never overwrite a run that is
-    already complete at ``dst`` with a different one (say so instead)."""
+    already complete at ``dst`` with a different one (say so instead). A run kept before all its files
+    were written (compare adds compute.json after the trainer's eval.json) gets the missing ones."""
     copied = []
     for rel in finished_runs(src):
         target = dst / rel
+        names = [name for name in FILES if (src / rel / name).exists()]
         if (target / "eval.json").exists():
             if (target / "eval.json").read_bytes() != (src / rel / "eval.json").read_bytes():
                 sys.exit(f"study_records: {target} already holds a different finished run; not overwritten")
-            continue
+            names = [name for name in names if not (target / name).exists()]
+            if not names:
+                continue
         target.mkdir(parents=True, exist_ok=True)
-        for name in FILES:
-            if (src / rel / name).exists():
-                (target / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src / rel / name, target / name)
+        for name in names:
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / rel / name, target / name)
         copied.append(rel)
     return copied
 

@@ -233,6 +233,12 @@ def test_a_study_continues_from_records_kept_in_the_repository(tmp_path, bench_m
     assert summarize(spec, again) == summarize(spec, out)
     assert (again / "b" / "seed0" / "outcomes" / "outcomes.jsonl").read_text().count("solved") == 1
     assert records.copy_runs(kept, again) == []  # already there, the same: nothing to do
+    # kept before compare wrote its compute.json: the next save adds the missing file, nothing else
+    (kept / "a" / "seed0" / "compute.json").unlink()
+    (kept / "a" / "seed0" / "metrics.jsonl").write_text('{"step": 0}\n')  # a kept file is never replaced
+    assert records.copy_runs(out, kept) == [Path("a/seed0")]
+    assert (kept / "a" / "seed0" / "compute.json").read_bytes() == (out / "a" / "seed0" / "compute.json").read_bytes()
+    assert (kept / "a" / "seed0" / "metrics.jsonl").read_text() == '{"step": 0}\n'
     (out / "a" / "seed0" / "eval.json").write_text(json.dumps({"init": {"accuracy": 0.2}, "policy": {"accuracy": 0.9},
                                                                "anchor": {"accuracy": 0.1}}))
     with pytest.raises(SystemExit, match="already holds a different finished run"):
