@@ -83,7 +83,7 @@ LAYERS = [
                      "emapg.retrieval.client", "emapg.integrations", "emapg.stats"]),
     ("config", ["emapg.config", "emapg.kl_moments"]),
     ("models and state", ["emapg.lm", "emapg.distributed", "emapg.models", "emapg.anchor", "emapg.checkpoint",
-                          "emapg.metrics", "emapg.runs"]),
+                          "emapg.metrics", "emapg.outcomes", "emapg.runs"]),
     ("tasks and retrieval", ["emapg.retrieval", "emapg.retrieval.passages", "emapg.retrieval.bm25",
                              "emapg.retrieval.embed", "emapg.retrieval.dense", "emapg.retrieval.hybrid",
                              "emapg.retrieval.server", "emapg.tasks",
