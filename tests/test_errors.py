@@ -20,6 +20,8 @@ SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
     (["serve-retriever", "--index", "x", "--host", "::"], "pass --allow-remote"),
     (["serve-retriever", "--index", "x", "--port", "99999"], "--port 99999: expected 0..65535"),
     (["serve-retriever", "--index", "x", "--host", "my laptop"], "--host 'my laptop': expected an IP address"),
+    (["serve-retriever", "--index", "x", "--max-queries", "0"], "--max-queries: must be an integer >= 1, got 0"),
+    (["serve-retriever", "--index", "x", "--max-body-bytes", "0"], "--max-body-bytes: must be an integer >= 1, got 0"),
 ])
 def test_cli_mistakes_are_one_line_messages(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

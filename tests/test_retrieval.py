@@ -230,7 +230,7 @@ def test_server_search_r1_shape(server_url, index):
     ({"queries": "lantern"}, "'queries'"),
     ({"queries": ["ok", 5]}, "item 1"),
     ({"queries": []}, "empty"),
-    ({"queries": ["q"] * 13}, "at most 12"),
+    ({"queries": ["q"] * 13}, "at most 12 per request"),
     ({"queries": ["ok", "x" * 201]}, "query 1"),
     ({"queries": ["q"], "topk": 0}, "'topk'"),
     ({"queries": ["q"], "topk": 11}, "'topk'"),
@@ -240,6 +240,8 @@ def test_server_search_r1_shape(server_url, index):
 def test_server_rejects_bad_requests(server_url, payload, field):
     status, body = request(server_url + "/retrieve", payload)
     assert status == 400 and field in body["error"]
+    over_a_limit = field in ("at most 12 per request", "query 1")
+    assert body.get("limits") == (LIMITS if over_a_limit else None)  # a refusal for a limit states them all
 
 
 def test_server_http_errors(server_url):
@@ -249,7 +251,8 @@ def test_server_http_errors(server_url):
     assert request(server_url + "/nowhere", method="GET")[0] == 404
     status, body = request(server_url + "/retrieve", method="GET")
     assert status == 405 and "POST" in body["error"]
-    assert request(server_url + "/health", method="GET") == (200, {"status": "ok", "documents": len(CORPUS)})
+    assert request(server_url + "/health", method="GET") == (200, {"status": "ok", "documents": len(CORPUS),
+                                                                   "limits": LIMITS})
 
     host, port = server_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
@@ -344,7 +347,8 @@ def test_http_retriever_retries_server_errors(index):
     try:
         (hits,) = HTTPRetriever(url, retries=2, backoff=0.01).search([QUERIES[1][0]], topk=1)
         assert hits[0].id == "p2" and Flaky.calls == 2
-        assert request(url + "/health", method="GET") == (200, {"status": "ok"})
+        status, body = request(url + "/health", method="GET")
+        assert status == 200 and body["status"] == "ok" and "documents" not in body
     finally:
         stop()
 
@@ -390,3 +394,123 @@ def test_200_valid_requests_succeed_while_300_idle_and_slow_connections_are_held
         stop()
     assert res["ok"] == 200 and res["p99_s"] < 10.0, res
     assert res["idle_closed"] == 250 and res["slow_closed"] == 50, res
+
+
+# --- the paper's scale: 512 prompts x 5 episodes = 2,560 queries in one search turn ----------------------------
+
+class Counting:
+    """A retriever that counts the requests (search calls) and queries that reach it."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.sizes = inner, 0, []
+
+    def __len__(self):
+        return len(self.inner)
+
+    def search(self, queries, topk=3):
+        self.calls += 1
+        self.sizes.append(len(queries))
+        return self.inner.search(queries, topk)
+
+
+def paper_turn(n: int = 2560) -> list[str]:
+    return [f"{QUERIES[i % len(QUERIES)][0]} {i}" for i in range(n)]
+
+
+def test_a_2560_query_turn_through_the_client_and_the_server(index):
+    queries = paper_turn()
+    want = [[p.id for p in hits] for hits in index.search(queries, topk=3)]
+    counting = Counting(index)
+    url, stop = start_server(counting)  # the default limits take the paper's turn in one request
+    try:
+        assert request(url + "/health", method="GET")[1]["limits"]["max_queries"] >= 2560
+        got = HTTPRetriever(url).search(queries, topk=3)
+        assert [[p.id for p in hits] for hits in got] == want and counting.sizes == [2560]
+    finally:
+        stop()
+    counting = Counting(index)
+    url, stop = start_server(counting, max_queries=300)  # a server with a smaller limit: split to it, in order
+    try:
+        client = HTTPRetriever(url)
+        got = client.search(queries, topk=3)
+        assert [[p.id for p in hits] for hits in got] == want
+        assert counting.sizes == [300] * 8 + [160] and client.limits()["max_queries"] == 300
+    finally:
+        stop()
+    counting = Counting(index)
+    url, stop = start_server(counting, max_body_bytes=20_000)  # and to its body size
+    try:
+        got = HTTPRetriever(url).search(queries, topk=3)
+        assert [[p.id for p in hits] for hits in got] == want and len(counting.sizes) > 1
+        assert sum(counting.sizes) == 2560
+    finally:
+        stop()
+
+
+def _stand_in(index, max_queries: int | None, health: bool):
+    """A small stand-in for Search-R1's retrieval server (its search_r1/search/retrieval_server.py): POST
+    /retrieve of {queries, topk, return_scores} answers {"result": [[{"document": {id, contents}, "score"}]]};
+    it has no /health. ``max_queries``: refuse more with a 400 that states the limit (a hardened variant)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    sizes: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, status, body):
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            if health and self.path == "/health":
+                self._send(200, {"status": "ok"})  # a health check that states no limits
+            else:
+                self._send(404, {"detail": "Not Found"})  # FastAPI's answer to an unknown path
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if max_queries is not None and len(req["queries"]) > max_queries:
+                self._send(400, {"error": "too many queries", "limits": {"max_queries": max_queries}})
+                return
+            sizes.append(len(req["queries"]))
+            hits = index.search(req["queries"], req.get("topk") or 3)
+            doc = lambda p: {"id": p.id, "contents": p.contents}  # noqa: E731
+            self._send(200, {"result": [[{"document": doc(p), "score": p.score} if req.get("return_scores")
+                                         else doc(p) for p in ps] for ps in hits]})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", sizes, server
+
+
+@pytest.mark.parametrize(("max_queries", "health", "requests"), [
+    (None, False, [2560]),  # Search-R1's own server: no limit, no /health: the turn in one request
+    (1000, False, [1000, 1000, 560]),  # a limit stated only in a refusal: learnt, then split to
+    (1000, True, [1000, 1000, 560]),  # a /health without limits, and the same refusal
+])
+def test_a_2560_query_turn_against_a_search_r1_style_server(index, max_queries, health, requests):
+    queries = paper_turn()
+    url, sizes, server = _stand_in(index, max_queries, health)
+    try:
+        got = HTTPRetriever(url).search(queries, topk=3)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [[p.id for p in hits] for hits in got] == [[p.id for p in hits] for hits in index.search(queries, 3)]
+    assert sizes == requests
+
+
+def test_client_max_queries_and_a_refusal_for_another_limit(server_url):
+    url = server_url  # LIMITS: at most 12 queries, 200 characters
+    client = HTTPRetriever(url, max_queries=5)
+    assert len(client.search([q for q, _ in QUERIES] * 3, topk=1)) == 24
+    with pytest.raises(RetrieverError, match="query 1 has 201 characters; at most 200"):
+        client.search(["lantern", "x" * 201])  # not a limit splitting can meet: the server's message, at once
+    with pytest.raises(ValueError, match="max_queries"):
+        HTTPRetriever(url, max_queries=0)

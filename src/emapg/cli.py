@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from emapg.config import ConfigError, load_config
-from emapg.retrieval import KINDS
+from emapg.retrieval import KINDS, SERVER_LIMITS
 
 DEFAULT_RECIPE = "cpu_demo"
 RECIPES = Path(__file__).resolve().parent / "recipes"  # shipped inside the package (recipes/ links here)
@@ -194,7 +194,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from emapg.retrieval.server import serve
 
     serve(args.index, host=args.host, port=args.port, allow_remote=args.allow_remote, retriever=args.retriever,
-          search_params=search_params(args.search_param))
+          search_params=search_params(args.search_param), max_queries=args.max_queries,
+          max_query_chars=args.max_query_chars, max_topk=args.max_topk,
+          max_body_bytes=args.max_body_bytes)
     return 0
 
 
@@ -312,6 +314,13 @@ def _retrieval_parsers(sub) -> None:
                     help="bind a non-loopback address (the server has no authentication: anyone who reaches it "
                          "can query it)")
     _search_param_arg(sv, "over the index's own (dense, hybrid)")
+    lim = SERVER_LIMITS
+    sv.add_argument("--max-queries", type=int, default=lim["max_queries"],
+                    help="queries one request may carry (the paper's step: 2,560 a turn; clients that read "
+                         "/health split larger batches)")
+    sv.add_argument("--max-query-chars", type=int, default=lim["max_query_chars"], help="characters of one query")
+    sv.add_argument("--max-topk", type=int, default=lim["max_topk"], help="passages per query one request may ask")
+    sv.add_argument("--max-body-bytes", type=int, default=lim["max_body_bytes"], help="size of one request body")
     sv.set_defaults(func=cmd_serve)
     kb = sub.add_parser("kb", help="the generated multi-hop knowledge base").add_subparsers(dest="kb_command",
                                                                                          required=True)

@@ -19,6 +19,10 @@ __all__ = ["Passage", "Retriever", "RetrieverError", "open_retriever", "KINDS",
 KINDS = ("bm25", "dense", "hybrid")
 """The retrievers an index folder can serve."""
 
+SERVER_LIMITS = {"max_queries": 4096, "max_query_chars": 2048, "max_topk": 50, "max_body_bytes": 16 << 20}
+"""What one request to ``emapg serve-retriever`` may carry, by default (each a flag of the command): the
+paper's search step sends 512 prompts x 5 episodes = 2,560 queries a turn."""
+
 
 @dataclass(frozen=True)
 class Passage:

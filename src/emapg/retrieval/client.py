@@ -25,11 +25,16 @@ def parse_contents(contents: str) -> tuple[str, str]:
 class HTTPRetriever:
     """Queries a retrieval server at ``url`` (``http://host:port`` or ``http://host:port/retrieve``).
 
-    Connection errors, timeouts and 5xx answers are retried ``retries`` times with a short exponential
-    backoff; a 4xx answer raises RetrieverError at once with the server's message.
+    A batch larger than one request may carry is split: the limits come from the server's ``GET /health``
+    (emapg's server states them), or from a refusal that states them; a server that states none (Search-R1's
+    own) gets the whole batch in one request, as Search-R1 sends it. ``max_queries`` caps a request
+    further on the client's side. Connection errors, timeouts and 5xx answers are retried ``retries`` times
+    with a short exponential backoff; any other 4xx answer raises RetrieverError at once with the server's
+    message.
     """
 
-    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5):
+    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
+                 max_queries: int | None = None):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"retrieval server url must be http://host:port[/retrieve], got {url!r}")
@@ -40,12 +45,29 @@ class HTTPRetriever:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        if max_queries is not None and max_queries < 1:
+            raise ValueError(f"max_queries must be >= 1, got {max_queries}")
+        self.max_queries = max_queries
+        self._limits: dict | None = None  # the server's, read once from /health
+
+    def limits(self) -> dict:
+        """What one request may carry, as the server states it in ``GET /health`` (``{}`` when it states
+        nothing, e.g. Search-R1's server, which has no /health); asked once."""
+        if self._limits is None:
+            health = self.url.removesuffix("/retrieve") + "/health"
+            try:
+                with urllib.request.urlopen(health, timeout=self.timeout) as resp:
+                    stated = json.loads(resp.read()).get("limits")
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError, AttributeError):
+                stated = None
+            self._limits = _valid_limits(stated)
+        return self._limits
 
     def __repr__(self) -> str:
         return f"HTTPRetriever({self.url!r})"
 
     def _post(self, payload: dict) -> dict:
-        body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        body = _encode(payload)
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -56,7 +78,10 @@ class HTTPRetriever:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                     raw = resp.read()
             except urllib.error.HTTPError as e:
-                message = _error_message(e)
+                message, stated = _error_message(e)
+                if stated and stated != self._limits and e.code in (400, 413):
+                    self._limits = stated  # a refusal that states the limits: split to them and send again
+                    raise _OverLimit from None
                 if 400 <= e.code < 500:
                     raise RetrieverError(f"retrieval server {self.url} rejected the request "
                                          f"(HTTP {e.code}): {message}") from None
@@ -84,6 +109,31 @@ class HTTPRetriever:
             return []
         if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
             raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
+        for _ in range(3):  # the limits may be learnt from a refusal once; a server that changes them, twice
+            try:
+                return [hits for part in self._parts(queries, topk) for hits in self._search_part(part, topk)]
+            except _OverLimit:
+                continue
+        raise RetrieverError(f"retrieval server {self.url} refused requests split to the limits it states "
+                             f"({self._limits})")
+
+    def _parts(self, queries: list[str], topk: int) -> list[list[str]]:
+        """``queries`` cut into consecutive requests within the server's limits (and ``max_queries``)."""
+        limits = self.limits()
+        most = min(x for x in (limits.get("max_queries"), self.max_queries, len(queries)) if x)
+        budget = limits.get("max_body_bytes")
+        parts: list[list[str]] = [[]]
+        size = len(_encode({"queries": [], "topk": topk, "return_scores": True}))
+        for q in queries:
+            cost = len(_encode(q)) + 2  # the string and its separator
+            if parts[-1] and (len(parts[-1]) >= most or (budget and size + cost > budget)):
+                parts.append([])
+                size = len(_encode({"queries": [], "topk": topk, "return_scores": True}))
+            parts[-1].append(q)
+            size += cost
+        return parts
+
+    def _search_part(self, queries: list[str], topk: int) -> list[list[Passage]]:
         data = self._post({"queries": queries, "topk": topk, "return_scores": True})
         result = data.get("result")
         if not isinstance(result, list) or len(result) != len(queries):
@@ -96,6 +146,22 @@ class HTTPRetriever:
                                  f"{type(e).__name__}: {e}") from None
 
 
+class _OverLimit(Exception):
+    """A request was refused for a limit the refusal states: split again and resend."""
+
+
+def _encode(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False).encode("utf-8")
+
+
+def _valid_limits(stated) -> dict:
+    """The positive integer limits a server stated, by name; anything else is ignored."""
+    if not isinstance(stated, dict):
+        return {}
+    return {k: v for k, v in stated.items() if k in ("max_queries", "max_body_bytes")
+            and isinstance(v, int) and not isinstance(v, bool) and v >= 1}
+
+
 def _passage(item: dict) -> Passage:
     """A Passage from ``{"document": {...}, "score": s}`` or a bare ``{"id", "contents"}`` document."""
     doc, score = (item["document"], float(item.get("score", 0.0))) if "document" in item else (item, 0.0)
@@ -106,15 +172,16 @@ def _passage(item: dict) -> Passage:
     return Passage(str(doc.get("id", "")), title, text, score)
 
 
-def _error_message(e: urllib.error.HTTPError) -> str:
+def _error_message(e: urllib.error.HTTPError) -> tuple[str, dict]:
+    """The server's message of an HTTP error, and the limits it states ({} if none)."""
     try:
         raw = e.read()
     except OSError:
-        return e.reason or ""
+        return e.reason or "", {}
     try:
         data = json.loads(raw)
         if isinstance(data, dict) and "error" in data:
-            return str(data["error"])
+            return str(data["error"]), _valid_limits(data.get("limits"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         pass
-    return raw.decode("utf-8", "replace")[:500] or str(e.reason)
+    return raw.decode("utf-8", "replace")[:500] or str(e.reason), {}

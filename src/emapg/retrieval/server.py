@@ -2,9 +2,13 @@
 
 ``POST /retrieve`` with ``{"queries": [...], "topk": 3, "return_scores": true}`` answers
 ``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}`` (or ``[[{"id", "contents"}, ...]]``
-without scores), one list per query. ``GET /health`` answers ``{"status": "ok", "documents": N}``.
-Every error is ``{"error": message}`` with its status: 4xx for the client's (400, 404, 405, 408,
-411, 413), 500 if the retriever itself fails, 503 when the server is at its connection limit.
+without scores), one list per query. ``GET /health`` answers ``{"status": "ok", "documents": N, "limits":
+{"max_queries", "max_query_chars", "max_topk", "max_body_bytes"}}``: what one request may carry, so that a
+client splits a large batch to fit (:class:`emapg.retrieval.client.HTTPRetriever` does). Every error is
+``{"error": message}`` with its status (a request over a limit also carries ``"limits"``): 4xx for the
+client's (400, 404, 405, 408, 411, 413), 500 if the retriever itself fails, 503 when the server is at its
+connection limit. The limits are flags of ``emapg serve-retriever``; the defaults take the paper's search
+batch (512 prompts x 5 episodes = 2,560 queries a turn) in one request.
 
 What a well-kept server does, uvicorn does: one event loop (an idle connection costs a socket, not
 a thread), a cap on concurrent connections (``limit_concurrency``), keep-alive timeouts, bounded
@@ -36,21 +40,28 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from emapg.config import ConfigError
+from emapg.retrieval import SERVER_LIMITS as DEFAULT_LIMITS
 from emapg.retrieval import Retriever
 
 __all__ = ["RetrievalServer", "create_app", "make_server", "serve"]
 
 
-class RequestError(Exception):
-    """A client error: HTTP ``status`` and a message for the ``error`` field."""
 
-    def __init__(self, status: int, message: str):
+class RequestError(Exception):
+    """A client error: HTTP ``status`` and a message for the ``error`` field (``limit``: the error is a
+    request over one of the server's limits, which the answer then states)."""
+
+    def __init__(self, status: int, message: str, limit: bool = False):
         super().__init__(message)
         self.status = status
+        self.limit = limit
 
 
-def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+def _error(status: int, message: str, headers: dict | None = None, limits: dict | None = None) -> JSONResponse:
+    body: dict = {"error": message}
+    if limits is not None:
+        body["limits"] = limits
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
@@ -66,14 +77,14 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
     except ValueError:
         raise RequestError(400, f"invalid Content-Length {length!r}") from None
     if n > limit:
-        raise RequestError(413, f"request body of {n} bytes is over the limit of {limit}")
+        raise RequestError(413, f"request body of {n} bytes is over the limit of {limit}", limit=True)
 
     async def read() -> bytes:
         chunks, got = [], 0
         async for chunk in request.stream():
             got += len(chunk)
             if got > limit:
-                raise RequestError(413, f"request body is over the limit of {limit} bytes")
+                raise RequestError(413, f"request body is over the limit of {limit} bytes", limit=True)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -100,12 +111,14 @@ def _parse(body: bytes, max_queries: int, max_query_chars: int, max_topk: int) -
     if not queries:
         raise RequestError(400, "field 'queries' is an empty list")
     if len(queries) > max_queries:
-        raise RequestError(400, f"field 'queries' has {len(queries)} queries; at most {max_queries} per request")
+        raise RequestError(400, f"field 'queries' has {len(queries)} queries; at most {max_queries} per request",
+                           limit=True)
     for i, q in enumerate(queries):
         if not isinstance(q, str):
             raise RequestError(400, f"field 'queries': item {i} must be a string, got {type(q).__name__}")
         if len(q) > max_query_chars:
-            raise RequestError(400, f"field 'queries': query {i} has {len(q)} characters; at most {max_query_chars}")
+            raise RequestError(400, f"field 'queries': query {i} has {len(q)} characters; at most {max_query_chars}",
+                               limit=True)
     topk = data.get("topk", 3)
     if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= max_topk:
         raise RequestError(400, f"field 'topk' must be an integer in [1, {max_topk}], got {topk!r}")
@@ -115,16 +128,20 @@ def _parse(body: bytes, max_queries: int, max_query_chars: int, max_topk: int) -
     return queries, topk, return_scores
 
 
-def create_app(retriever: Retriever, *, max_queries: int = 256, max_query_chars: int = 2048, max_topk: int = 50,
-               max_body_bytes: int = 1 << 20, body_timeout: float = 30.0, verbose: bool = False) -> Starlette:
+def create_app(retriever: Retriever, *, max_queries: int = DEFAULT_LIMITS["max_queries"],
+               max_query_chars: int = DEFAULT_LIMITS["max_query_chars"], max_topk: int = DEFAULT_LIMITS["max_topk"],
+               max_body_bytes: int = DEFAULT_LIMITS["max_body_bytes"], body_timeout: float = 30.0,
+               verbose: bool = False) -> Starlette:
     """The ASGI app of the retrieval API over ``retriever`` (searched in a worker thread)."""
+    limits = {"max_queries": max_queries, "max_query_chars": max_query_chars, "max_topk": max_topk,
+              "max_body_bytes": max_body_bytes}
 
     async def retrieve(request: Request) -> JSONResponse:
         try:
             body = await _read_body(request, max_body_bytes, body_timeout)
             queries, topk, return_scores = _parse(body, max_queries, max_query_chars, max_topk)
         except RequestError as e:
-            return _error(e.status, str(e))
+            return _error(e.status, str(e), limits=limits if e.limit else None)
         except ClientDisconnect:
             return _error(400, "the client went away mid-body")
         try:
@@ -145,7 +162,7 @@ def create_app(retriever: Retriever, *, max_queries: int = 256, max_query_chars:
         payload: dict = {"status": "ok"}
         if hasattr(retriever, "__len__"):
             payload["documents"] = len(retriever)  # type: ignore[arg-type]
-        return JSONResponse(payload)
+        return JSONResponse({**payload, "limits": limits})
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         route = request.url.path
@@ -252,15 +269,25 @@ class RetrievalServer:
         self.socket.close()
 
 
-def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 0, *, max_queries: int = 256,
-                max_query_chars: int = 2048, max_topk: int = 50, max_body_bytes: int = 1 << 20,
-                body_timeout: float = 30.0, header_timeout: float = 10.0, limit_concurrency: int = 1024,
-                verbose: bool = False) -> RetrievalServer:
-    """A bound (not yet serving) retrieval server; ``port=0`` takes any free port (see ``server_address``)."""
-    app = create_app(retriever, max_queries=max_queries, max_query_chars=max_query_chars, max_topk=max_topk,
-                     max_body_bytes=max_body_bytes, body_timeout=body_timeout, verbose=verbose)
+def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 0, *, body_timeout: float = 30.0,
+                header_timeout: float = 10.0, limit_concurrency: int = 1024, verbose: bool = False,
+                **limits: int) -> RetrievalServer:
+    """A bound (not yet serving) retrieval server; ``port=0`` takes any free port (see ``server_address``).
+    ``limits``: any of :data:`DEFAULT_LIMITS` (what one request may carry)."""
+    check_limits(limits)
+    app = create_app(retriever, body_timeout=body_timeout, verbose=verbose, **{**DEFAULT_LIMITS, **limits})
     return RetrievalServer((host, port), app, limit_concurrency=limit_concurrency, header_timeout=header_timeout,
                            verbose=verbose)
+
+
+def check_limits(limits: dict) -> None:
+    """Refuse an unknown limit or one below 1, naming its command-line flag."""
+    unknown = set(limits) - set(DEFAULT_LIMITS)
+    if unknown:
+        raise TypeError(f"unknown retrieval server limit(s) {', '.join(sorted(unknown))}")
+    for name, value in limits.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be an integer >= 1, got {value!r}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -289,16 +316,18 @@ def check_address(host: str, port: int, allow_remote: bool) -> None:
 
 
 def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, verbose: bool = False,
-          allow_remote: bool = False, retriever: str = "bm25", search_params: dict | None = None) -> None:
+          allow_remote: bool = False, retriever: str = "bm25", search_params: dict | None = None,
+          **limits: int) -> None:
     """Serve an index folder until interrupted (Ctrl-C) as ``retriever`` (bm25, dense or hybrid; see
     ``emapg.retrieval.open_retriever``, which also takes ``search_params``); loopback only unless
     ``allow_remote``."""
     from emapg.retrieval import open_retriever
 
     check_address(host, port, allow_remote)
+    check_limits(limits)
     index = open_retriever(index=str(index_dir), kind=retriever, search_params=search_params)
     try:
-        server = make_server(index, host, port, verbose=verbose)
+        server = make_server(index, host, port, verbose=verbose, **limits)
     except OSError as e:
         raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
     try:
