@@ -116,6 +116,28 @@ def test_k3_gradient_is_forward_kl_gradient(off_policy):
 
 
 @policies
+def test_low_var_kl_is_k3_where_its_clamps_do_not_bind(off_policy):
+    theta, anchor, samp = make(off_policy=off_policy)
+    for a, b in zip(expectation("low_var_kl", theta, anchor, samp), expectation("k3", theta, anchor, samp),
+                    strict=True):
+        torch.testing.assert_close(a, b, **CLOSE)
+
+
+def test_low_var_kl_clamps_as_verl_does():
+    lp = torch.tensor([-1.0, -1.0, -30.0, 0.0], dtype=torch.float64, requires_grad=True)
+    la = torch.tensor([-1.5, -15.0, -1.0, -40.0], dtype=torch.float64)
+    value = kl.estimator("low_var_kl").sample(lp, la)
+    log_w = (la - lp).detach().clamp(-20, 20)
+    k3 = torch.exp(log_w) - 1 - log_w
+    # in range: k3; log w = -14: k3 = 13 + e^-14 > 10, clamped; log w = 29 clamped to 20, then the value to 10
+    torch.testing.assert_close(value.detach(), torch.stack([k3[0], torch.tensor(10.0, dtype=torch.float64),
+                                                            torch.tensor(10.0, dtype=torch.float64),
+                                                            torch.tensor(10.0, dtype=torch.float64)]))
+    value.sum().backward()
+    assert lp.grad[0] != 0 and (lp.grad[1:] == 0).all()  # a clamped value carries no gradient
+
+
+@policies
 @pytest.mark.parametrize("k", [0, 1, 3, 6, V - 1, V])
 def test_topk_reverse_unbiased_value_and_gradient_at_every_k(k, off_policy):
     theta, anchor, samp = make(off_policy=off_policy, seed=k)

@@ -514,3 +514,24 @@ def test_client_max_queries_and_a_refusal_for_another_limit(server_url):
         client.search(["lantern", "x" * 201])  # not a limit splitting can meet: the server's message, at once
     with pytest.raises(ValueError, match="max_queries"):
         HTTPRetriever(url, max_queries=0)
+
+
+def test_the_observation_is_search_r1s_byte_for_byte_from_the_index_and_over_http(index, server_url):
+    """Search-R1's generation.py: ``Doc {i+1}(Title: {first line of contents}) {the rest}\\n`` per passage,
+    stripped, inside ``\\n\\n<information>...</information>\\n\\n``; the title keeps its quotes."""
+    from emapg.tags import format_information
+
+    paris = Passage("0", "Paris", "Paris is the capital of France.")
+    assert paris.contents == '"Paris"\nParis is the capital of France.'
+    assert format_information([paris]) == ('\n\n<information>Doc 1(Title: "Paris") Paris is the capital of '
+                                           'France.</information>\n\n')
+    untitled = Passage("1", "", "Ulvane cheese is blue.\nIt is aged in caves.")  # the first line serves as title
+    assert format_information([paris, untitled]) == (
+        '\n\n<information>Doc 1(Title: "Paris") Paris is the capital of France.\n'
+        'Doc 2(Title: Ulvane cheese is blue.) It is aged in caves.</information>\n\n')
+    queries = [q for q, _ in QUERIES] + ["the of"]
+    local = index.search(queries, topk=3)
+    served = HTTPRetriever(server_url).search(queries, topk=3)
+    assert [format_information(p) for p in local] == [format_information(p) for p in served]
+    assert format_information(local[0]).startswith('\n\n<information>Doc 1(Title: "Zorvath Kellbrook") Zorvath')
+    assert format_information(local[-1]) == "\n\n<information></information>\n\n"  # no passage found

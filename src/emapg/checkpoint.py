@@ -214,7 +214,7 @@ def tied_names(model: nn.Module) -> set[str]:
     return tied
 
 
-def intact_checkpoint(run_dir: Path, names: set[str], warn: bool = True) -> dict[str, Any]:
+def intact_checkpoint(run_dir: Path, names: set[str], warn: bool = True, what: str = "--resume") -> dict[str, Any]:
     """The contents of the newest checkpoint of the run folder that reads whole and holds every policy
     tensor in ``names``. A damaged one (a truncated tensor file, garbage JSON, a missing key) is named in
     a warning and skipped; none intact is a CheckpointError naming every damaged file."""
@@ -237,7 +237,15 @@ def intact_checkpoint(run_dir: Path, names: set[str], warn: bool = True) -> dict
             print(f"emapg: warning: resuming from {path} (step {ckpt['state']['step']})", file=sys.stderr)
         return ckpt
     why = "; ".join(damaged) if damaged else "the run folder holds no checkpoint"
-    raise CheckpointError(f"--resume {run_dir}: no intact checkpoint to resume ({why})")
+    purpose = "resume" if what == "--resume" else "start from"
+    raise CheckpointError(f"{what} {run_dir}: no intact checkpoint to {purpose} ({why})")
+
+
+def starting_checkpoint(run_dir: Path, names: set[str], warn: bool = True) -> dict[str, Any]:
+    """``init_from``: the newest intact checkpoint of another run folder, which a new run starts from."""
+    if not Path(run_dir).is_dir():
+        raise CheckpointError(f"init_from: {run_dir} is not a run folder")
+    return intact_checkpoint(Path(run_dir), names, warn=warn, what="init_from:")
 
 
 def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: torch.optim.Optimizer,

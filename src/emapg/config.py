@@ -130,6 +130,11 @@ class EvalConfig:
     """Nucleus sampling at eval (greedy: false); None = the rollout's. The paper evaluates math at 0.95."""
     max_new_tokens: int | None = None
     """Length budget at eval; None = the rollout's."""
+    samples: int = 1
+    """Samples per problem (greedy: false); accuracy is their mean (avg@n), with pass@k beside it."""
+    at_start: bool = True
+    """Evaluate the policy before the first step (verl's ``val_before_train``); a run started with
+    ``init_from`` evaluates its starting checkpoint."""
     anchor: bool = True
     """Evaluate the anchor too at every periodic evaluation, so that both curves show (it is always
     evaluated at the end; a frozen anchor is the initial policy, whose step-0 evaluation serves)."""
@@ -191,9 +196,19 @@ class TrainConfig:
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay (verl's default is 0.01)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2)."""
     warmup_steps: int = 0
-    """Linear learning-rate warmup, in optimizer steps."""
+    """Linear learning-rate warmup, in optimizer steps: lr x min(1, (s + 1) / warmup_steps) at optimizer step s."""
+    warmup_ratio: float = 0.0
+    """verl's ``lr_warmup_steps_ratio``: a linear warmup over W = int(warmup_ratio x steps) training steps,
+    from 0, stepped once per training step: lr x min(1, (t - 1) / W) at training step t (1-based), so the
+    first step trains at lr 0, as verl's constant-with-warmup schedule does. 0 = none; not with warmup_steps."""
+    init_from: str | None = None
+    """Start from another run's latest checkpoint (a run folder): its policy, anchor, optimizer state, learning-
+    rate schedule and step count, into this new run folder; ``steps`` counts on from that step. verl's
+    ``resume_from_path``: the paper's 16k and 24k stages start from the 8k and 16k runs."""
     chunk_size: int = 1024
     """Positions per chunk when computing log-probs from hidden states."""
     prefix_sharing: bool = True
@@ -260,9 +275,10 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     if origin is bool:
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if origin is list:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
-        return value
+        (item,) = get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
@@ -336,6 +352,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               "or leave --config out for the defaults)")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
+        data = _extended(data, Path(path), seen=(Path(path).resolve(),))
     for item in overrides or []:
         apply_override(data, item)
     try:
@@ -344,6 +361,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     return cfg
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, section by section (a mapping in both is merged; anything else replaced)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    """A config with ``extends: OTHER`` (a file beside it, or a shipped recipe's name): OTHER's keys, then
+    this file's over them, so a recipe's variant states only what differs."""
+    if "extends" not in data:
+        return data
+    name = data.pop("extends")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"config file {path}: extends: expected the name or file of another config, got {name!r}")
+    base = path.parent / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if base.resolve() in seen:
+        raise ConfigError(f"config file {path}: extends: {name} extends this file again (a cycle)")
+    try:
+        parent = yaml.safe_load(base.read_text())
+    except OSError as e:
+        raise ConfigError(f"config file {path}: extends: {base}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: extends: {base}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(parent, dict):
+        raise ConfigError(f"config file {base}: expected a mapping at the top level")
+    return _merge(_extended(parent, base, (*seen, base.resolve())), data)
 
 
 # ---- the validation table -------------------------------------------------------------------------
@@ -411,6 +458,9 @@ RULES: dict[str, Rule] = {
     "lr": _above(0, finite=True),
     "weight_decay": _at_least(0, finite=True),
     "warmup_steps": ((lambda v: v >= 0), "must be >= 0 (0 = no warmup)"),
+    "warmup_ratio": _within(0, 1),
+    "betas": ((lambda v: len(v) == 2 and all(0 <= b < 1 for b in v)), "expected [beta1, beta2], each in [0, 1)"),
+    "init_from": ((lambda v: v is None or (isinstance(v, str) and v.strip() != "")), "expected a run folder or null"),
     "chunk_size": _at_least(1),
     "long_prompts": _one_of(("error", "truncate")),
     "report_to": ((lambda v: set(v) <= {"tensorboard", "wandb"}), "expected a list of tensorboard, wandb"),
@@ -423,6 +473,7 @@ RULES: dict[str, Rule] = {
     "eval.every": _at_least(0),
     "eval.size": _at_least(0),
     "eval.max_new_tokens": _at_least(1, null=True),
+    "eval.samples": _at_least(1),
     "eval.temperature": _above(0, null=True),
     "eval.transfer_size": _at_least(1, null=True),
     "eval.top_p": _within(0, 1, low_open=True, null=True),
@@ -468,6 +519,10 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
      lambda c: f"0 with algo.teacher={c.algo.teacher!r} ignores the teacher: distillation needs beta > 0"),
     ("gradient_checkpointing", lambda c: not (c.gradient_checkpointing and c.prefix_sharing),
      lambda c: "needs prefix_sharing: false (checkpointed layers keep no key/value cache to share), got True"),
+    ("warmup_ratio", lambda c: not (c.warmup_ratio and c.warmup_steps),
+     lambda c: f"{c.warmup_ratio} with warmup_steps={c.warmup_steps}: give one of them"),
+    ("eval.samples", lambda c: c.eval.samples == 1 or not c.eval.greedy,
+     lambda c: f"{c.eval.samples} samples per problem need eval.greedy: false (greedy decoding gives one answer)"),
     ("mini_batch_prompts", lambda c: c.prompts_per_step % _mini(c) == 0,
      lambda c: f"{_mini(c)} does not divide prompts_per_step={c.prompts_per_step}"),
     ("micro_batch_prompts", lambda c: _mini(c) % c.micro_batch_prompts == 0,

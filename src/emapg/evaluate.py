@@ -22,10 +22,10 @@ RANK_SEED_STRIDE = 7919  # rank r samples with seed + r * stride; rank 0 (and a 
 
 
 def eval_sampling(cfg: Any) -> SamplingSpec:
-    """How a training run evaluates: greedy, or one sample at the eval temperature and top-p, with the
-    eval budget (each the rollout's when unset)."""
+    """How a training run evaluates: greedy, or ``eval.samples`` samples per problem at the eval temperature
+    and top-p, with the eval budget (each the rollout's when unset)."""
     e, r = cfg.eval, cfg.rollout
-    return SamplingSpec(n=1, temperature=r.temperature if e.temperature is None else e.temperature,
+    return SamplingSpec(n=e.samples, temperature=r.temperature if e.temperature is None else e.temperature,
                         top_p=r.top_p if e.top_p is None else e.top_p, greedy=e.greedy,
                         max_new_tokens=e.max_new_tokens or r.max_new_tokens)
 
@@ -33,7 +33,7 @@ def eval_sampling(cfg: Any) -> SamplingSpec:
 def eval_settings(cfg: Any, world: int, device: str) -> dict[str, Any]:
     """What a run's evaluation numbers depend on besides the weights (a resume may change them)."""
     spec = eval_sampling(cfg)
-    return {"size": cfg.eval.size, "max_new_tokens": spec.max_new_tokens, "greedy": spec.greedy,
+    return {"size": cfg.eval.size, "samples": spec.n, "max_new_tokens": spec.max_new_tokens, "greedy": spec.greedy,
             "temperature": spec.temperature, "top_p": spec.top_p, "mixed_precision": cfg.mixed_precision,
             "dtype": cfg.dtype, "seed": cfg.seed, "world": world, "device": device}
 

@@ -89,6 +89,14 @@ def _k3(lp: Tensor, la: Tensor) -> Tensor:
     return torch.exp(log_w) - 1 - log_w
 
 
+def _low_var_kl(lp: Tensor, la: Tensor) -> Tensor:
+    """verl's ``low_var_kl``: k3 with log w clamped to [-20, 20] and the value to [-10, 10]; k3 itself
+    wherever w - 1 - log w <= 10 (|log w| up to about 2.4 below, 11 above), there the gradient is the
+    forward KL's; beyond it the clamp holds the value and zeroes the gradient."""
+    log_w = (la - lp).clamp(-20.0, 20.0)
+    return (torch.exp(log_w) - 1 - log_w).clamp(-10.0, 10.0)
+
+
 def _k3pp(lp: Tensor, la: Tensor) -> Tensor:
     """r (w - 1 - log w): k3's value with the reverse KL's gradient."""
     log_w = la - lp
@@ -134,6 +142,7 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
     Estimator("k1", "reverse", "none", _k1),
     Estimator("k2", "reverse", "none", _k2),
     Estimator("k3", "reverse", "none", _k3),
+    Estimator("low_var_kl", "reverse", "none", _low_var_kl),
     Estimator("k3pp", "reverse", "none", _k3pp),
     Estimator("k4", "reverse", "none", _k4),
     Estimator("k5", "forward", "none", _k5),

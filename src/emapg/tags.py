@@ -17,11 +17,17 @@ STOPS = ["</search>", "</answer>"]
 
 
 def format_information(passages) -> str:
-    """Search-R1's observation text; tags inside passages are removed so a document cannot end or
-    answer an episode on the model's behalf."""
-    docs = "".join(f"Doc {i + 1}(Title: {TAG_RE.sub('', p.title)}) {TAG_RE.sub('', p.text)}\n"
-                   for i, p in enumerate(passages))
-    return f"\n\n<information>{docs}</information>\n\n"
+    """Search-R1's observation text, byte for byte (its generation.py ``_passages2string`` and
+    ``execute_predictions``): each passage's ``contents`` split at its first newline into the title line (kept
+    as written, quotes and all) and the text, ``Doc i(Title: TITLE) TEXT`` joined by newlines, stripped, in
+    ``\n\n<information>...</information>\n\n``. One function for every retriever, local or served, so that
+    both paths give the same tokens. Ours alone: tags inside a passage are removed, so that a document cannot
+    end or answer an episode on the model's behalf (Wikipedia passages hold none)."""
+    docs = ""
+    for i, p in enumerate(passages):
+        title, _, text = p.contents.partition("\n")
+        docs += f"Doc {i + 1}(Title: {TAG_RE.sub('', title)}) {TAG_RE.sub('', text)}\n"
+    return f"\n\n<information>{docs.strip()}</information>\n\n"
 
 
 def model_text(completion: str) -> str:

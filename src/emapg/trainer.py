@@ -20,6 +20,7 @@ import dataclasses
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,14 @@ from torch import Tensor
 from emapg import algo, distributed
 from emapg.algo import AnchorStats
 from emapg.anchor import EMAAnchor
-from emapg.checkpoint import export_models, intact_checkpoint, restore_training, save_training, tied_names
+from emapg.checkpoint import (
+    export_models,
+    intact_checkpoint,
+    restore_training,
+    save_training,
+    starting_checkpoint,
+    tied_names,
+)
 from emapg.config import TrainConfig, check_world, save_config
 from emapg.distributed import gathered
 from emapg.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
@@ -115,11 +123,21 @@ def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.Di
     return anchor, init_anchor, anchor_is_initial
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig):
-    """AdamW over ``params`` and its schedule: a linear warmup over ``warmup_steps`` optimizer steps."""
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+def lr_factor(cfg: TrainConfig, optimizer_steps: int, steps_done: int) -> float:
+    """The learning rate's multiplier for the next optimizer step, after ``optimizer_steps`` of them and
+    ``steps_done`` whole training steps: ``warmup_steps`` counts optimizer steps; ``warmup_ratio`` counts
+    training steps from 0, as verl's constant schedule with warmup does (lr 0 on the first step)."""
+    if cfg.warmup_steps:
+        return min(1.0, (optimizer_steps + 1) / cfg.warmup_steps)
+    if cfg.warmup_ratio:
+        return min(1.0, steps_done / max(1, int(cfg.warmup_ratio * cfg.steps)))
+    return 1.0
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, steps_done: Callable[[], int] = lambda: 0):
+    """AdamW over ``params`` and its schedule (:func:`lr_factor`); ``steps_done()``: training steps done."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, steps_done()))
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -154,22 +172,26 @@ class Trainer:
             self.evaluator = RunEvaluator(cfg, self.task, self.tokenizer, self.run_dir, self.dist, progress, fit)
         names = set(self.model.state_dict()) - tied_names(self.model)  # before sharding: plain names
         ckpt = intact_checkpoint(self.run_dir, names, warn=self.main) if resume else None
+        if ckpt is None and cfg.init_from:  # a new run that starts where another one's checkpoint stands
+            ckpt = starting_checkpoint(Path(cfg.init_from), names, warn=self.main)
         since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
         self.teacher, self.teacher_sha256 = build_teacher(self.model, self.tokenizer, cfg, self.dist, self.run_dir,
                                                           ckpt, force)  # None: the KL is to the anchor
         self.anchor, self.init_anchor, self.anchor_is_initial = build_anchors(self.model, cfg, self.dist, since_start)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(self.params, cfg)
         self.step, self.skipped_steps = 0, 0
+        self.optimizer, self.scheduler = make_optimizer(self.params, cfg, lambda: self.step)
         self.initial_eval = self.initial_eval_settings = None  # the step-0 evaluation, and what it was measured with
         self.engine = build_engine(cfg, self.model, self.tokenizer, self.task, self.sampling, self.dist, self.run_dir)
         if ckpt:
             st = restore_training(ckpt, self.model, self.anchor, self.optimizer, sharded=self.dist.enabled)
             self.step, self.skipped_steps = st["step"], st["skipped_steps"]
             self.scheduler.load_state_dict(st["scheduler"])
-            self.initial_eval, self.initial_eval_settings = st.get("initial_eval"), st.get("initial_eval_settings")
+            if resume:  # (a run started from another's checkpoint evaluates its own start)
+                self.initial_eval, self.initial_eval_settings = st.get("initial_eval"), st.get("initial_eval_settings")
             self.evaluator.forget_after(self.step)
-        elif self.main:
+        self.start_step = self.step if not resume else None
+        if self.main and not resume:
             save_config(cfg, self.run_dir / "config.yaml")
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None,
                                      report_to=tuple(cfg.report_to), config=dataclasses.asdict(cfg),
@@ -183,10 +205,10 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        if self.initial_eval is None and self.evaluator.examples and self.step == 0:  # later, the policy has moved
+        if cfg.eval.at_start and self.evaluator.examples and self.step == self.start_step:  # not once it moved
             results = self._evaluate("policy")
             self.initial_eval, self.initial_eval_settings = results["heldout"], self.evaluator.settings
-            self._write({"step": 0, **_rows("policy", results)})
+            self._write({"step": self.step, **_rows("policy", results)})
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.main), desc="emapg",
                    unit="step")
         while self.step < cfg.steps:
@@ -248,6 +270,9 @@ class Trainer:
         reduced over ranks)."""
         cfg, a = self.cfg, self.cfg.algo
         t0 = time.perf_counter()
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)  # a schedule by training step
+        lr_used = self.optimizer.param_groups[0]["lr"]
         micro_batches = batch.micro_batches(cfg.micro_batch_prompts)
         anchors = [self.anchor_pass(mb) for mb in micro_batches]
         t_anchor = time.perf_counter() - t0
@@ -269,7 +294,7 @@ class Trainer:
         self.skipped_steps += skipped
         applied = a.ppo_epochs * (cfg.prompts_per_step // mini) - skipped
         return {**rollout_row(batch, cfg.rollout.n), **update_row(stats, applied, grad_norms),
-                "lr": self.scheduler.get_last_lr()[0], "ema_updated": int(ema_updated), "skipped_updates": skipped,
+                "lr": lr_used, "ema_updated": int(ema_updated), "skipped_updates": skipped,
                 "skipped_total": self.skipped_steps, "anchor_seconds": t_anchor}
 
     @torch.no_grad()

@@ -11,12 +11,50 @@ from __future__ import annotations
 
 import random
 
-from emapg.data import load_rows
+from emapg.data import DataError, load_rows
 from emapg.rewards.math import boxed_format_reward, math_reward
 from emapg.tasks.base import Example, Task
 
 R1_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TEMPLATES = ("r1", "chat", "plain")
+# The published sets' column names, tried in order when the file has not the ones given (problem_field,
+# answer_field): MATH-500, AIME 2024 (HuggingFaceH4/aime_2024), DeepScaleR's and rLLM's JSON: problem, answer;
+# AIME 2024 (Maxwell-Jia/AIME_2024): Problem, Answer; AIME 2025 (opencompass/AIME2025), OlympiadBench
+# (Hothan/OlympiadBench): question, with final_answer a list of LaTeX answers; AMC (AI-MO/aimo-validation-amc):
+# answer a number (142.0).
+PROBLEM_FIELDS = ("problem", "Problem", "question", "Question")
+ANSWER_FIELDS = ("answer", "Answer", "final_answer", "ground_truth")
+
+
+def gold_answers(value) -> list[str]:
+    """A row's answer as the list of its accepted forms: a list (OlympiadBench's ``final_answer``, e.g.
+    ``["$3$"]``) gives each, a whole float (AMC's 142.0) its integer; enclosing ``$...$`` are removed."""
+    items = value if isinstance(value, list | tuple) else [value]
+    out = []
+    for v in items:
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        text = str(v).strip()
+        while len(text) >= 2 and text.startswith("$") and text.endswith("$"):
+            text = text[1:-1].strip()
+        out.append(text)
+    return out
+
+
+def math_rows(path: str, problem_field: str, answer_field: str) -> list[dict]:
+    """Rows of a math file with ``problem`` and ``answer`` (a list of accepted forms): the columns named, or
+    where the file has not them, the first of the published sets' names it has (:data:`PROBLEM_FIELDS`)."""
+    rows = load_rows(path)
+    for row in rows:
+        for name, given, known in (("problem", problem_field, PROBLEM_FIELDS), ("answer", answer_field, ANSWER_FIELDS)):
+            column = given if given in row else next((k for k in known if k in row), None)
+            if column is None or row[column] is None:
+                tried = ", ".join(dict.fromkeys((given, *known)))
+                raise DataError(f"{row['_source']}: no {name} (looked for {tried}); the row has "
+                                f"{', '.join(sorted(k for k in row if not k.startswith('_')))}")
+            row[name] = row[column]
+        row["answer"] = gold_answers(row["answer"])
+    return rows
 
 
 def format_messages(problem: str, template: str) -> list[dict[str, str]]:
@@ -47,17 +85,17 @@ class MathTask(Task):
             raise ValueError("task_args: the math task needs train_file and/or eval_file")
         format_messages("", template)
         self.template, self.format_weight = template, format_weight
-        fields = {"problem": problem_field, "answer": answer_field}
-        train = load_rows(train_file, fields, ("problem", "answer")) if train_file else []
-        held = load_rows(eval_file, fields, ("problem", "answer")) if eval_file else []
+        train = math_rows(train_file, problem_field, answer_field) if train_file else []
+        held = math_rows(eval_file, problem_field, answer_field) if eval_file else []
         if not held:
             held, train = train[-eval_size:], train[:-eval_size]
         self._train = [self._example(r, "train") for r in train]
         self._eval = [self._example(r, "eval") for r in held]
 
     def _example(self, row: dict, prefix: str) -> Example:
+        answer = row["answer"] if len(row["answer"]) > 1 else row["answer"][0]
         return Example(id=f"{prefix}-{row['id']}", messages=format_messages(str(row["problem"]), self.template),
-                       answer=str(row["answer"]), meta={"problem": row["problem"], "source": row.get("_source")})
+                       answer=answer, meta={"problem": row["problem"], "source": row.get("_source")})
 
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
         if not self._train:
@@ -72,11 +110,12 @@ class MathTask(Task):
         return [self._train, self._eval]
 
     def eval_reward(self, completion: str, example: Example) -> float:
-        """Correctness alone (held-out accuracy): no format bonus."""
-        return math_reward(completion, example.answer)
+        """Correctness alone (held-out accuracy): no format bonus. A list answer: any of its forms."""
+        golds = example.answer if isinstance(example.answer, list) else [example.answer]
+        return max(math_reward(completion, gold) for gold in golds)
 
     def reward(self, completion: str, example: Example) -> float:
-        score = math_reward(completion, example.answer)
+        score = self.eval_reward(completion, example)
         if self.format_weight:
             score += self.format_weight * boxed_format_reward(completion)
         return score

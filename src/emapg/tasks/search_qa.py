@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from emapg.data import load_rows
+from emapg.data import DataError, load_rows
 from emapg.models import cache_dir
 from emapg.retrieval import KINDS, open_retriever
 from emapg.retrieval.passages import has_dense
@@ -41,13 +41,50 @@ FEWSHOT = (
     "<answer> answer </answer>.\n"
     "Example:\nQuestion: In which country was Tomas Verl born?\n"
     "<search> Tomas Verl </search>\n"
-    "<information>Doc 1(Title: Tomas Verl) Tomas Verl was born in Kadrin.\n</information>\n"
+    "<information>Doc 1(Title: \"Tomas Verl\") Tomas Verl was born in Kadrin.</information>\n"
     "<search> Kadrin </search>\n"
-    "<information>Doc 1(Title: Kadrin) Kadrin is a city in Ostavia.\n</information>\n"
+    "<information>Doc 1(Title: \"Kadrin\") Kadrin is a city in Ostavia.</information>\n"
     "<answer> Ostavia </answer>\n\n"
     "Question: {question}\n"
 )
 TEMPLATES = {"search_r1": SEARCH_R1, "fewshot": FEWSHOT}
+
+
+def search_r1_question(question: str) -> str:
+    """A question as Search-R1's data preparation writes it into the prompt: stripped, ending with '?'."""
+    question = question.strip()
+    return question if question.endswith("?") else question + "?"
+
+
+def qa_rows(path: str, question_field: str = "question", answers_field: str = "answers") -> list[dict]:
+    """QA rows with ``question``, ``answers`` (a list) and ``data_source``, from the published formats:
+    ``{id, question, answers}`` (emapg's), FlashRAG's ``{id, question, golden_answers}``, and Search-R1's
+    parquet (``prompt`` [{role, content}] holding the templated question after its last "Question: ",
+    ``reward_model.ground_truth.target`` the answers, ``data_source`` the set: nq, triviaqa, popqa, hotpotqa,
+    2wikimultihopqa, musique, bamboogle, merged in one test.parquet; ids are SOURCE-INDEX there)."""
+    rows = load_rows(path)
+    for row in rows:
+        if question_field not in row and "prompt" in row and "reward_model" in row:  # Search-R1's parquet
+            try:
+                content = row["prompt"][0]["content"]
+                row["answers"] = list(row["reward_model"]["ground_truth"]["target"])
+            except (TypeError, KeyError, IndexError) as e:
+                raise DataError(f"{row['_source']}: not a Search-R1 row (prompt[0].content, "
+                                f"reward_model.ground_truth.target): {type(e).__name__} {e}") from None
+            if "Question: " not in content:
+                raise DataError(f"{row['_source']}: the prompt holds no 'Question: ' to take the question from")
+            row["question"] = content.rpartition("Question: ")[2].rstrip("\n")
+            index = (row.get("extra_info") or {}).get("index", row["id"])
+            row["id"] = f"{row.get('data_source', 'row')}-{index}"
+            continue
+        answers = answers_field if answers_field in row else "golden_answers" if "golden_answers" in row else None
+        for name, column in (("question", question_field if question_field in row else None), ("answers", answers)):
+            if column is None or row[column] is None:
+                wanted = question_field if name == "question" else f"{answers_field} or golden_answers"
+                raise DataError(f"{row['_source']}: missing field {wanted!r}; the row has "
+                                f"{', '.join(sorted(k for k in row if not k.startswith('_')))}")
+            row[name] = row[column]
+    return rows
 
 
 def synthetic_index(options: dict[str, Any], retriever: str = "bm25") -> tuple[Path, dict[str, list[dict]]]:
@@ -153,10 +190,9 @@ class SearchQATask(Task):
         else:
             if train_file is None and eval_file is None:
                 raise ValueError("task_args: the search_qa task needs train_file and/or eval_file (or synthetic)")
-            fields = {"question": question_field, "answers": answers_field}
             files = [train_file] if isinstance(train_file, str) else list(train_file or [])
-            train = [r for f in files for r in load_rows(f, fields, ("question", "answers"))]
-            held = load_rows(eval_file, fields, ("question", "answers")) if eval_file else []
+            train = [r for f in files for r in qa_rows(f, question_field, answers_field)]
+            held = qa_rows(eval_file, question_field, answers_field) if eval_file else []
             if not held:
                 held, train = train[-eval_size:], train[:-eval_size]
         self._train = [self._example(r, "train") for r in train]
@@ -165,11 +201,14 @@ class SearchQATask(Task):
     def _example(self, row: dict, prefix: str) -> Example:
         answers = row["answers"]
         answers = [answers] if isinstance(answers, str) else [str(a) for a in answers]
-        prompt = TEMPLATES[self.template].format(question=str(row["question"]).strip())
+        question = str(row["question"]).strip()
+        if self.template == "search_r1":
+            question = search_r1_question(question)
+        prompt = TEMPLATES[self.template].format(question=question)
         messages = [{"role": "user", "content": prompt}]
         if self.response_prefix:  # the model's turn starts with this text, e.g. "<search>"
             messages.append({"role": "response_prefix", "content": self.response_prefix})
-        meta = {"question": row["question"], "source": row.get("_source")}
+        meta = {"question": row["question"], "source": row.get("_source"), "data_source": row.get("data_source")}
         if row.get("support"):  # titles of the passages that answer it, the bridge's last
             meta["support"] = list(row["support"])
         return Example(id=f"{prefix}-{row['id']}", messages=messages, answer=answers, meta=meta)
