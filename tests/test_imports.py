@@ -91,7 +91,8 @@ LAYERS = [
     ("rollout", ["emapg.rollout", "emapg.rollout.decode", "emapg.rollout.hf", "emapg.rollout.agent", "emapg.prompts",
                  "emapg.rollout.vllm_backend"]),
     ("the step", ["emapg.algo", "emapg.forward", "emapg.evaluate"]),
-    ("orchestration", ["emapg.trainer", "emapg.compare", "emapg.verdicts", "emapg.integrations.trl"]),
+    ("orchestration", ["emapg.trainer", "emapg.compare", "emapg.verdicts", "emapg.evalsuite",
+                       "emapg.integrations.trl"]),
     ("command line", ["emapg.cli", "emapg.__main__"]),
 ]
 

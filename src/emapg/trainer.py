@@ -140,6 +140,14 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, steps_don
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, steps_done()))
 
 
+def schedule_step_lr(optimizer: torch.optim.Optimizer, scheduler) -> float:
+    """Set the learning rate for a new training step (a schedule by training step changes it here; one by
+    optimizer step is unchanged); returns it."""
+    for group, lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+    return optimizer.param_groups[0]["lr"]
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     m = copy.deepcopy(model)
     m.requires_grad_(False)
@@ -270,9 +278,7 @@ class Trainer:
         reduced over ranks)."""
         cfg, a = self.cfg, self.cfg.algo
         t0 = time.perf_counter()
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)  # a schedule by training step
-        lr_used = self.optimizer.param_groups[0]["lr"]
+        lr_used = schedule_step_lr(self.optimizer, self.scheduler)
         micro_batches = batch.micro_batches(cfg.micro_batch_prompts)
         anchors = [self.anchor_pass(mb) for mb in micro_batches]
         t_anchor = time.perf_counter() - t0

@@ -229,6 +229,30 @@ def engine_for_run(cfg: Any, model: nn.Module, tokenizer, task: Any, spec: Sampl
         enforce_eager=eager, cpu_kv_cache_gib=kv_gib)
 
 
+def engine_for_eval(model: nn.Module, tokenizer, tasks: list[Any], spec: SamplingSpec, *, device: str, dtype: str,
+                    seed: int, rows: int, gpu_memory: float = 0.85) -> VLLMRollout:
+    """An engine for ``emapg eval``, holding ``model``'s weights (pushed once): the longest sequence measured
+    over the sets' tasks, ``rows`` sequences at a time on the CPU, ``gpu_memory`` of a GPU (nothing trains
+    beside it), CUDA graphs on a GPU."""
+    budget = max(response_budget(t, spec.max_new_tokens) for t in tasks)
+    max_len = max(engine_model_len(t, tokenizer, context_length(model), budget) for t in tasks)
+    dtype = "bfloat16" if dtype == "bfloat16" else "float16" if dtype == "float16" else "float32"
+    on_cpu = device.split(":")[0] == "cpu"
+    kv_gib = cpu_kv_cache_gib(model.config, dtype, rows=rows, max_model_len=max_len) if on_cpu else None
+    engine = VLLMRollout.create(model, tokenizer, eos_ids(model, tokenizer), workdir=_eval_workdir(), dtype=dtype,
+                                device=device, gpu_memory_utilization=gpu_memory, max_model_len=max_len,
+                                max_logprobs=spec.k, seed=seed, sleep=False, enforce_eager=on_cpu,
+                                cpu_kv_cache_gib=kv_gib)
+    engine.sync(model, version=0)
+    return engine
+
+
+def _eval_workdir() -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="emapg-eval-vllm-"))
+
+
 # ---- the engine --------------------------------------------------------------------------------------
 
 

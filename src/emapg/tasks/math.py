@@ -26,10 +26,14 @@ PROBLEM_FIELDS = ("problem", "Problem", "question", "Question")
 ANSWER_FIELDS = ("answer", "Answer", "final_answer", "ground_truth")
 
 
-def gold_answers(value) -> list[str]:
+def gold_answers(value, together: bool = False) -> list[str]:
     """A row's answer as the list of its accepted forms: a list (OlympiadBench's ``final_answer``, e.g.
-    ``["$3$"]``) gives each, a whole float (AMC's 142.0) its integer; enclosing ``$...$`` are removed."""
+    ``["$3$"]``) gives each, a whole float (AMC's 142.0) its integer; enclosing ``$...$`` are removed.
+    ``together`` (OlympiadBench's ``is_multiple_answer``): the list's items are one answer, all of them,
+    written as ``a, b``."""
     items = value if isinstance(value, list | tuple) else [value]
+    if together and len(items) > 1:
+        return [", ".join(gold_answers(items))]
     out = []
     for v in items:
         if isinstance(v, float) and v.is_integer():
@@ -53,7 +57,7 @@ def math_rows(path: str, problem_field: str, answer_field: str) -> list[dict]:
                 raise DataError(f"{row['_source']}: no {name} (looked for {tried}); the row has "
                                 f"{', '.join(sorted(k for k in row if not k.startswith('_')))}")
             row[name] = row[column]
-        row["answer"] = gold_answers(row["answer"])
+        row["answer"] = gold_answers(row["answer"], together=row.get("is_multiple_answer") is True)
     return rows
 
 
@@ -95,7 +99,8 @@ class MathTask(Task):
     def _example(self, row: dict, prefix: str) -> Example:
         answer = row["answer"] if len(row["answer"]) > 1 else row["answer"][0]
         return Example(id=f"{prefix}-{row['id']}", messages=format_messages(str(row["problem"]), self.template),
-                       answer=answer, meta={"problem": row["problem"], "source": row.get("_source")})
+                       answer=answer, meta={"problem": row["problem"], "source": row.get("_source"),
+                                            "data_source": row.get("data_source")})
 
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
         if not self._train:

@@ -61,10 +61,11 @@ def qa_rows(path: str, question_field: str = "question", answers_field: str = "a
     ``{id, question, answers}`` (emapg's), FlashRAG's ``{id, question, golden_answers}``, and Search-R1's
     parquet (``prompt`` [{role, content}] holding the templated question after its last "Question: ",
     ``reward_model.ground_truth.target`` the answers, ``data_source`` the set: nq, triviaqa, popqa, hotpotqa,
-    2wikimultihopqa, musique, bamboogle, merged in one test.parquet; ids are SOURCE-INDEX there)."""
+    2wikimultihopqa, musique, bamboogle, merged in one test.parquet; ids are SOURCE-INDEX there, as each
+    source's FlashRAG ids restart)."""
     rows = load_rows(path)
     for row in rows:
-        if question_field not in row and "prompt" in row and "reward_model" in row:  # Search-R1's parquet
+        if "prompt" in row and "reward_model" in row:  # Search-R1's parquet: its prompt is what the reference read
             try:
                 content = row["prompt"][0]["content"]
                 row["answers"] = list(row["reward_model"]["ground_truth"]["target"])
@@ -80,8 +81,8 @@ def qa_rows(path: str, question_field: str = "question", answers_field: str = "a
         answers = answers_field if answers_field in row else "golden_answers" if "golden_answers" in row else None
         for name, column in (("question", question_field if question_field in row else None), ("answers", answers)):
             if column is None or row[column] is None:
-                wanted = question_field if name == "question" else f"{answers_field} or golden_answers"
-                raise DataError(f"{row['_source']}: missing field {wanted!r}; the row has "
+                wanted = repr(question_field) if name == "question" else f"{answers_field!r} (or 'golden_answers')"
+                raise DataError(f"{row['_source']}: missing field {wanted}; the row has "
                                 f"{', '.join(sorted(k for k in row if not k.startswith('_')))}")
             row[name] = row[column]
     return rows

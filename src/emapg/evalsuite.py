@@ -1,0 +1,184 @@
+"""``emapg eval``: the paper's evaluation protocol over several sets in one call, on the device the models run on.
+
+A set is a file (``--data NAME=FILE`` or ``FILE``, named by its stem) in one of the published formats the
+task reads (:func:`emapg.tasks.math.math_rows`, :func:`emapg.tasks.search_qa.qa_rows`); a file whose rows name
+several sources (Search-R1's merged ``test.parquet``, its ``data_source`` column) gives one set per source.
+Every model is evaluated on every set with the same :class:`SamplingSpec` (n samples at T and top-p, or
+greedy), by emapg's decode loop in bounded batches or by a vLLM engine; the result is a row per (model, set)
+with avg@n, pass@k and the mean length, and per model the unweighted average over its sets: the table the
+paper prints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from emapg.config import ConfigError
+from emapg.rollout.sampling import SamplingSpec
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What one ``emapg eval`` call does, checked before any model loads."""
+
+    models: list[str]
+    task: str
+    task_args: dict[str, Any]
+    sets: list[tuple[str, str | None]]  # (name, file); file None = the task's own held-out set
+    spec: SamplingSpec
+    device: str
+    dtype: str
+    backend: str
+    batch_size: int
+    size: int
+    seed: int
+
+
+def parse_sets(items: list[str] | None) -> list[tuple[str, str | None]]:
+    """``--data`` items: ``NAME=FILE`` or ``FILE`` (named by its stem, numbered when a name repeats)."""
+    if not items:
+        return [("heldout", None)]
+    out: list[tuple[str, str | None]] = []
+    for item in items:
+        name, eq, path = item.partition("=")
+        if not eq or "/" in name or not name:
+            name, path = Path(item).name.split(".")[0], item
+        taken = {n for n, _ in out}
+        unique, i = name, 2
+        while unique in taken:
+            unique, i = f"{name}-{i}", i + 1
+        out.append((unique, path))
+    return out
+
+
+def resolve_device(device: str) -> str:
+    """auto = cuda when a GPU is visible, else cpu; an unavailable cuda is a one-line error."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device is visible here (use --device cpu)")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """auto = bfloat16 on a GPU (the paper's evaluation precision), float32 on the CPU."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return dtype
+
+
+def sets_of(task, name: str, size: int) -> list[tuple[str, list]]:
+    """The task's held-out examples as sets: one, or one per ``data_source`` when its rows name several."""
+    examples = task.eval_examples(size if size else 10**9)
+    sources = [ex.meta.get("data_source") for ex in examples]
+    if len(set(sources)) <= 1 or any(s is None for s in sources):
+        return [(name, examples)]
+    order = list(dict.fromkeys(sources))
+    return [(str(src), [ex for ex, s in zip(examples, sources, strict=True) if s == src]) for src in order]
+
+
+def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr)) -> list[dict[str, Any]]:
+    """Evaluate every model on every set; returns the rows (and writes eval.json, eval.md and every
+    completion, ``MODEL__SET.samples.jsonl``, into ``out``)."""
+    import torch
+
+    from emapg.evaluate import evaluate
+    from emapg.models import load_model
+    from emapg.prompts import context_length, fit_prompts
+    from emapg.tasks import make_task
+
+    tasks = []
+    for name, path in plan.sets:  # every file read and checked before the first model loads
+        targs = dict(plan.task_args) if path is None else {**plan.task_args, "eval_file": path, "train_file": None}
+        if path is not None and plan.task == "arithmetic":
+            raise ConfigError("--data: the arithmetic task generates its problems (leave --data out)")
+        tasks.append((name, make_task(plan.task, **targs)))
+    rows: list[dict[str, Any]] = []
+    for model_name in plan.models:
+        torch.manual_seed(plan.seed)
+        model, tok = load_model(model_name, plan.dtype)
+        model.to(plan.device).eval()
+        engine = _engine(plan, model, tok, tasks) if plan.backend == "vllm" else None
+        try:
+            for set_name, task in tasks:
+                fit_prompts(task, tok, context_length(model), plan.spec.max_new_tokens, "error")
+                for name, examples in sets_of(task, set_name, plan.size):
+                    torch.manual_seed(plan.seed)
+                    res = evaluate(model, tok, task, examples, plan.spec, batch_size=plan.batch_size,
+                                   progress=f"eval {name} ({len(examples)} problems)", record=out is not None,
+                                   engine=engine, seed=plan.seed)
+                    records = res.pop("records", [])
+                    rows.append({"model": model_name, "dataset": name, "problems": len(examples), **res})
+                    log(f"emapg eval: {model_name}: {name}: avg@{plan.spec.n} {100 * res['accuracy']:.1f}% "
+                        f"over {len(examples)} problems")
+                    if out is not None:
+                        _write_records(out, model_name, name, records, len(plan.models) > 1)
+        finally:
+            if engine is not None:
+                engine.close()
+        del model
+    if out is not None:
+        settings = {"models": plan.models, "task": plan.task, "samples": plan.spec.n, "greedy": plan.spec.greedy,
+                    "temperature": None if plan.spec.greedy else plan.spec.temperature, "top_p": plan.spec.top_p,
+                    "max_new_tokens": plan.spec.max_new_tokens, "device": plan.device, "dtype": plan.dtype,
+                    "backend": plan.backend, "seed": plan.seed}
+        (out / "eval.json").write_text(json.dumps({**settings, "rows": rows}, indent=1))
+        (out / "eval.md").write_text(markdown(rows))
+    return rows
+
+
+def _engine(plan: EvalPlan, model, tok, tasks):
+    from emapg.rollout.vllm_backend import engine_for_eval
+
+    return engine_for_eval(model, tok, [t for _, t in tasks], plan.spec, device=plan.device, dtype=plan.dtype,
+                           seed=plan.seed, rows=plan.batch_size * plan.spec.n)
+
+
+def _write_records(out: Path, model: str, name: str, records: list[dict], several: bool) -> None:
+    stem = f"{Path(model).name}__{name}" if several else name
+    with open(out / f"{stem}.samples.jsonl", "w") as f:
+        f.writelines(json.dumps(r, default=str) + "\n" for r in records)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """A row per (model, set): problems, samples, avg@n, pass@k, mean tokens (and agent diagnostics); per
+    model its sets' unweighted average; then, with several sets, the paper's summary (models x sets, avg@n)."""
+    ks = sorted({k for r in rows for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
+    extra = sorted({k for r in rows for k in r if k.endswith("_mean")})  # e.g. searches per episode
+    head = ["model", "set", "problems", "samples", "avg@n", *ks, "mean tokens", *(k[: -len("_mean")] for k in extra)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for model in models:
+        mine = [r for r in rows if r["model"] == model]
+        for r in mine:
+            cells = [model, r["dataset"], str(r["problems"]), str(r.get("samples", 1)), f"{100 * r['accuracy']:.1f}"]
+            cells += [f"{100 * r[k]:.1f}" if k in r else "" for k in ks] + [f"{r['mean_length']:.0f}"]
+            cells += [f"{r[k]:.2f}" if k in r else "" for k in extra]
+            lines.append("| " + " | ".join(cells) + " |")
+        if len(mine) > 1:
+            avg = [f"{100 * sum(r['accuracy'] for r in mine) / len(mine):.1f}"]
+            avg += [f"{100 * sum(r[k] for r in mine) / len(mine):.1f}" if all(k in r for r in mine) else ""
+                    for k in ks]
+            lines.append("| " + " | ".join([model, "average", "", "", *avg, "", *([""] * len(extra))]) + " |")
+    sets = list(dict.fromkeys(r["dataset"] for r in rows))
+    if len(sets) > 1:
+        n = rows[0].get("samples", 1)
+        lines += ["", f"avg@{n} (%), the paper's layout:", "", "| model | " + " | ".join(sets) + " | average |",
+                  "|" + "---|" * (len(sets) + 2)]
+        for model in models:
+            acc = {r["dataset"]: r["accuracy"] for r in rows if r["model"] == model}
+            cells = [f"{100 * acc[s]:.1f}" if s in acc else "" for s in sets]
+            lines.append(f"| {model} | " + " | ".join(cells) + f" | {100 * sum(acc.values()) / len(acc):.1f} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,168 @@
+"""The paper's evaluation sets in their published formats (tests/fixtures/evalsets: hand-written rows in each
+exact schema): read, scored, split by source, and evaluated by `emapg eval` in the paper's table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from emapg.data import DataError
+from emapg.evalsuite import markdown, parse_sets, sets_of
+from emapg.tasks import make_task
+from emapg.tasks.math import gold_answers, math_rows
+from emapg.tasks.search_qa import SEARCH_R1, qa_rows
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "evalsets"
+
+
+@pytest.mark.parametrize(("name", "problem", "answers"), [
+    ("math500.jsonl", "What is $1+2$?", ["3"]),
+    ("aime_2024.jsonl", "Find the remainder when $2024$ is divided by $1000$.", ["24"]),
+    ("aime_2024_upper.jsonl", "Find the remainder when $2024$ is divided by $1000$.", ["24"]),  # Answer: 24 (int)
+    ("aime_2025.jsonl", "Find the number of positive divisors of $12$.", ["6"]),
+    ("amc.jsonl", "What is $100+42$?", ["142"]),  # 142.0 in the file
+    ("minerva.json", "A star is $10$ parsecs away. How far is it in parsecs?", ["10"]),
+    ("olympiadbench.jsonl", "Find the smallest positive integer $n$ with $n^2 > 5$.", ["3"]),  # ["$3$"]
+])
+def test_each_published_math_format_reads_its_problem_and_answer(name, problem, answers):
+    row = math_rows(str(FIXTURES / name), "problem", "answer")[0]
+    assert row["problem"] == problem and row["answer"] == answers
+
+
+def test_olympiadbench_list_answers_score_right():
+    task = make_task("math", eval_file=str(FIXTURES / "olympiadbench.jsonl"), template="chat")
+    single, several = task.eval_examples(2)
+    assert single.answer == "3" and several.answer == "2, -2"  # is_multiple_answer: both values are the answer
+    assert task.eval_reward("so the answer is \\boxed{3}", single) == 1.0  # was 0: str(["$3$"]) compared
+    assert task.eval_reward("\\boxed{4}", single) == 0.0
+    assert task.eval_reward("\\boxed{-2, 2}", several) == 1.0 and task.eval_reward("\\boxed{2}", several) == 0.0
+    amc = make_task("math", eval_file=str(FIXTURES / "amc.jsonl"))
+    first, second = amc.eval_examples(2)
+    assert amc.eval_reward("\\boxed{142}", first) == 1.0 and amc.eval_reward("\\boxed{\\frac{1}{4}}", second) == 1.0
+
+
+def test_gold_answers_and_a_row_without_a_known_column(tmp_path):
+    assert gold_answers(["$3$", " 4 "]) == ["3", "4"] and gold_answers(7.0) == ["7"] and gold_answers(0.5) == ["0.5"]
+    assert gold_answers(["$1$", "$2$"], together=True) == ["1, 2"] and gold_answers("$$x$$") == ["x"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "p", "answer": "1"}\n{"prompt": "p", "solution": "s"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl, line 2: no problem \(looked for problem, Problem, question"):
+        math_rows(str(bad), "problem", "answer")
+
+
+def test_flashrag_golden_answers_read():
+    rows = qa_rows(str(FIXTURES / "nq_test.jsonl"))
+    assert [r["answers"] for r in rows] == [["Tessaly Varn", "T. Varn"], ["Dornhaven"]]
+    task = make_task("search_qa", eval_file=str(FIXTURES / "nq_test.jsonl"), retriever_url="http://127.0.0.1:9")
+    first, second = task.eval_examples(2)
+    assert first.answer == ["Tessaly Varn", "T. Varn"]
+    # Search-R1's data preparation: the question stripped, a '?' added where it has none
+    assert first.messages[0]["content"] == SEARCH_R1.format(question="who wrote the ember sonatas?")
+    assert second.messages[0]["content"].endswith("Question: where is quillmarsh abbey?\n")
+    assert task.eval_reward("<answer> T. Varn </answer>", first) == 1.0
+
+
+def write_search_r1_parquet(path: Path, questions: list[tuple[str, str, list[str]]]) -> None:
+    """Rows as Search-R1's scripts/data_process/qa_search_test_merge.py writes them (one merged file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    counters: dict[str, int] = {}
+    rows = []
+    for source, question, answers in questions:
+        index = counters.setdefault(source, 0)
+        counters[source] += 1
+        # FlashRAG's columns stay (the question as FlashRAG has it: the prompt's has a '?' added)
+        rows.append({"id": f"test_{index}", "question": question.rstrip("?"), "golden_answers": answers,
+                     "data_source": source,
+                     "prompt": [{"content": SEARCH_R1.format(question=question), "role": "user"}],
+                     "ability": "fact-reasoning",
+                     "reward_model": {"ground_truth": {"target": answers}, "style": "rule"},
+                     "extra_info": {"index": index, "split": "test"}})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+QUESTIONS = [("nq", "who wrote the ember sonatas?", ["Tessaly Varn"]),
+             ("nq", "where is quillmarsh abbey?", ["Dornhaven"]),
+             ("hotpotqa", "which canal carries barges of salt?", ["Brimwater Canal"])]
+
+
+def test_search_r1_merged_parquet_reads_as_one_set_per_source(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "test.parquet"
+    write_search_r1_parquet(path, QUESTIONS)
+    rows = qa_rows(str(path))
+    assert [(r["id"], r["question"], r["answers"]) for r in rows] == [
+        ("nq-0", QUESTIONS[0][1], ["Tessaly Varn"]), ("nq-1", QUESTIONS[1][1], ["Dornhaven"]),
+        ("hotpotqa-0", QUESTIONS[2][1], ["Brimwater Canal"])]
+    task = make_task("search_qa", eval_file=str(path), retriever_url="http://127.0.0.1:9")
+    # the prompt emapg builds is the one in the file, byte for byte
+    for ex, (_, question, _) in zip(task.eval_examples(3), QUESTIONS, strict=True):
+        assert ex.messages[0]["content"] == SEARCH_R1.format(question=question)
+    sets = sets_of(task, "test", 100)
+    assert [(name, [ex.id for ex in exs]) for name, exs in sets] == [
+        ("nq", ["eval-nq-0", "eval-nq-1"]), ("hotpotqa", ["eval-hotpotqa-0"])]
+    assert sets_of(task, "test", 2)[0][0] == "test"  # the first two rows: one source, one set
+
+
+def test_parse_sets():
+    assert parse_sets(None) == [("heldout", None)]
+    assert parse_sets(["/d/aime24.jsonl", "amc=/d/x.parquet", "/d/aime24.jsonl", "a=b/c.json"]) == [
+        ("aime24", "/d/aime24.jsonl"), ("amc", "/d/x.parquet"), ("aime24-2", "/d/aime24.jsonl"), ("a", "b/c.json")]
+
+
+def test_the_table_has_a_row_per_model_and_set_and_the_papers_layout():
+    rows = [{"model": m, "dataset": s, "problems": 30, "samples": 8, "num": 240, "accuracy": acc, "pass@8": acc + .1,
+             "mean_length": 100.0} for m, s, acc in (("policy", "aime24", 0.3), ("policy", "amc", 0.5),
+                                                      ("anchor", "aime24", 0.4), ("anchor", "amc", 0.6))]
+    md = markdown(rows)
+    assert "| policy | aime24 | 30 | 8 | 30.0 | 40.0 | 100 |" in md
+    assert "| policy | average |  |  | 40.0 | 50.0 |  |" in md
+    assert "| model | aime24 | amc | average |" in md and "| anchor | 40.0 | 60.0 | 50.0 |" in md
+
+
+def test_eval_of_a_merged_search_r1_file_prints_a_row_per_source(tmp_path):
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("bm25s")
+    from emapg.retrieval.bm25 import build_index
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "1", "title": "Tessaly Varn", "text": "Tessaly Varn composed the Ember Sonatas."},
+        {"id": "2", "title": "Brimwater Canal", "text": "The Brimwater Canal carries barges of salt."}]))
+    build_index(corpus, tmp_path / "index")
+    write_search_r1_parquet(tmp_path / "test.parquet", QUESTIONS)
+    res = subprocess.run([sys.executable, "-m", "emapg", "eval", "--model", "tiny-llama", "--task", "search_qa",
+                          "--task-args", json.dumps({"index": str(tmp_path / "index"), "max_turns": 1,
+                                                     "max_turn_tokens": 4, "max_total_tokens": 64}),
+                          "--data", str(tmp_path / "test.parquet"), "--device", "cpu", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert [(r["dataset"], r["problems"]) for r in out["rows"]] == [("nq", 2), ("hotpotqa", 1)]
+    assert "| tiny-llama | nq | 2 | 1 |" in res.stdout and "| model | nq | hotpotqa | average |" in res.stdout
+    assert (tmp_path / "out" / "nq.samples.jsonl").exists() and (tmp_path / "out" / "hotpotqa.samples.jsonl").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "tiny-llama", "--task", "math", "--device", "cuda:0"], "--device cuda:0: no CUDA device"),
+    (["--model", "tiny-llama", "--task", "math", "--device", "tpu"], "--device tpu: expected auto, cpu"),
+    (["--model", "tiny-llama", "--task", "math", "--dtype", "int8"], "--dtype int8: expected one of"),
+    (["--task", "math"], "--model and --task: needed unless --run"),
+    (["--run", "nowhere"], "--run nowhere: no config.yaml there"),
+    (["--model", "tiny-llama", "--task", "arithmetic", "--task-args", "{digits: 2}"], "--task-args: not JSON"),
+])
+def test_eval_mistakes_are_one_line(args, message, capsys):
+    import torch
+
+    from emapg.cli import main
+
+    if "cuda:0" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is visible: cuda:0 is valid here")
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err

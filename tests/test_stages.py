@@ -1,0 +1,111 @@
+"""What the reference recipes need of a run: length stages that start from an earlier run (init_from), verl's
+warmup schedule, Adam's betas, n samples per evaluation problem, evaluation before training or not, and
+recipes that extend one another."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from emapg.checkpoint import latest_checkpoint, load_checkpoint
+from emapg.config import ConfigError, TrainConfig, load_config
+from emapg.metrics import read_metrics
+from emapg.trainer import Trainer, lr_factor
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "recipes" / "smoke.yaml"
+
+
+def cfg(*overrides):
+    return load_config(SMOKE, ["export=false", *overrides])
+
+
+def test_a_stage_started_from_another_runs_checkpoint_continues_it_exactly(tmp_path):
+    """init_from = verl's resume_from_path: stage 2 in its own folder equals the same run continued."""
+    full, first, second = tmp_path / "full", tmp_path / "first", tmp_path / "second"
+    Trainer(cfg("steps=4", "save_every=2"), full, progress=False).train()
+    Trainer(cfg("steps=2", "save_every=2"), first, progress=False).train()
+    stage = Trainer(cfg("steps=4", "save_every=2", f"init_from={first}"), second, progress=False)
+    assert stage.step == 2 and stage.anchor.num_steps == 2
+    stage.train()
+    want, got = load_checkpoint(latest_checkpoint(full)), load_checkpoint(latest_checkpoint(second))
+    assert got["state"]["step"] == 4
+    for part in ("policy", "anchor"):
+        for name, t in want[part].items():
+            torch.testing.assert_close(got[part][name], t, rtol=0, atol=0)
+    rows = read_metrics(second)
+    assert [r["step"] for r in rows if "reward_mean" in r] == [3, 4]
+    assert rows[0]["step"] == 2 and "eval/policy_accuracy" in rows[0]  # the stage evaluates its start
+    assert (first / "checkpoints").exists() and len(read_metrics(first)) == 3  # the first run is untouched
+
+
+def test_init_from_a_folder_without_a_checkpoint_is_one_line(tmp_path):
+    from emapg.checkpoint import CheckpointError
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"init_from: .*empty: no intact checkpoint to start from"):
+        Trainer(cfg("steps=2", f"init_from={tmp_path / 'empty'}"), tmp_path / "run", progress=False)
+    with pytest.raises(CheckpointError, match=r"init_from: .*nowhere is not a run folder"):
+        Trainer(cfg("steps=2", f"init_from={tmp_path / 'nowhere'}"), tmp_path / "run2", progress=False)
+
+
+def test_warmup_ratio_is_verls_constant_schedule_by_training_step():
+    c = TrainConfig(steps=1005, warmup_ratio=0.285)  # the search script: int(0.285 x 1005) = 286 steps
+    # verl: min(1, t / max(1, W)) at its scheduler's t-th step (0 first), stepped once per training step
+    assert [lr_factor(c, 99, t) for t in (0, 1, 143, 285, 286, 1000)] == [0.0, 1 / 286, 0.5, 285 / 286, 1.0, 1.0]
+    assert lr_factor(TrainConfig(warmup_steps=4), 0, 7) == 0.25  # warmup_steps counts optimizer steps
+    assert lr_factor(TrainConfig(), 0, 0) == 1.0
+
+
+def test_a_run_trains_at_the_schedules_rate_and_with_its_betas(tmp_path):
+    tr = Trainer(cfg("steps=3", "save_every=0", "eval.size=0", "warmup_ratio=0.7", "mini_batch_prompts=2",
+                     "betas=[0.8, 0.9]"), tmp_path, progress=False)
+    assert tr.optimizer.param_groups[0]["betas"] == (0.8, 0.9)
+    tr.train()
+    # W = int(0.7 x 3) = 2: the rate of steps 1, 2, 3 is 0, 1/2, 1 (both optimizer steps of a step alike)
+    assert [r["lr"] for r in read_metrics(tmp_path)] == pytest.approx([0.0, 0.5e-3, 1e-3])
+
+
+def test_eval_samples_and_at_start(tmp_path, monkeypatch):
+    import emapg.evaluate as ev
+
+    seen = []
+    real = ev.evaluate
+
+    def spy(model, tokenizer, task, examples, spec, **kw):
+        seen.append(spec.n)
+        return real(model, tokenizer, task, examples, spec, **kw)
+
+    monkeypatch.setattr(ev, "evaluate", spy)
+    Trainer(cfg("steps=2", "save_every=0", "eval.greedy=false", "eval.samples=3", "eval.at_start=false",
+                "eval.every=0", "eval.size=4"), tmp_path, progress=False).train()
+    assert seen == [3, 3]  # the policy and the anchor at the end; nothing before the first step
+    rows = read_metrics(tmp_path)
+    assert rows[0]["step"] == 1 and not any(k.startswith("eval/") for k in rows[0])
+    assert "eval/policy_accuracy" in rows[-1]
+    with pytest.raises(ConfigError, match="eval.samples: 3 samples per problem need eval.greedy: false"):
+        load_config(SMOKE, ["eval.samples=3"])
+
+
+def test_extends_merges_section_by_section(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("model: tiny-llama\nsteps: 5\nalgo: {kl: k3, eta: 0.95, beta: 0.01}\nrollout: {n: 2}\n")
+    (tmp_path / "variant.yaml").write_text("extends: base\nalgo: {kl: topk_reverse}\nsteps: 7\n")
+    c = load_config(tmp_path / "variant.yaml", ["algo.k=4"])
+    assert (c.steps, c.algo.kl, c.algo.eta, c.algo.beta, c.algo.k, c.rollout.n) == (7, "topk_reverse", 0.95, 0.01, 4, 2)
+    (tmp_path / "loop.yaml").write_text("extends: loop2\n")
+    (tmp_path / "loop2.yaml").write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="extends: loop.yaml extends this file again"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "lost.yaml").write_text("extends: nothing-here\n")
+    with pytest.raises(ConfigError, match=r"lost.yaml: extends: .*nothing-here.yaml: No such file"):
+        load_config(tmp_path / "lost.yaml")
+
+
+def test_a_shipped_stage_recipe_names_its_earlier_stage():
+    c16, c24 = load_config(ROOT / "recipes" / "math_r1_distill_1p5b_16k.yaml"), \
+        load_config(ROOT / "recipes" / "math_r1_distill_1p5b_24k.yaml")
+    assert c16.init_from and c24.init_from and c16.steps < c24.steps
+    assert (c16.rollout.max_new_tokens, c24.rollout.max_new_tokens) == (16384, 24576)
