@@ -12,6 +12,7 @@
 #   5. when vllm is installed (pip install 'emapg[vllm]'): the real-engine tests that CI runs on vLLM's
 #      CPU build (tests/test_vllm_engine.py: log-probs and top-k against the reference, greedy, weight
 #      pushes, LoRA, agent episodes, shutdown), on CUDA, then the 3 steps of 3a with rollout.backend=vllm;
+#   6. `emapg eval --device cuda` on two of the published-format fixtures (and --backend vllm when installed);
 # and prints, per run, the median step time, generated tokens per second and peak GPU memory.
 # Usage: bash scripts/gpu_check.sh   (after scripts/setup.sh, or with EMAPG_TORCH_SPEC=skip on a CUDA torch)
 set -euo pipefail
@@ -75,5 +76,14 @@ if $PY -c "import vllm" 2>/dev/null; then
   report "$OUT/vllm"
 else
   echo "== 5. skipped: vllm is not installed (pip install 'emapg[vllm]')"
+fi
+echo "== 6. emapg eval on the GPU: two published-format sets, 2 samples each, a row per set and their average"
+EVAL=(--model random-qwen2.5-0.5b --task math --task-args '{"template": "chat"}' --device cuda --samples 2
+      --temperature 1.0 --top-p 0.95 --max-new-tokens 64
+      --data tests/fixtures/evalsets/math500.jsonl tests/fixtures/evalsets/olympiadbench.jsonl)
+timeout 90 $PY -m emapg eval "${EVAL[@]}" --out "$OUT/eval" 2>&1 | tail -8
+if $PY -c "import vllm" 2>/dev/null; then
+  echo "== 6b. the same with --backend vllm"
+  timeout 150 $PY -m emapg eval "${EVAL[@]}" --backend vllm --out "$OUT/eval-vllm" 2>&1 | tail -8
 fi
 echo "== done: runs in $OUT"

@@ -378,3 +378,61 @@ def test_a_load_reads_the_passages_once(tiny, monkeypatch):
     assert len(reads) == 1
     hybrid = open_retriever(index=str(tiny), kind="hybrid")
     assert len(reads) == 2 and hybrid.search(["anything"], topk=1)[0]
+
+
+def test_a_prebuilt_search_r1_index_loads_without_encoding(tmp_path, embedder, monkeypatch):
+    """Search-R1's layout: wiki-18.jsonl rows {id, contents} and e5_Flat.index (faiss Flat, inner product, row i
+    = line i), built by its own scripts: here by hand the same way, with the packaged MiniLM as the embedder."""
+    import faiss
+
+    rows = [{"id": str(i), "contents": (f'"{r["title"]}"\n' if "title" in r else "") + r["text"]}
+            for i, r in enumerate(CORPUS)]
+    corpus = write_jsonl(tmp_path / "wiki-18.jsonl", rows)
+    assert cli.main(["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "ix")]) == 0  # no --fields
+    passages = read_passages(tmp_path / "ix")
+    assert [passages.contents(i) for i in range(len(rows))] == [r["contents"] for r in rows]  # byte for byte
+    flat = faiss.IndexFlatIP(embedder.dim)
+    flat.add(embedder.encode([r["contents"] for r in rows], query=False))
+    faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("a passage was encoded")
+
+    with monkeypatch.context() as m:
+        m.setattr(Embedder, "encode", no_encoding)
+        assert cli.main(["index", "import-dense", "--index", str(tmp_path / "ix"), "--faiss",
+                         str(tmp_path / "e5_Flat.index"), "--embedder", "minilm"]) == 0
+    assert (tmp_path / "ix" / "dense" / "index.faiss").resolve() == (tmp_path / "e5_Flat.index").resolve()
+    imported = DenseIndex.load(tmp_path / "ix")
+    assert imported.meta["imported_from"].endswith("e5_Flat.index")
+    queries = [q for q, _ in QUERIES]
+    assert [hits[0].id for hits in imported.search(queries, topk=1)] == [str(int(pid.lstrip("p")) - 1)
+                                                                         for _, pid in QUERIES]
+    # the same passages encoded by emapg itself rank alike
+    build_index(corpus, tmp_path / "own")
+    build_dense(tmp_path / "own", embedder, progress=False)
+    own = DenseIndex.load(tmp_path / "own")
+    ranked = lambda index: [[p.id for p in hits] for hits in index.search(queries, 3)]  # noqa: E731
+    assert ranked(imported) == ranked(own)
+
+
+def test_an_import_that_does_not_fit_is_refused(tmp_path, embedder):
+    import faiss
+
+    from emapg.retrieval.dense import import_dense
+
+    build_index(write_jsonl(tmp_path / "c.jsonl", CORPUS), tmp_path / "ix")
+    small = faiss.IndexFlatIP(embedder.dim)
+    small.add(np.zeros((3, embedder.dim), dtype=np.float32))
+    faiss.write_index(small, str(tmp_path / "small.index"))
+    with pytest.raises(ValueError, match=r"3 vectors for the 8 passages .*: not an index of this corpus"):
+        import_dense(tmp_path / "ix", tmp_path / "small.index", "minilm")
+    wide = faiss.IndexFlatIP(768)
+    wide.add(np.zeros((len(CORPUS), 768), dtype=np.float32))
+    faiss.write_index(wide, str(tmp_path / "wide.index"))
+    with pytest.raises(ValueError, match="vectors of dimension 768, the embedder 'minilm' makes 384"):
+        import_dense(tmp_path / "ix", tmp_path / "wide.index", "minilm")
+    (tmp_path / "junk.index").write_bytes(b"not faiss")
+    with pytest.raises(ValueError, match="junk.index: not a faiss index"):
+        import_dense(tmp_path / "ix", tmp_path / "junk.index", "minilm")
+    assert not (tmp_path / "ix" / "dense").exists()

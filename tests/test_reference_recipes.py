@@ -97,7 +97,8 @@ def test_each_recipe_holds_the_values_its_table_gives(table):
             if cell == "—":  # the field is set in another recipe of this table only
                 continue
             want = yaml.safe_load(cell)
-            assert value(cfg, field) == want, f"{recipe}: {field} = {value(cfg, field)!r}; the table ({row[0]}) says {want!r}"
+            got = value(cfg, field)
+            assert got == want, f"{recipe}: {field} = {got!r}; the table ({row[0]}) says {want!r}"
 
 
 @pytest.mark.parametrize("recipe", sorted({r for t in TABLES for r in t["recipes"]}))

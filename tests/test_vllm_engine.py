@@ -298,3 +298,23 @@ def test_too_little_memory_is_a_config_error_naming_the_field(tmp_path, monkeypa
     monkeypatch.setattr(vb, "available_memory", lambda: 2**30)  # 1 GiB free: half of it rounds to 0 GiB
     with pytest.raises(ConfigError, match="KV cache needs 1 GiB.*vllm_max_model_len"):
         trainer(tmp_path)  # refused before any engine started
+
+
+def test_eval_with_the_vllm_backend_equals_the_decode_loop(tmp_path):
+    """`emapg eval --backend vllm`: the engine gets the model's weights once and, greedy, writes what emapg's
+    own decode loop writes, problem by problem (the same table)."""
+    import json
+
+    outs = {}
+    for backend in ("hf", "vllm"):
+        res = subprocess.run([sys.executable, "-m", "emapg", "eval", "--model", "smollm2-135m", "--task", "arithmetic",
+                              "--task-args", '{"digits": 2}', "--size", "8", "--max-new-tokens", "16", "--device",
+                              DEVICE, "--dtype", "float32", "--backend", backend, "--out", str(tmp_path / backend)],
+                             capture_output=True, text=True, timeout=400,
+                             env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs[backend] = [json.loads(line) for line in (tmp_path / backend / "heldout.samples.jsonl").read_text()
+                         .splitlines()]
+        assert json.loads((tmp_path / backend / "eval.json").read_text())["backend"] == backend
+    by_id = lambda recs: {r["id"]: (r["completion"], r["reward"]) for r in recs}  # noqa: E731
+    assert len(outs["vllm"]) == 8 and by_id(outs["vllm"]) == by_id(outs["hf"])

@@ -4,6 +4,7 @@
     emapg eval  (--model PATH ... --task NAME | --run DIR) [--data [NAME=]FILE ...] [--samples N] [--device D]
     emapg index build --corpus FILE --out DIR [--dense]  BM25 (and dense) index of a {id, title, text} corpus
     emapg index dense --index DIR [--embedder NAME]      add a dense (faiss) index to an index folder
+    emapg index import-dense --index DIR --faiss FILE --embedder DIR   take a prebuilt faiss index (Search-R1's)
     emapg serve-retriever --index DIR [--retriever bm25|dense|hybrid] [--host H] [--port P]   Search-R1 /retrieve
     emapg kb make --out DIR [--seed S]                  the generated two-hop knowledge base as files
     emapg compare --spec FILE --out DIR [--quick] [--only NAME ...] [--jobs N] [--report-only]
@@ -193,6 +194,16 @@ def cmd_index_dense(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index_import(args: argparse.Namespace) -> int:
+    from emapg.retrieval.dense import import_dense
+
+    meta = import_dense(args.index, args.faiss, args.embedder, query_prefix=args.query_prefix, link=not args.copy)
+    print(f"emapg index: {meta['documents']} vectors of {args.faiss} ({meta['dim']} dimensions, "
+          f"{meta['factory']}) taken as {Path(args.index) / 'dense'}, queries encoded by {meta['embedder']} "
+          f"with prefix {meta['query_prefix']!r}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from emapg.retrieval.server import serve
 
@@ -315,6 +326,14 @@ def _retrieval_parsers(sub) -> None:
     d.add_argument("--index", required=True, help="an index folder built by `emapg index build`")
     _dense_args(d)
     d.set_defaults(func=cmd_index_dense)
+    im = ix.add_parser("import-dense", help="take an existing faiss index of the folder's passages (Search-R1's "
+                                            "e5_Flat.index over wiki-18.jsonl) as its dense index, encoding nothing")
+    im.add_argument("--index", required=True, help="an index folder built by `emapg index build` from the same corpus")
+    im.add_argument("--faiss", required=True, help="the faiss index file; row i = the corpus's passage i")
+    im.add_argument("--embedder", required=True, help="the folder of the embedder that encoded it (e5-base-v2)")
+    im.add_argument("--query-prefix", help="text before each query (default: e5's 'query: ' for an e5 folder)")
+    im.add_argument("--copy", action="store_true", help="copy the faiss file into the folder instead of linking it")
+    im.set_defaults(func=cmd_index_import)
     sv = sub.add_parser("serve-retriever", help="serve an index over HTTP in Search-R1's /retrieve format")
     sv.add_argument("--index", required=True)
     sv.add_argument("--retriever", choices=KINDS, default="bm25",

@@ -214,6 +214,47 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
     return meta
 
 
+def import_dense(index: str | Path, faiss_file: str | Path, embedder: str, *, query_prefix: str | None = None,
+                 passage_prefix: str | None = None, link: bool = True) -> dict:
+    """Take an existing faiss index of the index folder's passages (Search-R1's ``e5_Flat.index`` over
+    ``wiki-18.jsonl``, built by its own scripts) as the folder's dense index, without encoding anything: row i
+    of the faiss index must be passage i of ``passages.jsonl`` (the corpus file's order, which ``emapg index
+    build`` keeps), encoded by ``embedder`` (its weights in a local folder; e5's ``query: `` prefix is
+    recognised from its name, or give ``query_prefix``). The faiss file is linked (``link``; copied
+    otherwise), never rewritten; its size and dimension are checked against the passages and the embedder."""
+    faiss = _import_faiss()
+    index, faiss_file = Path(index), Path(faiss_file)
+    if not (index / PASSAGES_FILE).is_file():
+        raise FileNotFoundError(f"{index} is not an emapg index folder (no {PASSAGES_FILE}); build it from the same "
+                                "corpus first: emapg index build --corpus wiki-18.jsonl --out DIR")
+    if not faiss_file.is_file():
+        raise FileNotFoundError(f"--faiss {faiss_file}: no such file")
+    try:
+        ix = faiss.read_index(str(faiss_file), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+    except RuntimeError as e:
+        raise ValueError(f"--faiss {faiss_file}: not a faiss index faiss can read "
+                         f"({str(e).strip().splitlines()[-1]})") from None
+    emb = Embedder(embedder, query_prefix=query_prefix, passage_prefix=passage_prefix)
+    passages = read_passages(index)
+    if ix.ntotal != len(passages):
+        raise ValueError(f"--faiss {faiss_file}: {ix.ntotal} vectors for the {len(passages)} passages of {index}: "
+                         "not an index of this corpus")
+    if ix.d != emb.dim:
+        raise ValueError(f"--faiss {faiss_file}: vectors of dimension {ix.d}, the embedder {emb.name!r} makes "
+                         f"{emb.dim}")
+    meta = {"format_version": FORMAT_VERSION, **emb.identity(), "passages_sha256": passages.sha256,
+            "documents": len(passages), "factory": f"imported ({type(ix).__name__})",
+            "faiss_version": faiss.__version__, "search_params": None, "trained_on": None,
+            "imported_from": str(faiss_file.resolve()), "build_seconds": 0.0}
+    with folder_atomic(index / DENSE_DIR) as tmp:
+        if link:
+            os.symlink(faiss_file.resolve(), tmp / FAISS_FILE)
+        else:
+            shutil.copyfile(faiss_file, tmp / FAISS_FILE)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
+
+
 class DenseIndex:
     """A loaded dense index; ``search`` is safe to call from many threads (encoding is serialised)."""
 

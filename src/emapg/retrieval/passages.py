@@ -54,10 +54,21 @@ def _field(corpus: Path, pid: str, row: dict, name: str) -> str:
 
 
 def read_corpus(corpus: str | Path, fields: dict[str, str] | None = None) -> Passages:
-    """The passages of a JSONL/JSON/Parquet corpus (``fields`` renames columns as in ``emapg.data.load_rows``).
+    """The passages of a JSONL/JSON/Parquet corpus (``fields`` renames columns as in ``emapg.data.load_rows``):
+    ``{id, title?, text}`` rows, or Search-R1's ``{id, contents}`` (wiki-18.jsonl: ``"Title"`` on the first
+    line of ``contents``, then the text), split so that a passage's contents are the row's, byte for byte.
     Raises DataError for a malformed row or a duplicate id."""
+    from emapg.retrieval.client import parse_contents
+
     corpus = Path(corpus)
-    rows = load_rows(corpus, fields, required=("id", "text"))
+    rows = load_rows(corpus, fields)
+    for row in rows:
+        if "text" not in row and isinstance(row.get("contents"), str):  # Search-R1's layout
+            row["title"], row["text"] = parse_contents(row["contents"])
+        for name in ("id", "text"):
+            if row.get(name) is None:
+                raise DataError(f"{row['_source']}: missing field {name!r} (a passage is {{id, title, text}} or "
+                                f"{{id, contents}}); the row has {', '.join(sorted(k for k in row if k[0] != '_'))}")
     out = Passages([], [], [])
     seen: dict[str, int] = {}
     for i, row in enumerate(rows):
