@@ -100,6 +100,14 @@ def test_search_r1_merged_parquet_reads_as_one_set_per_source(tmp_path):
         ("nq-0", QUESTIONS[0][1], ["Tessaly Varn"]), ("nq-1", QUESTIONS[1][1], ["Dornhaven"]),
         ("hotpotqa-0", QUESTIONS[2][1], ["Brimwater Canal"])]
     task = make_task("search_qa", eval_file=str(path), retriever_url="http://127.0.0.1:9")
+    # Search-R1's prompt, as its qa_search_test_merge.py writes it (one line; "your want" is theirs)
+    assert task.eval_examples(1)[0].messages[0]["content"] == (
+        "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
+        "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
+        "by <search> query </search> and it will return the top searched results between <information> and "
+        "</information>. You can search as many times as your want. If you find no further external knowledge "
+        "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
+        "illustrations. For example, <answer> Beijing </answer>. Question: who wrote the ember sonatas?\n")
     # the prompt emapg builds is the one in the file, byte for byte
     for ex, (_, question, _) in zip(task.eval_examples(3), QUESTIONS, strict=True):
         assert ex.messages[0]["content"] == SEARCH_R1.format(question=question)
@@ -107,6 +115,23 @@ def test_search_r1_merged_parquet_reads_as_one_set_per_source(tmp_path):
     assert [(name, [ex.id for ex in exs]) for name, exs in sets] == [
         ("nq", ["eval-nq-0", "eval-nq-1"]), ("hotpotqa", ["eval-hotpotqa-0"])]
     assert sets_of(task, "test", 2)[0][0] == "test"  # the first two rows: one source, one set
+
+
+def test_two_models_of_one_folder_name_write_apart():
+    from emapg.evalsuite import model_labels
+
+    assert model_labels(["runs/a/export/policy"]) == {"runs/a/export/policy": None}
+    assert model_labels(["runs/a/export/policy", "runs/a/export/anchor"]) == {
+        "runs/a/export/policy": "policy", "runs/a/export/anchor": "anchor"}
+    assert model_labels(["runs/a/export/policy", "runs/b/export/policy"]) == {
+        "runs/a/export/policy": "a-export-policy", "runs/b/export/policy": "b-export-policy"}
+
+
+def test_an_empty_answer_is_named(tmp_path):
+    f = tmp_path / "olympiad.jsonl"
+    f.write_text('{"question": "q", "final_answer": []}\n')
+    with pytest.raises(DataError, match=r"olympiad.jsonl, line 1: an empty answer"):
+        math_rows(str(f), "problem", "answer")
 
 
 def test_parse_sets():

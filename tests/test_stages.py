@@ -41,9 +41,30 @@ def test_a_stage_started_from_another_runs_checkpoint_continues_it_exactly(tmp_p
     assert (first / "checkpoints").exists() and len(read_metrics(first)) == 3  # the first run is untouched
 
 
+def test_a_grpo_stage_evaluates_its_frozen_anchor_and_takes_the_configs_optimizer_settings(tmp_path):
+    """eta = 1: the anchor stays the step-0 model; the stage's start evaluation is of its starting policy, so it
+    must not stand in for the anchor's. A stage's lr, betas and weight decay are its config's."""
+    Trainer(cfg("steps=2", "save_every=2", "algo.eta=1.0"), tmp_path / "a", progress=False).train()
+    stage = Trainer(cfg("steps=3", "save_every=1", "algo.eta=1.0", f"init_from={tmp_path / 'a'}", "lr=5e-4",
+                        "betas=[0.8, 0.95]", "weight_decay=0.01"), tmp_path / "b", progress=False)
+    assert stage.anchor_is_initial
+    group = stage.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (5e-4, (0.8, 0.95), 0.01)
+    assert stage.scheduler.base_lrs == [5e-4]
+    stage.train()
+    assert stage.initial_eval_settings["at_step"] == 2 and stage._initial_anchor_eval() is None
+    resumed = Trainer(cfg("steps=4", "save_every=1", "algo.eta=1.0", f"init_from={tmp_path / 'a'}", "lr=5e-4",
+                          "betas=[0.8, 0.95]", "weight_decay=0.01"), tmp_path / "b", resume=True, progress=False)
+    assert resumed._initial_anchor_eval() is None  # the record survives a resume
+    assert read_metrics(tmp_path / "b")[-1]["lr"] == pytest.approx(5e-4)
+
+
 def test_init_from_a_folder_without_a_checkpoint_is_one_line(tmp_path):
     from emapg.checkpoint import CheckpointError
 
+    Trainer(cfg("steps=2", "save_every=2"), tmp_path / "done", progress=False).train()
+    with pytest.raises(CheckpointError, match=r"steps: 2 is not past step 2 of init_from .*done.*nothing to train"):
+        Trainer(cfg("steps=2", f"init_from={tmp_path / 'done'}"), tmp_path / "run0", progress=False)
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"init_from: .*empty: no intact checkpoint to start from"):
         Trainer(cfg("steps=2", f"init_from={tmp_path / 'empty'}"), tmp_path / "run", progress=False)
@@ -99,6 +120,8 @@ def test_extends_merges_section_by_section(tmp_path):
     (tmp_path / "loop2.yaml").write_text("extends: loop.yaml\n")
     with pytest.raises(ConfigError, match="extends: loop.yaml extends this file again"):
         load_config(tmp_path / "loop.yaml")
+    (tmp_path / "mine.yaml").write_text("extends: smoke\nsteps: 9\n")  # a shipped recipe's name, from anywhere
+    assert load_config(tmp_path / "mine.yaml").model == "tiny-llama"
     (tmp_path / "lost.yaml").write_text("extends: nothing-here\n")
     with pytest.raises(ConfigError, match=r"lost.yaml: extends: .*nothing-here.yaml: No such file"):
         load_config(tmp_path / "lost.yaml")

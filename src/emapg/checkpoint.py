@@ -241,17 +241,23 @@ def intact_checkpoint(run_dir: Path, names: set[str], warn: bool = True, what: s
     raise CheckpointError(f"{what} {run_dir}: no intact checkpoint to {purpose} ({why})")
 
 
-def starting_checkpoint(run_dir: Path, names: set[str], warn: bool = True) -> dict[str, Any]:
-    """``init_from``: the newest intact checkpoint of another run folder, which a new run starts from."""
+def starting_checkpoint(run_dir: Path, names: set[str], steps: int, warn: bool = True) -> dict[str, Any]:
+    """``init_from``: the newest intact checkpoint of another run folder, which a new run starts from and
+    trains on to ``steps`` (a checkpoint at or past it is refused: nothing would train)."""
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"init_from: {run_dir} is not a run folder")
-    return intact_checkpoint(Path(run_dir), names, warn=warn, what="init_from:")
+    ckpt = intact_checkpoint(Path(run_dir), names, warn=warn, what="init_from:")
+    if ckpt["state"]["step"] >= steps:
+        raise CheckpointError(f"steps: {steps} is not past step {ckpt['state']['step']} of init_from {run_dir}, "
+                              "where this run starts: nothing to train (give a larger steps=)")
+    return ckpt
 
 
-def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: torch.optim.Optimizer,
+def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: torch.optim.Optimizer, cfg,
                      sharded: bool) -> dict[str, Any]:
     """Load a checkpoint's policy, anchor and optimizer state into the run's objects (sharded: into
-    FSDP2's shards); returns its state.json (step, scheduler, ...)."""
+    FSDP2's shards); returns its state.json (step, scheduler, ...). The optimizer's settings are the run's
+    config's (lr, betas, weight decay), not the checkpoint's: a later stage may change them."""
     if sharded:
         distributed.load_model_state(model, ckpt["policy"])
     else:
@@ -261,6 +267,8 @@ def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: 
             raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     anchor.load_state_dict(ckpt["anchor"])
     distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(*ckpt["optimizer"]))
+    for group in optimizer.param_groups:
+        group.update(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     return ckpt["state"]
 
 

@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
+from emapg.config import SHIPPED_RECIPES as RECIPES
 from emapg.config import ConfigError, load_config
 from emapg.retrieval import KINDS, SERVER_LIMITS
 
 DEFAULT_RECIPE = "cpu_demo"
-RECIPES = Path(__file__).resolve().parent / "recipes"  # shipped inside the package (recipes/ links here)
 
 
 def recipe_path(name_or_path: str) -> Path:

@@ -27,6 +27,8 @@ from emapg.atomic import write_text_atomic
 from emapg.kl import ESTIMATORS, FORMS
 from emapg.objective import ADVANTAGES, AGGREGATIONS
 
+SHIPPED_RECIPES = Path(__file__).resolve().parent / "recipes"
+
 
 class ConfigError(ValueError):
     """A user-fixable problem in a config file or an override."""
@@ -379,7 +381,10 @@ def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[
     name = data.pop("extends")
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"config file {path}: extends: expected the name or file of another config, got {name!r}")
-    base = path.parent / (name if name.endswith(".yaml") else f"{name}.yaml")
+    file = name if name.endswith(".yaml") else f"{name}.yaml"
+    base = path.parent / file
+    if not base.exists() and (SHIPPED_RECIPES / file).exists():  # a shipped recipe's name
+        base = SHIPPED_RECIPES / file
     if base.resolve() in seen:
         raise ConfigError(f"config file {path}: extends: {name} extends this file again (a cycle)")
     try:

@@ -106,6 +106,7 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
             raise ConfigError("--data: the arithmetic task generates its problems (leave --data out)")
         tasks.append((name, make_task(plan.task, **targs)))
     rows: list[dict[str, Any]] = []
+    labels = model_labels(plan.models)
     for model_name in plan.models:
         torch.manual_seed(plan.seed)
         model, tok = load_model(model_name, plan.dtype)
@@ -124,7 +125,7 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
                     log(f"emapg eval: {model_name}: {name}: avg@{plan.spec.n} {100 * res['accuracy']:.1f}% "
                         f"over {len(examples)} problems")
                     if out is not None:
-                        _write_records(out, model_name, name, records, len(plan.models) > 1)
+                        _write_records(out, labels[model_name], name, records)
         finally:
             if engine is not None:
                 engine.close()
@@ -146,8 +147,20 @@ def _engine(plan: EvalPlan, model, tok, tasks):
                            seed=plan.seed, rows=plan.batch_size * plan.spec.n)
 
 
-def _write_records(out: Path, model: str, name: str, records: list[dict], several: bool) -> None:
-    stem = f"{Path(model).name}__{name}" if several else name
+def model_labels(models: list[str]) -> dict[str, str | None]:
+    """How each model's transcripts are named: nothing for one model; else its folder's name, or with two of
+    one name (runs/a/export/policy, runs/b/export/policy) as many of its path's last parts as tell them apart."""
+    if len(models) == 1:
+        return {models[0]: None}
+    for depth in range(1, 1 + max(len(Path(m).parts) for m in models)):
+        labels = {m: "-".join(Path(m).parts[-depth:]).replace("/", "") for m in models}
+        if len(set(labels.values())) == len(models):
+            return labels
+    return {m: f"model{i}" for i, m in enumerate(models)}  # the same path twice
+
+
+def _write_records(out: Path, label: str | None, name: str, records: list[dict]) -> None:
+    stem = f"{label}__{name}" if label else name
     with open(out / f"{stem}.samples.jsonl", "w") as f:
         f.writelines(json.dumps(r, default=str) + "\n" for r in records)
 

@@ -148,6 +148,26 @@ def schedule_step_lr(optimizer: torch.optim.Optimizer, scheduler) -> float:
     return optimizer.param_groups[0]["lr"]
 
 
+def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: set[str], resume: bool, warn: bool):
+    """The checkpoint a run starts from: its own newest intact one (resume), or another run's (``init_from``:
+    a new run that starts where that one stands), or None."""
+    if resume:
+        return intact_checkpoint(run_dir, names, warn=warn)
+    return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn) if cfg.init_from else None
+
+
+def restore_schedule(scheduler, state: dict, lr: float) -> None:
+    """A checkpoint's schedule (how far it went) at the config's learning rate (a later stage may change it)."""
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+
+
+def start_settings(evaluator: RunEvaluator, step: int) -> dict[str, Any]:
+    """What the first evaluation of a run was measured with; at a step > 0 (a run started from another's
+    checkpoint) it is not the initial policy's, which the settings then say (the anchor never reuses it)."""
+    return {**evaluator.settings, **({"at_step": step} if step else {})}
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     m = copy.deepcopy(model)
     m.requires_grad_(False)
@@ -179,9 +199,7 @@ class Trainer:
             fit(self.task)
             self.evaluator = RunEvaluator(cfg, self.task, self.tokenizer, self.run_dir, self.dist, progress, fit)
         names = set(self.model.state_dict()) - tied_names(self.model)  # before sharding: plain names
-        ckpt = intact_checkpoint(self.run_dir, names, warn=self.main) if resume else None
-        if ckpt is None and cfg.init_from:  # a new run that starts where another one's checkpoint stands
-            ckpt = starting_checkpoint(Path(cfg.init_from), names, warn=self.main)
+        ckpt = checkpoint_to_start(self.run_dir, cfg, names, resume, warn=self.main)
         since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
         self.teacher, self.teacher_sha256 = build_teacher(self.model, self.tokenizer, cfg, self.dist, self.run_dir,
                                                           ckpt, force)  # None: the KL is to the anchor
@@ -192,9 +210,9 @@ class Trainer:
         self.initial_eval = self.initial_eval_settings = None  # the step-0 evaluation, and what it was measured with
         self.engine = build_engine(cfg, self.model, self.tokenizer, self.task, self.sampling, self.dist, self.run_dir)
         if ckpt:
-            st = restore_training(ckpt, self.model, self.anchor, self.optimizer, sharded=self.dist.enabled)
+            st = restore_training(ckpt, self.model, self.anchor, self.optimizer, cfg, sharded=self.dist.enabled)
             self.step, self.skipped_steps = st["step"], st["skipped_steps"]
-            self.scheduler.load_state_dict(st["scheduler"])
+            restore_schedule(self.scheduler, st["scheduler"], cfg.lr)
             if resume:  # (a run started from another's checkpoint evaluates its own start)
                 self.initial_eval, self.initial_eval_settings = st.get("initial_eval"), st.get("initial_eval_settings")
             self.evaluator.forget_after(self.step)
@@ -215,7 +233,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.eval.at_start and self.evaluator.examples and self.step == self.start_step:  # not once it moved
             results = self._evaluate("policy")
-            self.initial_eval, self.initial_eval_settings = results["heldout"], self.evaluator.settings
+            self.initial_eval = results["heldout"]
+            self.initial_eval_settings = start_settings(self.evaluator, self.step)
             self._write({"step": self.step, **_rows("policy", results)})
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.main), desc="emapg",
                    unit="step")

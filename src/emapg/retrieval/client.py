@@ -27,10 +27,11 @@ class HTTPRetriever:
 
     A batch larger than one request may carry is split: the limits come from the server's ``GET /health``
     (emapg's server states them), or from a refusal that states them; a server that states none (Search-R1's
-    own) gets the whole batch in one request, as Search-R1 sends it. ``max_queries`` caps a request
-    further on the client's side. Connection errors, timeouts and 5xx answers are retried ``retries`` times
-    with a short exponential backoff; any other 4xx answer raises RetrieverError at once with the server's
-    message.
+    own) gets the whole batch in one request, as Search-R1 sends it. A query longer than the stated
+    ``max_query_chars`` is cut to it (a model's runaway query must not stop a training run). ``max_queries``
+    caps a request further on the client's side. Connection errors, timeouts and 5xx answers are retried
+    ``retries`` times with a short exponential backoff; any other 4xx answer raises RetrieverError at once
+    with the server's message.
     """
 
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
@@ -121,6 +122,8 @@ class HTTPRetriever:
         """``queries`` cut into consecutive requests within the server's limits (and ``max_queries``)."""
         limits = self.limits()
         most = min(x for x in (limits.get("max_queries"), self.max_queries, len(queries)) if x)
+        if limits.get("max_query_chars"):
+            queries = [q[: limits["max_query_chars"]] for q in queries]
         budget = limits.get("max_body_bytes")
         parts: list[list[str]] = [[]]
         size = len(_encode({"queries": [], "topk": topk, "return_scores": True}))
@@ -158,7 +161,7 @@ def _valid_limits(stated) -> dict:
     """The positive integer limits a server stated, by name; anything else is ignored."""
     if not isinstance(stated, dict):
         return {}
-    return {k: v for k, v in stated.items() if k in ("max_queries", "max_body_bytes")
+    return {k: v for k, v in stated.items() if k in ("max_queries", "max_query_chars", "max_body_bytes")
             and isinstance(v, int) and not isinstance(v, bool) and v >= 1}
 
 

@@ -58,6 +58,8 @@ def math_rows(path: str, problem_field: str, answer_field: str) -> list[dict]:
                                 f"{', '.join(sorted(k for k in row if not k.startswith('_')))}")
             row[name] = row[column]
         row["answer"] = gold_answers(row["answer"], together=row.get("is_multiple_answer") is True)
+        if not row["answer"] or not all(row["answer"]):
+            raise DataError(f"{row['_source']}: an empty answer")
     return rows
 
 

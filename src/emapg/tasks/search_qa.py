@@ -59,7 +59,7 @@ def search_r1_question(question: str) -> str:
 def qa_rows(path: str, question_field: str = "question", answers_field: str = "answers") -> list[dict]:
     """QA rows with ``question``, ``answers`` (a list) and ``data_source``, from the published formats:
     ``{id, question, answers}`` (emapg's), FlashRAG's ``{id, question, golden_answers}``, and Search-R1's
-    parquet (``prompt`` [{role, content}] holding the templated question after its last "Question: ",
+    parquet (``prompt`` [{role, content}] holding the templated question after its "Question: ",
     ``reward_model.ground_truth.target`` the answers, ``data_source`` the set: nq, triviaqa, popqa, hotpotqa,
     2wikimultihopqa, musique, bamboogle, merged in one test.parquet; ids are SOURCE-INDEX there, as each
     source's FlashRAG ids restart)."""
@@ -74,7 +74,7 @@ def qa_rows(path: str, question_field: str = "question", answers_field: str = "a
                                 f"reward_model.ground_truth.target): {type(e).__name__} {e}") from None
             if "Question: " not in content:
                 raise DataError(f"{row['_source']}: the prompt holds no 'Question: ' to take the question from")
-            row["question"] = content.rpartition("Question: ")[2].rstrip("\n")
+            row["question"] = content.partition("Question: ")[2].rstrip("\n")
             index = (row.get("extra_info") or {}).get("index", row["id"])
             row["id"] = f"{row.get('data_source', 'row')}-{index}"
             continue
