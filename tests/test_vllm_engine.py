@@ -318,3 +318,23 @@ def test_eval_with_the_vllm_backend_equals_the_decode_loop(tmp_path):
         assert json.loads((tmp_path / backend / "eval.json").read_text())["backend"] == backend
     by_id = lambda recs: {r["id"]: (r["completion"], r["reward"]) for r in recs}  # noqa: E731
     assert len(outs["vllm"]) == 8 and by_id(outs["vllm"]) == by_id(outs["hf"])
+
+
+def test_pi_old_is_recomputed_by_the_trainer_when_vllm_samples(tmp_path):
+    """With the vLLM sampler pi_old comes from the trainer's own pass (algo.recompute_old's default), not from
+    the engine's log-probs, which another set of kernels computed; TIS weights are the ratio of the two."""
+    tr = trainer(tmp_path, "algo.k=8", "algo.tis_cap=2.0")
+    try:
+        batch = tr.rollout(1)
+        mb = batch.micro_batches(tr.cfg.micro_batch_prompts)[0]
+        anc = tr.anchor_pass(mb)
+        valid = mb.response_mask.bool()
+        with torch.no_grad():
+            mine = tr._logprobs(tr.model, mb).logp_tok
+        torch.testing.assert_close(anc.old_logp, mine, rtol=0, atol=0)
+        gap = (anc.old_logp - mb.samp_logp[valid]).abs()
+        assert gap.max() < LOGP_TOL  # the engine holds the same weights: it differs by its kernels' rounding
+        torch.testing.assert_close(anc.tis, torch.exp(anc.old_logp - mb.samp_logp[valid]).clamp(max=2.0))
+        assert anc.weight_logp is anc.old_logp
+    finally:
+        tr.close()

@@ -73,6 +73,8 @@ class AnchorStats:
     old_logp: Tensor  # log pi_old(p)
     init_logp_tok: Tensor | None = None  # log pi_init(p), for the kl_to_init diagnostic
     exact: bool = False  # the head is every id: no sampled tail term
+    weight_logp: Tensor | None = None  # the KL's importance-weight denominator: None = log pi_samp(p)
+    tis: Tensor | None = None  # [N] truncated importance weights min(pi_old / pi_samp, cap), or None
 
 
 def anchor_request(head: KLHead, mb: RolloutBatch, vocab: int) -> tuple[Tensor | None, int]:
@@ -89,20 +91,29 @@ def anchor_request(head: KLHead, mb: RolloutBatch, vocab: int) -> tuple[Tensor |
     return None, 0
 
 
-def needs_old_pass(a: AlgoConfig, top_p: float) -> bool:
+def needs_old_pass(a: AlgoConfig, top_p: float, recompute: bool = False) -> bool:
     """Whether pi_old needs its own no-grad pass. With one PPO epoch and top_p = 1 the sampler's
-    log-probs are pi_old's; under top-p they are the truncated distribution's, not the policy's."""
-    return a.ppo_epochs > 1 or top_p < 1.0
+    log-probs are pi_old's; under top-p they are the truncated distribution's, not the policy's; and
+    ``recompute`` (another engine sampled) takes pi_old from the trainer whatever the sampler says."""
+    return a.ppo_epochs > 1 or top_p < 1.0 or recompute
 
 
 def anchor_stats(head: KLHead, st: TokenLogprobs, ids: Tensor | None, mb: RolloutBatch, old_logp: Tensor | None,
-                 init_logp_tok: Tensor | None) -> AnchorStats:
-    """The anchor pass's output as :class:`AnchorStats`; ``old_logp=None``: pi_old = pi_samp."""
+                 init_logp_tok: Tensor | None, a: AlgoConfig | None = None,
+                 recompute: bool = False) -> AnchorStats:
+    """The anchor pass's output as :class:`AnchorStats`; ``old_logp=None``: pi_old = pi_samp. With
+    ``recompute`` the trainer's pi_old also weighs the KL's sampled term (verl's choice), and ``a.tis_cap``
+    gives each token its truncated importance weight min(pi_old / pi_samp, cap)."""
     head_ids, logp_head = ids, st.logp_ids
     if st.topk_ids is not None:  # the anchor chose the head (its own top-k)
         head_ids, logp_head = st.topk_ids, st.topk_logp
-    old = mb.samp_logp[mb.response_mask.bool()] if old_logp is None else old_logp
-    return AnchorStats(st.logp_tok, logp_head, head_ids, old, init_logp_tok, exact=head.kind == "all")
+    samp = mb.samp_logp[mb.response_mask.bool()]
+    old = samp if old_logp is None else old_logp
+    tis = None
+    if recompute and a is not None and a.tis_cap is not None:
+        tis = torch.exp(old - samp).clamp(max=a.tis_cap).detach()
+    return AnchorStats(st.logp_tok, logp_head, head_ids, old, init_logp_tok, exact=head.kind == "all",
+                       weight_logp=old if recompute else None, tis=tis)
 
 
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:
@@ -121,7 +132,8 @@ def loss(pol: TokenLogprobs, anc: AnchorStats, mb: RolloutBatch, a: AlgoConfig,
     mask = mb.response_mask
     valid = mask.bool()
     p = mb.response_ids[valid]  # the sampled tokens
-    samp = mb.samp_logp[valid]  # log pi_samp(p): the KL's importance weight s = pi_theta / pi_samp
+    # log pi_samp(p): the KL's importance weight s = pi_theta / pi_samp (pi_old's, where the trainer recomputed it)
+    samp = mb.samp_logp[valid] if anc.weight_logp is None else anc.weight_logp
     has_tail = anc.head_ids is not None and not anc.exact
     kl_tok = kl.kl_from_logprobs(a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=samp,
                                  policy_logp_q=pol.logp_ids, anchor_logp_q=anc.logp_head,
@@ -129,12 +141,16 @@ def loss(pol: TokenLogprobs, anc: AnchorStats, mb: RolloutBatch, a: AlgoConfig,
                                  form=a.form, is_clip=a.is_clip)
     sur = clipped_surrogate(_scatter(pol.logp_tok, valid), _scatter(anc.old_logp, valid), mb.advantages,
                             a.eps_low, a.eps_high, a.dual_clip)
-    pg = aggregate(sur.loss, mask, a.agg, **counts)
+    pg_tok = sur.loss if anc.tis is None else sur.loss * _scatter(anc.tis, valid)  # TIS: off-sampler tokens
+    pg = aggregate(pg_tok, mask, a.agg, **counts)
     kl_term = aggregate(_scatter(kl_tok, valid), mask, a.agg, **counts)
     total = a.pg_coef * pg + a.beta * kl_term
     stats = {"pg_loss": pg.item(), "kl": kl_term.item(),
              "clip_frac": float((sur.clipped * mask).sum()), "dual_clip_frac": float((sur.dual_clipped * mask).sum()),
              "ratio_max": float(sur.ratio[valid].max()) if valid.any() else 1.0, "tokens": float(valid.sum())}
+    if anc.tis is not None:  # how far the sampler is from the trainer: sums over tokens
+        stats["tis_weight"] = float(anc.tis.sum())
+        stats["tis_capped_frac"] = float((anc.tis >= a.tis_cap).sum())
     if anc.init_logp_tok is not None:  # diagnostic: k3 (unbiased, >= 0) of KL(pi_theta || pi_init)
         stats["kl_to_init"] = float(kl.kl_from_logprobs("k3", pol.logp_tok.detach(), anc.init_logp_tok,
                                                         samp_logp_tok=samp).sum())

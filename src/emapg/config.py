@@ -80,6 +80,15 @@ class AlgoConfig:
     """Clip the global gradient norm to this value."""
     mask_truncated: bool = False
     """Exclude responses that hit max_new_tokens without an end-of-sequence from the loss."""
+    recompute_old: bool | None = None
+    """pi_old from a no-grad pass of the policy in the trainer (as verl does), in the PPO ratio and in the
+    KL's importance weight, instead of the sampler's log-probs, which another engine computes with other
+    kernels (vLLM in bf16 rounds differently). None = true with rollout.backend vllm, false with hf (whose
+    sampler is the trainer's own model; a pass still runs for the ratio under top_p < 1 or several epochs)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (Yao et al., 2025) for the sampler/trainer mismatch: each token's
+    policy-gradient term weighted by min(pi_old / pi_samp, tis_cap), detached, with pi_old the trainer's
+    (so it needs pi_old recomputed). None = off, as in the paper's reference runs; 2 is the usual cap."""
 
 
 @dataclass
@@ -441,6 +450,7 @@ RULES: dict[str, Rule] = {
     "algo.teacher_dtype": ((lambda v: v is None or v in ("float32", "bfloat16", "float16")),
                            "expected float32, bfloat16, float16 or null (the policy's dtype)"),
     "algo.is_clip": _above(0, null=True),
+    "algo.tis_cap": _above(0, null=True),
     "algo.eps_low": _within(0, 1, high_open=True),
     "algo.eps_high": _at_least(0),
     "algo.dual_clip": _above(1, null=True),
@@ -507,6 +517,12 @@ def _value(cfg: TrainConfig, name: str) -> Any:
     return cfg
 
 
+def recomputes_old(cfg: TrainConfig) -> bool:
+    """Whether pi_old comes from the trainer's own pass (``algo.recompute_old``, by default with vLLM)."""
+    flag = cfg.algo.recompute_old
+    return cfg.rollout.backend == "vllm" if flag is None else flag
+
+
 def _mini(cfg: TrainConfig) -> int:
     return cfg.mini_batch_prompts or cfg.prompts_per_step
 
@@ -522,6 +538,8 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
                "(on-policy distillation) or pg_coef > 0"),
     ("algo.beta", lambda c: c.algo.beta > 0 or c.algo.teacher is None,
      lambda c: f"0 with algo.teacher={c.algo.teacher!r} ignores the teacher: distillation needs beta > 0"),
+    ("algo.tis_cap", lambda c: c.algo.tis_cap is None or recomputes_old(c),
+     lambda c: "needs pi_old recomputed by the trainer (algo.recompute_old: true, or the vllm backend)"),
     ("gradient_checkpointing", lambda c: not (c.gradient_checkpointing and c.prefix_sharing),
      lambda c: "needs prefix_sharing: false (checkpointed layers keep no key/value cache to share), got True"),
     ("warmup_ratio", lambda c: not (c.warmup_ratio and c.warmup_steps),

@@ -42,8 +42,9 @@ def update_row(stats: dict[str, float], applied: int, grad_norms: list[float]) -
            "dual_clip_frac": stats.get("dual_clip_frac", 0.0) / tokens,
            "ratio_max": stats.get("ratio_max", math.nan),
            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan}
-    if "kl_to_init" in stats:
-        row["kl_to_init"] = stats["kl_to_init"] / tokens  # both summed over the epochs
+    for key in ("kl_to_init", "tis_weight", "tis_capped_frac"):  # per token (both sides summed over the epochs)
+        if key in stats:
+            row[key] = stats[key] / tokens
     return row
 
 

@@ -38,7 +38,7 @@ from emapg.checkpoint import (
     starting_checkpoint,
     tied_names,
 )
-from emapg.config import TrainConfig, check_world, save_config
+from emapg.config import TrainConfig, check_world, recomputes_old, save_config
 from emapg.distributed import gathered
 from emapg.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.forward import SHARD_METHODS, model_logprobs
@@ -331,15 +331,16 @@ class Trainer:
         ref = self.anchor.use(self.model) if self.teacher is None else contextlib.nullcontext(self.teacher)
         with ref as ref_model:
             st = self._logprobs(ref_model, mb, ids=ids, k_self=k_self)
-        needs_old = algo.needs_old_pass(self.cfg.algo, self.cfg.rollout.top_p)
-        old = self._logprobs(self.model, mb).logp_tok if needs_old else None
+        recompute = recomputes_old(self.cfg)
+        old = self._logprobs(self.model, mb).logp_tok if algo.needs_old_pass(self.cfg.algo, self.cfg.rollout.top_p,
+                                                                              recompute) else None
         init = None
         if self.init_anchor is not None:
             with self.init_anchor.use(self.model) as init_model:
                 init = self._logprobs(init_model, mb).logp_tok
         elif self.cfg.log_kl_to_init:  # the anchor is the initial policy (eta = 1 since step 0)
             init = st.logp_tok
-        return algo.anchor_stats(self.head, st, ids, mb, old, init)
+        return algo.anchor_stats(self.head, st, ids, mb, old, init, self.cfg.algo, recompute)
 
     def _optimizer_step(self, mbs: list[RolloutBatch], anchors: list[AnchorStats],
                         mini: int) -> tuple[list[dict[str, float]], float] | None:
