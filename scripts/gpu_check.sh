@@ -1,89 +1,104 @@
 #!/usr/bin/env bash
-# GPU check, under 8 minutes on one GPU. What it checks, in order:
-#   1. the GPU is visible to torch (device name, memory);
-#   2. the estimator, log-prob, objective and anchor unit tests with every tensor on CUDA
-#      (EMAPG_TEST_DEVICE=cuda): exact-enumeration checks of the top-k estimators in float64 on the GPU;
-#   3. 3 training steps of a Qwen2.5-0.5B-shaped model (random weights: nothing is downloaded) with the
-#      HF rollout backend on CUDA, fp32 master weights + bf16 autocast, EMA anchor + top-k KL;
-#      then the same with gradient checkpointing (prefix sharing off);
-#      then one step of a Qwen2.5-1.5B-shaped model at 4,096 new tokens (no EOS: every row runs the whole
-#      budget), gradient checkpointing on, printing peak GPU memory;
-#   4. with 2 or more GPUs: the same 3 steps on 2 GPUs with torchrun + FSDP2 (NCCL);
-#   5. when vllm is installed (pip install 'emapg[vllm]'): the real-engine tests that CI runs on vLLM's
-#      CPU build (tests/test_vllm_engine.py: log-probs and top-k against the reference, greedy, weight
-#      pushes, LoRA, agent episodes, shutdown), on CUDA, then the 3 steps of 3a with rollout.backend=vllm;
-#   6. `emapg eval --device cuda` on two of the published-format fixtures (and --backend vllm when installed);
-# and prints, per run, the median step time, generated tokens per second and peak GPU memory.
-# Usage: bash scripts/gpu_check.sh   (after scripts/setup.sh, or with EMAPG_TORCH_SPEC=skip on a CUDA torch)
-set -euo pipefail
+# The GPU acceptance run: on one GPU its timeouts add to at most 480 s (tests/test_house.py sums them); every
+# check runs even when an earlier one fails; one table at the end (check, result, figure). Figures come from
+# scripts/gpu_checks.py. The checks:
+#   device      the GPU torch sees
+#   unit        the estimator, log-prob, objective and anchor tests with every tensor on CUDA (float64 enumeration)
+#   signal      3 steps of SmolLM2-135M on one-digit additions, bf16 autocast: some groups get different rewards,
+#               so the policy gradient runs (a random model scores 0 everywhere)
+#   agree       one micro-batch's loss, bf16 autocast against fp32, the same rollout
+#   resume      2 steps in one go against 1 step + a resume to 2: the same policy and anchor; the export written
+#   eval        `emapg eval --device cuda` on two published-format fixtures, 2 samples each
+#   r1-8k       1 step of DeepSeek-R1-Distill-Qwen-1.5B's shape (untied head, 1.78B, random weights) with 8,192
+#               new tokens (no EOS: every row runs the whole budget), gradient checkpointing; peak memory reserved
+#   vllm-train  3 steps with rollout.backend=vllm in bf16 with sleep mode (when vllm is installed)
+#   vllm-eval   `emapg eval --backend vllm` (when vllm is installed)
+#   fsdp2       3 steps on 2 GPUs with torchrun + FSDP2 over NCCL (when there are 2 GPUs; on one GPU the
+#               test suite checks FSDP2 on the CPU with gloo)
+# Usage: bash scripts/gpu_check.sh   (after scripts/setup.sh, or with EMAPG_TORCH_SPEC=skip on a CUDA torch).
+# It writes under $EMAPG_GPU_CHECK_DIR (default: a new folder in /tmp), never into a folder that is not empty.
+# A rehearsal on a machine without a GPU: EMAPG_GPU_CHECK_DEVICE=cpu EMAPG_GPU_CHECK_SLACK=6 bash scripts/gpu_check.sh
+# runs the same commands on the CPU with 6x the time limits (device and unit then fail; r1-8k is skipped).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/emapg-gpu-check}
-rm -rf "$OUT" && mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=WARNING
+OUT=${EMAPG_GPU_CHECK_DIR:-$(mktemp -d /tmp/emapg-gpu-check.XXXXXX)}
+[ -z "$(ls -A "$OUT" 2>/dev/null)" ] || { echo "gpu_check: $OUT is not empty; give an empty or new folder"; exit 2; }
+mkdir -p "$OUT"
+NAMES=(); RESULTS=(); FIGURES=()
+DEV=${EMAPG_GPU_CHECK_DEVICE:-cuda}
+SLACK=${EMAPG_GPU_CHECK_SLACK:-1}
 
-echo "== 1. device"
-$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; p = torch.cuda.get_device_properties(0); print(torch.__version__, p.name, f'{p.total_memory / 2**30:.0f} GiB', torch.cuda.device_count(), 'GPU(s)')"
-
-echo "== 2. unit tests on CUDA"
-EMAPG_TEST_DEVICE=cuda timeout 240 $PY -m pytest -q -x -p no:cacheprovider tests/test_kl.py tests/test_logprobs.py \
-  tests/test_objective.py tests/test_anchor.py 2>&1 | tail -5
-
-COMMON=(--config recipes/smoke.yaml model=random-qwen2.5-0.5b device=cuda mixed_precision=bf16 steps=3
-        prompts_per_step=8 micro_batch_prompts=4 rollout.n=4 rollout.max_new_tokens=256 eval.size=0 export=false
-        save_every=100 algo.kl=topk_reverse algo.k=32 algo.eta=0.9 lr=1e-6)
-
-report() {  # median step seconds and generated tokens per second of a run folder
-  $PY - "$1" <<'PY'
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if l.strip()]
-rows = [r for r in rows if "step_seconds" in r]
-tok = [r["response_length"] * r["responses"] / r["gen_seconds"] for r in rows]
-print(f"   steps {len(rows)}: median step {statistics.median(r['step_seconds'] for r in rows):.2f} s "
-      f"(generation {statistics.median(r['gen_seconds'] for r in rows):.2f} s), "
-      f"{statistics.median(tok):.0f} generated tokens/s, mean response {statistics.fmean(r['response_length'] for r in rows):.0f} tokens, "
-      f"peak GPU memory {max(r.get('peak_memory_gb', float('nan')) for r in rows):.1f} GB")
-PY
+check() {  # check NAME TIMEOUT_SECONDS FIGURE_COMMAND -- COMMAND...: run it, keep its log, record result and figure
+  local name=$1 limit=$2 figure=$3
+  shift 4
+  echo "== $name (at most ${limit} s)"
+  local start=$SECONDS rc
+  timeout "$((limit * SLACK))" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  local fig=""
+  if [ $rc -eq 0 ] && [ -n "$figure" ]; then
+    fig=$(eval "$figure" 2>&1) || rc=1  # the figure's own check (a comparison, a file that must exist)
+    fig=$(printf '%s' "$fig" | tr '\n' ';' | sed 's/;/; /g')
+  fi
+  local result="pass"
+  if [ $rc -eq 124 ]; then result="TIMEOUT"; elif [ $rc -ne 0 ]; then result="FAIL"; fi
+  if [ "$result" != "pass" ]; then tail -4 "$OUT/$name.log" | sed 's/^/   /'; fig="${fig:-see $OUT/$name.log}"; fi
+  NAMES+=("$name"); RESULTS+=("$result ($((SECONDS - start)) s)"); FIGURES+=("$fig")
+  echo "   $result: $fig"
 }
+skip() { NAMES+=("$1"); RESULTS+=("skipped"); FIGURES+=("$2"); echo "== $1: skipped ($2)"; }
 
-echo "== 3a. 3 steps, Qwen2.5-0.5B shape, HF backend, bf16 autocast"
-timeout 240 $PY -m emapg train "${COMMON[@]}" --out "$OUT/hf" 2>&1 | tail -2
-report "$OUT/hf"
-echo "== 3b. the same with gradient checkpointing"
-timeout 240 $PY -m emapg train "${COMMON[@]}" gradient_checkpointing=true prefix_sharing=false --out "$OUT/gc" 2>&1 | tail -2
-report "$OUT/gc"
-echo "== 3c. 1 step, Qwen2.5-1.5B shape, 4,096 new tokens, gradient checkpointing"
-timeout 420 $PY -m emapg train "${COMMON[@]}" model=random-qwen2.5-1.5b steps=1 prompts_per_step=4 \
-  micro_batch_prompts=1 rollout.max_new_tokens=4096 gradient_checkpointing=true prefix_sharing=false \
-  --out "$OUT/1p5b" 2>&1 | tail -2
-report "$OUT/1p5b"
+TRAIN=(-m emapg train --config recipes/smoke.yaml device=$DEV export=false eval.size=0 save_every=100)
+SMALL=(model=smollm2-135m task_args.digits=1 mixed_precision=bf16 steps=3 prompts_per_step=8
+       micro_batch_prompts=4 rollout.n=4 rollout.max_new_tokens=16 algo.kl=topk_reverse algo.k=32 lr=1e-5)
+G="$PY scripts/gpu_checks.py"
 
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
-if [ "$NGPU" -ge 2 ]; then
-  echo "== 4. 2 GPUs, torchrun + FSDP2"
-  timeout 240 $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m emapg train "${COMMON[@]}" \
-    --out "$OUT/fsdp2" 2>&1 | tail -2
-  report "$OUT/fsdp2"
+check device 5 "tail -1 $OUT/device.log" -- $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; p = torch.cuda.get_device_properties(0); print(torch.__version__, p.name, f'{p.total_memory / 2**30:.0f} GiB', torch.cuda.device_count(), 'GPU(s)')"
+check unit 40 "grep -E 'passed|failed' $OUT/unit.log | tail -1" -- env EMAPG_TEST_DEVICE=cuda $PY -m pytest -q -x \
+  -p no:cacheprovider tests/test_kl.py tests/test_logprobs.py tests/test_objective.py tests/test_anchor.py
+check signal 40 "$G signal $OUT/signal && $G report $OUT/signal" -- $PY "${TRAIN[@]}" "${SMALL[@]}" --out "$OUT/signal"
+check agree 25 "tail -1 $OUT/agree.log" -- $G agree "$DEV"
+check resume 45 "$G same $OUT/whole $OUT/parts && test -f $OUT/whole/export/anchor/config.json" -- bash -c "
+  $PY ${TRAIN[*]} ${SMALL[*]} steps=2 save_every=1 export=true --out $OUT/whole &&
+  $PY ${TRAIN[*]} ${SMALL[*]} steps=1 save_every=1 --out $OUT/parts &&
+  $PY -m emapg train --resume $OUT/parts steps=2"
+check eval 25 "grep -F '| average |' $OUT/eval/eval.md | tail -1" -- $PY -m emapg eval --model smollm2-135m --task math \
+  --device "$DEV" --samples 2 --temperature 1.0 --top-p 0.95 --max-new-tokens 64 --out "$OUT/eval" \
+  --data tests/fixtures/evalsets/math500.jsonl tests/fixtures/evalsets/olympiadbench.jsonl
+if [ "$DEV" = cpu ]; then
+  skip r1-8k "a rehearsal on the CPU: 1.78B parameters and their optimizer state need a GPU's memory"
 else
-  echo "== 4. skipped: one GPU (FSDP2 over 2 processes is checked on CPU with gloo in the test suite)"
+  check r1-8k 200 "$G report $OUT/r1-8k" -- $PY "${TRAIN[@]}" model=random-qwen2.5-r1-1.5b mixed_precision=bf16 \
+    steps=1 prompts_per_step=1 micro_batch_prompts=1 rollout.n=2 rollout.max_new_tokens=8192 \
+    gradient_checkpointing=true prefix_sharing=false algo.kl=topk_reverse algo.k=32 lr=1e-6 --out "$OUT/r1-8k"
 fi
 if $PY -c "import vllm" 2>/dev/null; then
-  echo "== 5a. the real vLLM engine's tests on CUDA (tests/test_vllm_engine.py: run on the CPU build in CI)"
-  timeout 400 $PY -m pytest -q -x -m vllm -p no:cacheprovider tests/test_vllm_engine.py 2>&1 | \
-    grep -E "passed|failed|skipped|Error" | tail -6
-  echo "== 5b. 3 steps, Qwen2.5-0.5B shape, vLLM backend"
-  timeout 200 $PY -m emapg train "${COMMON[@]}" rollout.backend=vllm rollout.vllm_max_model_len=1024 --out "$OUT/vllm" 2>&1 | tail -2
-  report "$OUT/vllm"
+  check vllm-train 50 "$G report $OUT/vllm-train" -- $PY "${TRAIN[@]}" "${SMALL[@]}" rollout.backend=vllm \
+    rollout.vllm_sleep=true rollout.vllm_max_model_len=512 --out "$OUT/vllm-train"
+  check vllm-eval 40 "grep -F '| average |' $OUT/vllm-eval/eval.md | tail -1" -- $PY -m emapg eval --model smollm2-135m \
+    --task math --device "$DEV" --backend vllm --samples 2 --temperature 1.0 --max-new-tokens 64 --out "$OUT/vllm-eval" \
+    --data tests/fixtures/evalsets/math500.jsonl tests/fixtures/evalsets/olympiadbench.jsonl
 else
-  echo "== 5. skipped: vllm is not installed (pip install 'emapg[vllm]')"
+  skip vllm-train "vllm is not installed (pip install 'emapg[vllm]')"
+  skip vllm-eval "vllm is not installed"
 fi
-echo "== 6. emapg eval on the GPU: two published-format sets, 2 samples each, a row per set and their average"
-EVAL=(--model random-qwen2.5-0.5b --task math --task-args '{"template": "chat"}' --device cuda --samples 2
-      --temperature 1.0 --top-p 0.95 --max-new-tokens 64
-      --data tests/fixtures/evalsets/math500.jsonl tests/fixtures/evalsets/olympiadbench.jsonl)
-timeout 90 $PY -m emapg eval "${EVAL[@]}" --out "$OUT/eval" 2>&1 | tail -8
-if $PY -c "import vllm" 2>/dev/null; then
-  echo "== 6b. the same with --backend vllm"
-  timeout 150 $PY -m emapg eval "${EVAL[@]}" --backend vllm --out "$OUT/eval-vllm" 2>&1 | tail -8
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)" -ge 2 ]; then
+  check fsdp2 60 "$G report $OUT/fsdp2" -- $PY -m torch.distributed.run --standalone --nproc_per_node 2 \
+    "${TRAIN[@]}" "${SMALL[@]}" --out "$OUT/fsdp2"
+else
+  skip fsdp2 "one GPU (FSDP2 over 2 processes runs on the CPU with gloo in the test suite)"
 fi
-echo "== done: runs in $OUT"
+
+echo
+echo "| check | result | figure |"
+echo "|---|---|---|"
+failed=0
+for i in "${!NAMES[@]}"; do
+  echo "| ${NAMES[$i]} | ${RESULTS[$i]} | ${FIGURES[$i]} |"
+  case "${RESULTS[$i]}" in pass*|skipped) ;; *) failed=1 ;; esac
+done
+echo
+echo "logs and runs: $OUT"
+exit $failed

@@ -41,3 +41,15 @@ def test_no_function_is_longer_than_sixty_lines():
 
 def test_the_trainer_class_only_trains():
     assert lengths(SRC / "trainer.py")["Trainer"][1] < MAX_TRAINER_LINES
+
+
+def test_the_gpu_acceptance_run_fits_eight_minutes_on_one_gpu():
+    """scripts/gpu_check.sh's time limits, every check that runs on one GPU (fsdp2 needs two): at most 480 s."""
+    import re
+
+    script = (SRC.parents[1] / "scripts" / "gpu_check.sh").read_text()
+    limits = dict(re.findall(r"^\s*check ([a-z0-9-]+) (\d+) ", script, re.M))
+    assert {"device", "unit", "signal", "agree", "resume", "eval", "r1-8k", "vllm-train", "vllm-eval",
+            "fsdp2"} <= set(limits)
+    one_gpu = sum(int(v) for k, v in limits.items() if k != "fsdp2")
+    assert one_gpu <= 480, f"the checks on one GPU may take {one_gpu} s"

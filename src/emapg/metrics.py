@@ -234,9 +234,11 @@ def final_table(run_dir: Path, initial_eval: dict[str, Any] | None) -> dict[str,
 
 
 def peak_memory_row(device: torch.device) -> dict[str, float]:
-    """On CUDA, this rank's memory high-water mark since the last call (GiB), then reset; else nothing."""
+    """On CUDA, this rank's memory high-water marks since the last call (GiB), then reset: what tensors held
+    (allocated) and what the allocator took from the GPU (reserved: what must fit); else nothing."""
     if device.type != "cuda":
         return {}
     peak = torch.cuda.max_memory_allocated(device) / 2**30
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30
     torch.cuda.reset_peak_memory_stats(device)
-    return {"peak_memory_gb": peak}
+    return {"peak_memory_gb": peak, "peak_reserved_gb": reserved}

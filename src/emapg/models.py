@@ -7,7 +7,8 @@ Built-in names:
   imported), checked against its sha256, dequantised once by transformers and cached as a
   safetensors folder under ``$EMAPG_CACHE`` (default ``~/.cache/emapg``).
 * ``tiny-llama``, ``tiny-qwen2``: small random models built from a config, for tests and smoke runs.
-* ``random-qwen2.5-0.5b``, ``random-qwen2.5-1.5b``: random weights in the shapes of Qwen2.5-0.5B/1.5B
+* ``random-qwen2.5-0.5b``, ``random-qwen2.5-1.5b``, ``random-qwen2.5-r1-1.5b``: random weights in the shapes of
+  Qwen2.5-0.5B/1.5B and of DeepSeek-R1-Distill-Qwen-1.5B (untied head)
   (with the tiny byte tokenizer), for speed and memory checks on machines without the real weights.
 
 Nothing is fetched from a hub; ``trust_remote_code`` is off unless the caller asks for it.
@@ -33,9 +34,13 @@ SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 END_TOKEN = "<|im_end|>"
-BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-llama-h32", "random-qwen2.5-0.5b", "random-qwen2.5-1.5b")
+BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-llama-h32", "random-qwen2.5-0.5b", "random-qwen2.5-1.5b",
+           "random-qwen2.5-r1-1.5b")
 # Shapes of the Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate); vocab 151936, tied at 0.5B.
-QWEN25_SHAPES = {"0.5b": (896, 24, 14, 2, 4864, True), "1.5b": (1536, 28, 12, 2, 8960, True)}
+# (hidden, layers, heads, kv heads, intermediate, tied): Qwen2.5-0.5B, Qwen2.5-1.5B (tied, 1.54B) and
+# DeepSeek-R1-Distill-Qwen-1.5B (its config.json: the same body, an untied head, 1.78B)
+QWEN25_SHAPES = {"0.5b": (896, 24, 14, 2, 4864, True), "1.5b": (1536, 28, 12, 2, 8960, True),
+                 "r1-1.5b": (1536, 28, 12, 2, 8960, False)}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,7 +113,7 @@ def tiny_model(kind: str = "llama", vocab_size: int = 512, seed: int = 0, head_d
 
 
 def random_qwen25(size: str, seed: int = 0) -> nn.Module:
-    """A Qwen2.5-shaped model with random weights (``size`` 0.5b or 1.5b): real compute and memory cost."""
+    """A Qwen2.5-shaped model with random weights (``size`` 0.5b, 1.5b or r1-1.5b): real compute and memory cost."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, heads, kv, inter, tied = QWEN25_SHAPES[size]
