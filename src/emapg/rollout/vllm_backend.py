@@ -318,6 +318,8 @@ class VLLMRollout:
         if self.synced_version == version:
             return False
         if self.asleep:
+            if torch.cuda.is_available():  # the update's freed blocks go back to the GPU before vLLM reclaims its share
+                torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=policy_weights(model),
                                                                is_checkpoint_format=True))
