@@ -28,9 +28,11 @@ def report(run: str) -> int:
         return 1
     tok = statistics.median(r["response_length"] * r["responses"] / r["gen_seconds"] for r in rs)
     peak = max(r.get("peak_reserved_gb", float("nan")) for r in rs)
+    tis = (f", TIS weight {statistics.fmean(r['tis_weight'] for r in rs):.4f} (capped "
+           f"{statistics.fmean(r['tis_capped_frac'] for r in rs):.1e})" if "tis_weight" in rs[0] else "")
     print(f"{len(rs)} steps, median {statistics.median(r['step_seconds'] for r in rs):.1f} s/step, "
           f"{tok:.0f} tok/s, mean response {statistics.fmean(r['response_length'] for r in rs):.0f} tokens, "
-          f"peak {peak:.1f} GiB reserved")
+          f"peak {peak:.1f} GiB reserved{tis}")
     return 0
 
 

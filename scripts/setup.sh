@@ -28,8 +28,10 @@ install_venv() {  # install_venv DIR EXTRAS
 
 # Installed once, then again only when what decides its contents changed: later calls (demo.sh, test.sh)
 # start without touching the network.
-main_stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-if [ "$(cat .venv/.emapg-setup 2>/dev/null)" != "$main_stamp" ] || ! .venv/bin/python -c "import emapg, torch" 2>/dev/null; then
+main_stamp=$( (cat pyproject.toml scripts/setup.sh; echo "$TORCH_SPEC $PY") | sha256sum | cut -c1-16)
+# (a venv copied from another checkout imports that checkout's emapg: reinstalled)
+here="import emapg, torch, pathlib, sys; sys.exit(not pathlib.Path(emapg.__file__).resolve().is_relative_to(pathlib.Path('src').resolve()))"
+if [ "$(cat .venv/.emapg-setup 2>/dev/null)" != "$main_stamp" ] || ! .venv/bin/python -c "$here" 2>/dev/null; then
   install_venv .venv "math,search,dense,trl,wandb,dev"
   echo "$main_stamp" > .venv/.emapg-setup
 fi

@@ -23,14 +23,26 @@ def cfg(*overrides):
 
 @pytest.fixture(scope="module")
 def mismatched(tmp_path_factory):
-    """A trainer that recomputes pi_old with TIS at cap 1.5, and one micro-batch whose sampler log-probs are
-    off by up to +-0.5 nats (a sampler that rounds or computes differently)."""
-    tr = Trainer(cfg("algo.recompute_old=true", "algo.tis_cap=1.5"), tmp_path_factory.mktemp("run"), progress=False)
+    """A trainer that recomputes pi_old with TIS at cap 1.5 and weighs the KL by pi_old, and one micro-batch
+    whose sampler log-probs are off by up to +-0.5 nats (a sampler that rounds or computes differently), with
+    advantages that are not 0 (a random model earns no reward)."""
+    tr = Trainer(cfg("algo.recompute_old=true", "algo.tis_cap=1.5", "algo.kl_weight=old"),
+                 tmp_path_factory.mktemp("run"), progress=False)
     batch = tr.rollout(1)
     mb = batch.micro_batches(tr.cfg.micro_batch_prompts)[0]
     gen = torch.Generator().manual_seed(0)
     mb.samp_logp = (mb.samp_logp + (torch.rand(mb.samp_logp.shape, generator=gen) - 0.5)) * mb.response_mask
+    mb.advantages = torch.randn(mb.advantages.shape, generator=gen)
     return tr, mb
+
+
+def moved_anchor(tr, mb):
+    """The anchor pass with the anchor's log-probs moved (at step 1 it equals the policy: every KL would be 0)."""
+    anc = tr.anchor_pass(mb)
+    gen = torch.Generator().manual_seed(1)
+    anc.logp_tok = anc.logp_tok - torch.rand(anc.logp_tok.shape, generator=gen)
+    anc.logp_head = anc.logp_head - torch.rand(anc.logp_head.shape, generator=gen)
+    return anc
 
 
 def test_pi_old_is_the_trainers_own_and_weighs_the_kl(mismatched):
@@ -45,25 +57,40 @@ def test_pi_old_is_the_trainers_own_and_weighs_the_kl(mismatched):
     assert (anc.tis == 1.5).any() and (anc.tis < 1).any()
 
 
-def test_the_loss_applies_the_truncated_weights_and_the_trainers_kl_weight(mismatched):
-    tr, mb = mismatched
-    anc = tr.anchor_pass(mb)
-    valid = mb.response_mask.bool()
-    pol = tr._logprobs(tr.model, mb, ids=anc.head_ids)
+def reference_loss(tr, mb, anc, pol, weight_logp, tis):
+    a, valid = tr.cfg.algo, mb.response_mask.bool()
     counts = {"num_tokens": float(valid.sum()), "num_seqs": float(mb.response_mask.shape[0]), "max_len": 8}
-    a = tr.cfg.algo
-    total, stats = algo.loss(pol, anc, mb, a, counts)
     scatter = lambda v: v.new_zeros(valid.shape).index_put(valid.nonzero(as_tuple=True), v)  # noqa: E731
     sur = clipped_surrogate(scatter(pol.logp_tok), scatter(anc.old_logp), mb.advantages, a.eps_low, a.eps_high,
                             a.dual_clip)
-    pg = aggregate(sur.loss * scatter(anc.tis), mb.response_mask, a.agg, **counts)
-    p = mb.response_ids[valid]
-    kl_tok = kl.kl_from_logprobs(a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=anc.old_logp,
+    pg = aggregate(sur.loss * (1 if tis is None else scatter(tis)), mb.response_mask, a.agg, **counts)
+    kl_tok = kl.kl_from_logprobs(a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=weight_logp,
                                  policy_logp_q=pol.logp_ids, anchor_logp_q=anc.logp_head,
-                                 in_q=kl.in_head(anc.head_ids, p), form=a.form, is_clip=a.is_clip)
-    kl_term = aggregate(scatter(kl_tok), mb.response_mask, a.agg, **counts)
-    torch.testing.assert_close(total, a.pg_coef * pg + a.beta * kl_term)
+                                 in_q=kl.in_head(anc.head_ids, mb.response_ids[valid]), form=a.form, is_clip=a.is_clip)
+    return a.pg_coef * pg + a.beta * aggregate(scatter(kl_tok), mb.response_mask, a.agg, **counts), counts
+
+
+def test_the_loss_applies_the_truncated_weights_and_the_kl_weight_it_is_told(mismatched):
+    import dataclasses
+
+    tr, mb = mismatched
+    anc = moved_anchor(tr, mb)
+    pol = tr._logprobs(tr.model, mb, ids=anc.head_ids)
+    samp = mb.samp_logp[mb.response_mask.bool()]
+    want, counts = reference_loss(tr, mb, anc, pol, anc.old_logp, anc.tis)
+    total, stats = algo.loss(pol, anc, mb, tr.cfg.algo, counts)
+    torch.testing.assert_close(total, want)
     assert stats["tis_capped_frac"] > 0 and 0 < stats["tis_weight"] / stats["tokens"] < 1.5
+    # each part matters: without the truncated weights, or with the KL weighed over the sampler's log-probs, the
+    # loss differs (s over pi_old is 1 here, before any update, so kl_weight none gives this loss too)
+    for other in (reference_loss(tr, mb, anc, pol, anc.old_logp, None)[0],
+                  reference_loss(tr, mb, anc, pol, samp, anc.tis)[0]):
+        assert (other - want).abs() > 1e-5
+    for weight, denominator in (("sampler", samp), ("none", None)):
+        a = dataclasses.replace(tr.cfg.algo, kl_weight=weight)
+        plain = dataclasses.replace(anc, weight_logp=None)
+        torch.testing.assert_close(algo.loss(pol, plain, mb, a, counts)[0],
+                                   reference_loss(tr, mb, anc, pol, denominator, anc.tis)[0])
 
 
 def test_the_default_recomputes_for_another_engine_only():
@@ -72,6 +99,10 @@ def test_the_default_recomputes_for_another_engine_only():
     assert not algo.needs_old_pass(cfg().algo, 1.0, recompute=False) and algo.needs_old_pass(cfg().algo, 1.0, True)
     with pytest.raises(ConfigError, match="algo.tis_cap: needs pi_old recomputed by the trainer"):
         cfg("algo.tis_cap=2")
+    with pytest.raises(ConfigError, match="algo.kl_weight: old needs pi_old recomputed"):
+        cfg("algo.kl_weight=old")
+    # pure distillation on vLLM: nothing uses a recomputed pi_old, so no pass runs for it
+    assert not algo.needs_old_pass(cfg("algo.pg_coef=0", "algo.teacher=tiny-llama", "algo.beta=1").algo, 1.0, True)
 
 
 def test_a_run_with_recompute_and_tis_trains_and_logs_the_weights(tmp_path):

@@ -322,8 +322,9 @@ def test_eval_with_the_vllm_backend_equals_the_decode_loop(tmp_path):
 
 def test_pi_old_is_recomputed_by_the_trainer_when_vllm_samples(tmp_path):
     """With the vLLM sampler pi_old comes from the trainer's own pass (algo.recompute_old's default), not from
-    the engine's log-probs, which another set of kernels computed; TIS weights are the ratio of the two."""
-    tr = trainer(tmp_path, "algo.k=8", "algo.tis_cap=2.0")
+    the engine's log-probs, which another set of kernels computed; TIS weights are the ratio of the two, and
+    kl_weight: old (the search fork's) makes pi_old the KL's weight's denominator."""
+    tr = trainer(tmp_path, "algo.k=8", "algo.tis_cap=2.0", "algo.kl_weight=old")
     try:
         batch = tr.rollout(1)
         mb = batch.micro_batches(tr.cfg.micro_batch_prompts)[0]

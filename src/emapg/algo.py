@@ -94,16 +94,18 @@ def anchor_request(head: KLHead, mb: RolloutBatch, vocab: int) -> tuple[Tensor |
 def needs_old_pass(a: AlgoConfig, top_p: float, recompute: bool = False) -> bool:
     """Whether pi_old needs its own no-grad pass. With one PPO epoch and top_p = 1 the sampler's
     log-probs are pi_old's; under top-p they are the truncated distribution's, not the policy's; and
-    ``recompute`` (another engine sampled) takes pi_old from the trainer whatever the sampler says."""
-    return a.ppo_epochs > 1 or top_p < 1.0 or recompute
+    ``recompute`` (another engine sampled) takes pi_old from the trainer whatever the sampler says, where
+    something uses it (the policy gradient, or the KL's weight; not pure distillation)."""
+    return a.ppo_epochs > 1 or top_p < 1.0 or (recompute and (a.pg_coef > 0 or a.kl_weight == "old"))
 
 
 def anchor_stats(head: KLHead, st: TokenLogprobs, ids: Tensor | None, mb: RolloutBatch, old_logp: Tensor | None,
                  init_logp_tok: Tensor | None, a: AlgoConfig | None = None,
                  recompute: bool = False) -> AnchorStats:
     """The anchor pass's output as :class:`AnchorStats`; ``old_logp=None``: pi_old = pi_samp. With
-    ``recompute`` the trainer's pi_old also weighs the KL's sampled term (verl's choice), and ``a.tis_cap``
-    gives each token its truncated importance weight min(pi_old / pi_samp, cap)."""
+    ``recompute``, ``a.kl_weight == "old"`` makes the trainer's pi_old weigh the KL's sampled term (the
+    search fork's choice), and ``a.tis_cap`` gives each token its truncated importance weight
+    min(pi_old / pi_samp, cap)."""
     head_ids, logp_head = ids, st.logp_ids
     if st.topk_ids is not None:  # the anchor chose the head (its own top-k)
         head_ids, logp_head = st.topk_ids, st.topk_logp
@@ -113,7 +115,7 @@ def anchor_stats(head: KLHead, st: TokenLogprobs, ids: Tensor | None, mb: Rollou
     if recompute and a is not None and a.tis_cap is not None:
         tis = torch.exp(old - samp).clamp(max=a.tis_cap).detach()
     return AnchorStats(st.logp_tok, logp_head, head_ids, old, init_logp_tok, exact=head.kind == "all",
-                       weight_logp=old if recompute else None, tis=tis)
+                       weight_logp=old if recompute and a is not None and a.kl_weight == "old" else None, tis=tis)
 
 
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:
@@ -132,10 +134,11 @@ def loss(pol: TokenLogprobs, anc: AnchorStats, mb: RolloutBatch, a: AlgoConfig,
     mask = mb.response_mask
     valid = mask.bool()
     p = mb.response_ids[valid]  # the sampled tokens
-    # log pi_samp(p): the KL's importance weight s = pi_theta / pi_samp (pi_old's, where the trainer recomputed it)
+    # log pi_samp(p): the KL's importance weight s = pi_theta / pi_samp (algo.kl_weight: or pi_old's, or none)
     samp = mb.samp_logp[valid] if anc.weight_logp is None else anc.weight_logp
     has_tail = anc.head_ids is not None and not anc.exact
-    kl_tok = kl.kl_from_logprobs(a.kl, pol.logp_tok, anc.logp_tok, samp_logp_tok=samp,
+    kl_tok = kl.kl_from_logprobs(a.kl, pol.logp_tok, anc.logp_tok,
+                                 samp_logp_tok=None if a.kl_weight == "none" else samp,
                                  policy_logp_q=pol.logp_ids, anchor_logp_q=anc.logp_head,
                                  in_q=kl.in_head(anc.head_ids, p) if has_tail else None,
                                  form=a.form, is_clip=a.is_clip)

@@ -81,14 +81,20 @@ class AlgoConfig:
     mask_truncated: bool = False
     """Exclude responses that hit max_new_tokens without an end-of-sequence from the loss."""
     recompute_old: bool | None = None
-    """pi_old from a no-grad pass of the policy in the trainer (as verl does), in the PPO ratio and in the
-    KL's importance weight, instead of the sampler's log-probs, which another engine computes with other
-    kernels (vLLM in bf16 rounds differently). None = true with rollout.backend vllm, false with hf (whose
-    sampler is the trainer's own model; a pass still runs for the ratio under top_p < 1 or several epochs)."""
+    """pi_old from a no-grad pass of the policy in the trainer (as verl does) in the PPO ratio, instead of the
+    sampler's log-probs, which another engine computes with other kernels (vLLM in bf16 rounds differently).
+    None = true with rollout.backend vllm, false with hf (whose sampler is the trainer's own model; a pass
+    still runs for the ratio under top_p < 1 or several epochs)."""
+    kl_weight: str = "sampler"
+    """The KL's importance weight s = pi_theta / (.) on its sampled term: ``sampler`` (over the distribution
+    the tokens were drawn from, after top-p, as the sampler recorded it: unbiased), ``old`` (over pi_old
+    recomputed by the trainer: the paper's search fork, ``use_kl_iw``; needs recompute_old) or ``none``
+    (s = 1, verl's KL losses such as low_var_kl: biased on tokens sampled by an older policy)."""
     tis_cap: float | None = None
     """Truncated importance sampling (Yao et al., 2025) for the sampler/trainer mismatch: each token's
     policy-gradient term weighted by min(pi_old / pi_samp, tis_cap), detached, with pi_old the trainer's
-    (so it needs pi_old recomputed). None = off, as in the paper's reference runs; 2 is the usual cap."""
+    (so it needs pi_old recomputed). None = off, as in the paper's reference runs; 2 is the usual cap. Under
+    top_p < 1 pi_samp is the truncated distribution, so the weights also carry the mass top-p cut."""
 
 
 @dataclass
@@ -451,6 +457,7 @@ RULES: dict[str, Rule] = {
                            "expected float32, bfloat16, float16 or null (the policy's dtype)"),
     "algo.is_clip": _above(0, null=True),
     "algo.tis_cap": _above(0, null=True),
+    "algo.kl_weight": _one_of(("sampler", "old", "none")),
     "algo.eps_low": _within(0, 1, high_open=True),
     "algo.eps_high": _at_least(0),
     "algo.dual_clip": _above(1, null=True),
@@ -540,6 +547,8 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
      lambda c: f"0 with algo.teacher={c.algo.teacher!r} ignores the teacher: distillation needs beta > 0"),
     ("algo.tis_cap", lambda c: c.algo.tis_cap is None or recomputes_old(c),
      lambda c: "needs pi_old recomputed by the trainer (algo.recompute_old: true, or the vllm backend)"),
+    ("algo.kl_weight", lambda c: c.algo.kl_weight != "old" or recomputes_old(c),
+     lambda c: "old needs pi_old recomputed by the trainer (algo.recompute_old: true, or the vllm backend)"),
     ("gradient_checkpointing", lambda c: not (c.gradient_checkpointing and c.prefix_sharing),
      lambda c: "needs prefix_sharing: false (checkpointed layers keep no key/value cache to share), got True"),
     ("warmup_ratio", lambda c: not (c.warmup_ratio and c.warmup_steps),
