@@ -19,7 +19,8 @@
 # Usage: bash scripts/gpu_check.sh   (after scripts/setup.sh, or with EMAPG_TORCH_SPEC=skip on a CUDA torch).
 # It writes under $EMAPG_GPU_CHECK_DIR (default: a new folder in /tmp), never into a folder that is not empty.
 # A rehearsal on a machine without a GPU: EMAPG_GPU_CHECK_DEVICE=cpu EMAPG_GPU_CHECK_SLACK=6 bash scripts/gpu_check.sh
-# runs the same commands on the CPU with 6x the time limits (device and unit then fail; r1-8k is skipped).
+# runs the same commands on the CPU with 6x the time limits, in fp32 (bf16 autocast crawls on most CPUs; device and
+# unit then fail, r1-8k is skipped). EMAPG_GPU_CHECK_ONLY="signal resume" runs only the checks named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -38,6 +39,9 @@ export CUBLAS_WORKSPACE_CONFIG=:4096:8
 check() {  # check NAME TIMEOUT_SECONDS FIGURE_COMMAND -- COMMAND...: run it, keep its log, record result and figure
   local name=$1 limit=$2 figure=$3
   shift 4
+  if [ -n "${EMAPG_GPU_CHECK_ONLY:-}" ] && [[ " $EMAPG_GPU_CHECK_ONLY " != *" $name "* ]]; then
+    skip "$name" "not asked (EMAPG_GPU_CHECK_ONLY)"; return
+  fi
   echo "== $name (at most ${limit} s)"
   local start=$SECONDS rc
   timeout -k 10 "$((limit * SLACK))" "$@" > "$OUT/$name.log" 2>&1
@@ -56,7 +60,9 @@ check() {  # check NAME TIMEOUT_SECONDS FIGURE_COMMAND -- COMMAND...: run it, ke
 skip() { NAMES+=("$1"); RESULTS+=("skipped"); FIGURES+=("$2"); echo "== $1: skipped ($2)"; }
 
 TRAIN=(-m emapg train --config recipes/smoke.yaml device=$DEV export=false eval.size=0 save_every=100)
-SMALL=(model=smollm2-135m task_args.digits=1 mixed_precision=bf16 steps=3 prompts_per_step=8
+MP=bf16; SLEEP=true
+[ "$DEV" = cpu ] && MP=null && SLEEP=false  # the rehearsal computes in fp32; vLLM's CPU build has no sleep mode
+SMALL=(model=smollm2-135m task_args.digits=1 mixed_precision=$MP steps=3 prompts_per_step=8
        micro_batch_prompts=4 rollout.n=4 rollout.max_new_tokens=16 algo.kl=topk_reverse algo.k=32 lr=1e-5)
 G="$PY scripts/gpu_checks.py"
 
@@ -69,7 +75,7 @@ check resume 40 "$G same $OUT/whole $OUT/parts && test -f $OUT/whole/export/anch
   $PY ${TRAIN[*]} ${SMALL[*]} steps=2 save_every=1 export=true --out $OUT/whole &&
   $PY ${TRAIN[*]} ${SMALL[*]} steps=1 save_every=1 --out $OUT/parts &&
   $PY -m emapg train --resume $OUT/parts steps=2"
-check eval 25 "grep -F '| average |' $OUT/eval/eval.md | tail -1" -- $PY -m emapg eval --model smollm2-135m --task math \
+check eval 25 "grep -E '^[|] [^|]+ [|] average [|]' $OUT/eval/eval.md" -- $PY -m emapg eval --model smollm2-135m --task math \
   --device "$DEV" --samples 2 --temperature 1.0 --top-p 0.95 --max-new-tokens 64 --out "$OUT/eval" \
   --data tests/fixtures/evalsets/math500.jsonl tests/fixtures/evalsets/olympiadbench.jsonl
 if [ "$DEV" = cpu ]; then
@@ -81,9 +87,9 @@ else
 fi
 if $PY -c "import vllm" 2>/dev/null; then
   check vllm-train 55 "$G report $OUT/vllm-train" -- $PY "${TRAIN[@]}" "${SMALL[@]}" rollout.backend=vllm \
-    rollout.vllm_sleep=true rollout.vllm_max_model_len=512 rollout.vllm_enforce_eager=true algo.tis_cap=2 \
+    rollout.vllm_sleep=$SLEEP rollout.vllm_max_model_len=512 rollout.vllm_enforce_eager=true algo.tis_cap=2 \
     --out "$OUT/vllm-train"
-  check vllm-eval 45 "grep -F '| average |' $OUT/vllm-eval/eval.md | tail -1" -- $PY -m emapg eval --model smollm2-135m \
+  check vllm-eval 45 "grep -E '^[|] [^|]+ [|] average [|]' $OUT/vllm-eval/eval.md" -- $PY -m emapg eval --model smollm2-135m \
     --task math --device "$DEV" --backend vllm --samples 2 --temperature 1.0 --max-new-tokens 64 --out "$OUT/vllm-eval" \
     --data tests/fixtures/evalsets/math500.jsonl tests/fixtures/evalsets/olympiadbench.jsonl
 else
