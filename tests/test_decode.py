@@ -256,3 +256,36 @@ def test_the_prefix_sharing_field_reaches_generation(sharing, tmp_path, monkeypa
                  tmp_path, progress=False)
     tr.rollout(1)
     assert calls == ([tr.cfg.rollout.n] if sharing else [])
+
+
+class _HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the device-to-host reads emapg's own rollout code makes (a tensor's truth value, item, tolist,
+    int, float): on a GPU each one stalls the host until the device has caught up."""
+
+    READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.ours = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            import traceback
+
+            caller = traceback.extract_stack(limit=2)[0].filename  # the frame that asked
+            self.ours += "/emapg/rollout/" in caller
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_the_decode_loop_reads_the_device_once_per_token(tokens):
+    """One host sync per generated token (whether to stop, whether to compact), a few per call: a sync that
+    creeps into the loop fails here (transformers' own mask check is not counted)."""
+    model, tok = load_model("tiny-llama", "float32")
+    examples = make_task("arithmetic", digits=1).eval_examples(4)
+    torch.manual_seed(0)
+    with _HostSyncs() as counter:
+        out = generate(model, tok, examples, SamplingSpec(n=2, max_new_tokens=tokens, k=4))
+    steps = out.response_ids.shape[1]
+    assert steps == tokens  # the random model never says EOS: every step runs
+    assert counter.ours <= steps + 8, (counter.ours, steps)

@@ -243,9 +243,10 @@ def decode(
         live = live & ~done
         unfinished[rows] = live
         steps = t + 1
-        if not live.any() or steps == max_new_tokens:
+        n_live = int(live.sum())  # the step's one host sync (tests/test_decode.py counts them): stop? compact?
+        if n_live == 0 or steps == max_new_tokens:
             break
-        if not keep_state and live.sum() < COMPACT_BELOW * len(rows):
+        if not keep_state and n_live < COMPACT_BELOW * len(rows):
             # finished rows leave the batch: later steps compute only the rows still generating
             keep = live.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
