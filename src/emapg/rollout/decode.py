@@ -217,10 +217,9 @@ def decode(
     temperature and top-p) log-prob of the token, entropy, tail mass and top-k ids; greedy decoding
     takes the argmax and records the tempered distribution. Only one step's ``[B, vocab]`` is alive.
 
-    Returns the :class:`Sampled` tokens and the state whose cache holds every row's real tokens but
-    the last one generated (not yet fed). ``keep_state=False`` returns no state, and lets rows leave
-    the batch once they finish (when fewer than ``COMPACT_BELOW`` of the computed rows still generate).
-    """
+    Returns the :class:`Sampled` tokens and the state whose cache holds every row's real tokens but the last
+    one generated (not yet fed). ``keep_state=False`` returns no state, and lets rows leave the batch once they
+    finish (when fewer than ``COMPACT_BELOW`` of the computed rows still generate)."""
     device, b = new_ids.device, new_ids.shape[0]
     mask = new_mask if state is None else torch.cat([state.mask, new_mask], 1)
     cache = new_cache(model, spare=max_new_tokens) if state is None else state.cache
