@@ -310,6 +310,19 @@ def test_config_validation_messages(override, message):
         load_config(SMOKE, [override])
 
 
+def test_a_bad_override_is_blamed_on_the_command_line_not_the_file(tmp_path):
+    from emapg.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^override steps=abc \(over .*smoke.yaml\): steps: expected int"):
+        load_config(SMOKE, ["algo.k=4", "steps=abc"])
+    with pytest.raises(ConfigError, match=r"^override algo.eta=2 \(over .*smoke.yaml\): algo.eta: must be in"):
+        load_config(SMOKE, ["algo.eta=2"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: tiny-llama\nsteps: abc\n")
+    with pytest.raises(ConfigError, match=r"^\S*bad.yaml: steps: expected int"):  # the file's own value: the file
+        load_config(bad, ["algo.k=4"])
+
+
 def test_config_file_errors_name_file_and_line(tmp_path):
     from emapg.config import ConfigError
 

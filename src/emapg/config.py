@@ -376,8 +376,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = _build(TrainConfig, data, "")
         validate(cfg)
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(f"{_blamed(str(e), source, overrides or [])}: {e}") from None
     return cfg
+
+
+def _blamed(message: str, source: str, overrides: list[str]) -> str:
+    """Where a bad value came from: the command line's ``KEY=VALUE`` that set the field the message names
+    (``override steps=abc (over smoke.yaml)``), else the config file."""
+    field = message.split(":", 1)[0].strip()
+    for item in reversed(overrides):  # the last override of a field is the one that counts
+        key = item.split("=", 1)[0].strip()
+        if key == field or key.startswith(field + ".") or field.startswith(key + "."):
+            return f"override {item} (over {source})"
+    return source
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
