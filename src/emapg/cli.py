@@ -98,7 +98,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from emapg.evalsuite import EvalPlan, parse_sets, resolve_device, resolve_dtype, run
+    from emapg.evalsuite import EvalPlan, markdown, parse_sets, resolve_device, resolve_dtype, run
     from emapg.rollout.sampling import SamplingSpec
 
     for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -120,8 +120,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    from emapg.evalsuite import markdown
-
     print(markdown(run(plan, out)))
     return 0
 

@@ -201,23 +201,6 @@ def write_eval_table(run_dir: Path, table: dict[str, dict[str, Any] | None], not
     return md
 
 
-def eval_markdown(model: str, rows: list[dict[str, Any]]) -> str:
-    """One table for an eval run: a row per dataset (avg@n, pass@k, length) and their average."""
-    ks = sorted({k for r in rows for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
-    extra = sorted({k for r in rows for k in r if k.endswith("_mean")})  # rollout diagnostics, e.g. searches
-    head = ["dataset", "problems", "samples", "avg@n"] + ks + ["mean tokens"] + [k[: -len("_mean")] for k in extra]
-    lines = [f"model: {model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["dataset"], str(r["num"] // max(r.get("samples", 1), 1)), str(r.get("samples", 1)),
-                 f"{100 * r['accuracy']:.1f}"] + [f"{100 * r[k]:.1f}" for k in ks] + [f"{r['mean_length']:.0f}"]
-        cells += [f"{r[k]:.2f}" if k in r else "" for k in extra]
-        lines.append("| " + " | ".join(cells) + " |")
-    if len(rows) > 1:
-        avg = sum(r["accuracy"] for r in rows) / len(rows)
-        lines.append(f"| average | | | {100 * avg:.1f} |" + " |" * (len(ks) + 1 + len(extra)))
-    return "\n".join(lines) + "\n"
-
-
 def final_table(run_dir: Path, initial_eval: dict[str, Any] | None) -> dict[str, Any]:
     """The run's eval table, {'init', 'policy', 'anchor'}: the step-0 evaluation and the last evaluations
     metrics.jsonl holds; written as eval.json and eval.md, with the paired test of the anchor against its

@@ -36,9 +36,8 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 END_TOKEN = "<|im_end|>"
 BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-llama-h32", "random-qwen2.5-0.5b", "random-qwen2.5-1.5b",
            "random-qwen2.5-r1-1.5b")
-# Shapes of the Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate); vocab 151936, tied at 0.5B.
 # (hidden, layers, heads, kv heads, intermediate, tied): Qwen2.5-0.5B, Qwen2.5-1.5B (tied, 1.54B) and
-# DeepSeek-R1-Distill-Qwen-1.5B (its config.json: the same body, an untied head, 1.78B)
+# DeepSeek-R1-Distill-Qwen-1.5B (its config.json: the same body, an untied head, 1.78B); vocab 151936
 QWEN25_SHAPES = {"0.5b": (896, 24, 14, 2, 4864, True), "1.5b": (1536, 28, 12, 2, 8960, True),
                  "r1-1.5b": (1536, 28, 12, 2, 8960, False)}
 

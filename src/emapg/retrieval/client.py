@@ -126,12 +126,12 @@ class HTTPRetriever:
             queries = [q[: limits["max_query_chars"]] for q in queries]
         budget = limits.get("max_body_bytes")
         parts: list[list[str]] = [[]]
-        size = len(_encode({"queries": [], "topk": topk, "return_scores": True}))
+        size = empty = len(_encode({"queries": [], "topk": topk, "return_scores": True}))
         for q in queries:
             cost = len(_encode(q)) + 2  # the string and its separator
             if parts[-1] and (len(parts[-1]) >= most or (budget and size + cost > budget)):
                 parts.append([])
-                size = len(_encode({"queries": [], "topk": topk, "return_scores": True}))
+                size = empty
             parts[-1].append(q)
             size += cost
         return parts

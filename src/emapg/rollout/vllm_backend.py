@@ -236,7 +236,6 @@ def engine_for_eval(model: nn.Module, tokenizer, tasks: list[Any], spec: Samplin
     beside it), CUDA graphs on a GPU."""
     budget = max(response_budget(t, spec.max_new_tokens) for t in tasks)
     max_len = max(engine_model_len(t, tokenizer, context_length(model), budget) for t in tasks)
-    dtype = "bfloat16" if dtype == "bfloat16" else "float16" if dtype == "float16" else "float32"
     on_cpu = device.split(":")[0] == "cpu"
     kv_gib = cpu_kv_cache_gib(model.config, dtype, rows=rows, max_model_len=max_len) if on_cpu else None
     engine = VLLMRollout.create(model, tokenizer, eos_ids(model, tokenizer), workdir=_eval_workdir(), dtype=dtype,
