@@ -179,6 +179,35 @@ def test_multi_turn_cache_equals_re_reading_the_context(greedy, monkeypatch):
     assert fed_cached < 0.6 * fed_plain  # later turns fed only their new tokens
 
 
+def test_agent_episodes_in_bounded_groups_equal_every_episode_at_once(monkeypatch):
+    """rollout.max_rows for agent tasks: episodes run in groups of whole prompts and the groups' batches
+    are joined (prompts re-padded on the left, responses on the right); greedy, so every row is the same
+    computation either way."""
+    model, tok = load_model("tiny-llama", seed=5)
+    import emapg.rollout.agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "STOPS", [chr(c) for c in range(33, 127)])
+    monkeypatch.setattr(agent_mod, "SEARCH_RE", re.compile(r"(.+)", re.S))
+    cfg = AgentConfig(max_turns=3, passages=1, max_turn_tokens=8, max_total_tokens=90, max_info_tokens=20)
+    spec = SamplingSpec(n=1, k=4, greedy=True)
+    examples = _search_examples(tok)
+    assert len(examples) >= 3
+    whole = rollout_model(model, tok, examples, _Retriever(), spec, config=cfg)
+    for bound in (1, 2):
+        part = rollout_model(model, tok, examples, _Retriever(), spec, config=cfg, max_rows=bound)
+        assert torch.equal(part.prompt_ids * part.prompt_mask, whole.prompt_ids * whole.prompt_mask)
+        assert torch.equal(part.prompt_mask, whole.prompt_mask)
+        width = whole.response_ids.shape[1]
+        assert torch.equal(part.response_mask[:, :width], whole.response_mask)
+        assert int(part.response_mask[:, width:].sum()) == 0
+        ids = (part.response_ids * part.response_mask)[:, :width]
+        assert torch.equal(ids, whole.response_ids * whole.response_mask)
+        torch.testing.assert_close(part.samp_logp[:, :width] * whole.response_mask,
+                                   whole.samp_logp * whole.response_mask, atol=1e-5, rtol=1e-5)
+        assert part.completions == whole.completions
+        assert torch.equal(part.stats["searches"], whole.stats["searches"])
+
+
 def test_sampler_feeds_only_new_tokens_and_drops_rows_that_are_not_continued():
     model, tok = load_model("tiny-llama", seed=6)
     sampler = HFSampler(model, tok, SamplingSpec(k=3, greedy=True))

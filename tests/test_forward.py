@@ -86,3 +86,45 @@ def test_rows_grouped_by_length_equal_the_full_sequence_pass(kind):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["tiny-llama", "tiny-qwen2"])
+def test_checkpointing_with_prefix_sharing_gives_the_plain_passes_values_and_gradients(kind):
+    from emapg.lm import set_pass_mode
+
+    model, tok = load_model(kind, seed=2)
+    examples = make_task("arithmetic", digits=2, terms=3, ops="+-").train_examples(random.Random(1), 4)
+    examples[2].messages[0]["content"] += " Think about it."
+    model.generation_config.eos_token_id = list(range(3, model.config.vocab_size, 48))  # rows of many lengths
+    torch.manual_seed(0)
+    batch = generate(model, tok, examples, SamplingSpec(n=3, temperature=0.9, max_new_tokens=96, k=4))
+    lengths = batch.response_mask.sum(1)
+    assert int(lengths.min()) < 48 and int(lengths.max()) == 96  # several length groups
+    ids = batch.samp_topk[batch.response_mask.bool()]
+    results, saved = {}, {}
+    for ckpt in (False, True):
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for sharing in (False, True):
+            set_pass_mode(model, grad=True)
+            model.zero_grad()
+            sizes = []
+
+            def pack(t, sizes=sizes):
+                sizes.append(t.numel() * t.element_size())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                st = response_logprobs(model, batch, temperature=0.9, ids=ids, prefix_sharing=sharing)
+            (st.logp_tok.sum() + st.logp_ids.exp().sum()).backward()
+            results[ckpt, sharing] = (st.logp_tok.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+            saved[ckpt, sharing] = sum(sizes)
+            # the flags transformers reads are as the pass found them
+            assert all(m.training == ckpt for m in model.model.layers)
+            assert all("forward" not in m.__dict__ for m in model.model.layers)
+    want_lp, want_g = results[False, False]
+    for key, (lp, grads) in results.items():
+        torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+        for name in want_g:
+            torch.testing.assert_close(grads[name], want_g[name], atol=1e-5, rtol=1e-4, msg=f"{key} {name}")
+    assert saved[True, True] < 0.5 * saved[False, True], saved  # the response pass really is checkpointed

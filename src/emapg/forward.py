@@ -18,11 +18,15 @@ is sharded (:data:`SHARD_METHODS` is what :func:`emapg.distributed.shard` regist
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import fields
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import DynamicCache
+from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import Cache, DynamicLayer
 
 from emapg import distributed
 from emapg.lm import cache_kwarg, decoder_and_head, head_transform, positions
@@ -30,23 +34,84 @@ from emapg.logprobs import TokenLogprobs, token_logprobs
 from emapg.rollout.batch import RolloutBatch
 
 
+class _PrefixLayer(DynamicLayer):
+    """A prompt's keys/values that the response pass reads and never grows: ``update`` returns them with
+    the new columns after and stores nothing. So a checkpointed layer, replayed in the backward pass,
+    sees the same cache, and no second copy of the response's keys is kept beside autograd's."""
+
+    def __init__(self, keys: Tensor, values: Tensor):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
+
+
+def _prefix_cache(cache, rows: Tensor | None = None) -> Cache:
+    """A read-only cache of ``cache``'s columns (of some rows, or all)."""
+    pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
+    return Cache(layers=[_PrefixLayer(pick(layer.keys), pick(layer.values)) for layer in cache.layers])
+
+
+def _checkpointing(decoder: nn.Module) -> list[nn.Module]:
+    """The layers transformers checkpoints in this pass (:func:`emapg.lm.set_pass_mode` turns them on)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not torch.is_grad_enabled():
+        return []
+    return [m for m in decoder.modules()
+            if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and m.training]
+
+
+def _plain(m: nn.Module, *args, **kwargs):
+    """``m``'s forward outside transformers' checkpointing (its flag off for this call, a replay included)."""
+    m.training = False
+    try:
+        return type(m).forward(m, *args, **kwargs)
+    finally:
+        m.training = True
+
+
+@contextlib.contextmanager
+def _layers(layers: list[nn.Module], checkpointed: bool) -> Iterator[None]:
+    """Inside the block, ``layers`` run outside transformers' checkpointing (which drops any cache
+    given to a layer): plainly, or each checkpointed by us with its cache (a read-only one)."""
+    for m in layers:
+        call = functools.partial(_plain, m)
+        m.forward = functools.partial(checkpoint, call, use_reentrant=False) if checkpointed else call
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.__dict__.pop("forward", None)
+
+
 def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = True) -> Tensor:
-    """Hidden states [B, L, H] at the positions that predict each response token."""
+    """Hidden states [B, L, H] at the positions that predict each response token.
+
+    With gradient checkpointing on and prefix sharing, the prompt pass keeps its activations (it is
+    short, and its layers must write the cache) and the response pass checkpoints every layer, reading
+    the prompt's cache through a read-only :class:`_PrefixLayer` so that a replay sees the same cache."""
     decoder, _ = decoder_and_head(model)
     n, resp = mb.n, mb.response_ids
     pmask = mb.prompt_mask
     inputs = resp[:, :-1]  # the last response token predicts nothing we need
+    ckpt = _checkpointing(decoder)
     if not prefix_sharing:
         full_ids = torch.cat([mb.prompt_ids.repeat_interleave(n, 0), inputs], 1)
         full_mask = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
         h = decoder(input_ids=full_ids, attention_mask=full_mask, position_ids=positions(full_mask),
                     use_cache=False).last_hidden_state
         return h[:, pmask.shape[1] - 1 :]
-    out = decoder(input_ids=mb.prompt_ids, attention_mask=pmask, position_ids=positions(pmask), use_cache=True)
+    with _layers(ckpt, checkpointed=False):
+        out = decoder(input_ids=mb.prompt_ids, attention_mask=pmask, position_ids=positions(pmask), use_cache=True)
     h_first = out.last_hidden_state[:, -1:].repeat_interleave(n, 0)  # left padding: last column is real
     if inputs.shape[1] == 0:
         return h_first
     cache = getattr(out, "cache", None) or out.past_key_values
+    if ckpt and not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return response_hidden(model, mb, prefix_sharing=False)  # sliding-window layers: the plain pass
     cache.batch_repeat_interleave(n)  # autograd-tracked: gradients reach the prompt's keys/values
     att = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
     pos = pmask.sum(1, keepdim=True).repeat_interleave(n, 0) + torch.arange(inputs.shape[1], device=inputs.device)
@@ -54,22 +119,24 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     # Inputs up to a row's last counted position are needed (tool output before it is context).
     cols = torch.arange(1, resp.shape[1] + 1, device=resp.device)
     need = ((mb.response_mask.bool() * cols).amax(1) - 1).clamp(min=0)  # inputs each row needs (0: none)
-    groups = _length_groups(need, sliding=any(getattr(cache, "is_sliding", [])))
-    if len(groups) == 1:
-        h = decoder(input_ids=inputs, attention_mask=att, position_ids=pos, use_cache=True,
-                    **{cache_kwarg(decoder): cache}).last_hidden_state
-        return torch.cat([h_first, h], 1)
-    parts, width = [], inputs.shape[1]
-    for rows in groups:
-        w = int(need[rows].max())
-        if w == 0:
-            parts.append(h_first.new_zeros((len(rows), width, h_first.shape[-1])))
-            continue
-        sub = DynamicCache(ddp_cache_data=[(layer.keys[rows], layer.values[rows]) for layer in cache.layers])
-        lp = pmask.shape[1]
-        h = decoder(input_ids=inputs[rows, :w], attention_mask=att[rows, : lp + w], position_ids=pos[rows, :w],
-                    use_cache=True, **{cache_kwarg(decoder): sub}).last_hidden_state
-        parts.append(torch.nn.functional.pad(h, (0, 0, 0, width - w)))
+    sliding = any(getattr(cache, "is_sliding", []))
+    groups = _length_groups(need, sliding=sliding)
+    with _layers(ckpt, checkpointed=True):
+        if len(groups) == 1:
+            sub = cache if sliding else _prefix_cache(cache)
+            h = decoder(input_ids=inputs, attention_mask=att, position_ids=pos, use_cache=True,
+                        **{cache_kwarg(decoder): sub}).last_hidden_state
+            return torch.cat([h_first, h], 1)
+        parts, width = [], inputs.shape[1]
+        for rows in groups:
+            w = int(need[rows].max())
+            if w == 0:
+                parts.append(h_first.new_zeros((len(rows), width, h_first.shape[-1])))
+                continue
+            lp = pmask.shape[1]
+            h = decoder(input_ids=inputs[rows, :w], attention_mask=att[rows, : lp + w], position_ids=pos[rows, :w],
+                        use_cache=True, **{cache_kwarg(decoder): _prefix_cache(cache, rows)}).last_hidden_state
+            parts.append(torch.nn.functional.pad(h, (0, 0, 0, width - w)))
     order = torch.cat(groups)
     h = torch.cat(parts)[torch.argsort(order)]
     return torch.cat([h_first, h], 1)

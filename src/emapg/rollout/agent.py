@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.batch import RolloutBatch, concat
 from emapg.rollout.hf import HFSampler
 from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left
 from emapg.tags import ANSWER_RE, SEARCH_RE, STOPS, format_information
@@ -190,11 +190,17 @@ def _support_stats(eps: list[_Episode]) -> dict[str, Tensor]:
 
 def rollout_model(model: nn.Module, tokenizer, examples: list[Example], retriever, spec: SamplingSpec, *,
                   config: AgentConfig | None = None, prefix_sharing: bool = True,
-                  reuse_cache: bool = True) -> RolloutBatch:
+                  reuse_cache: bool = True, max_rows: int | None = None) -> RolloutBatch:
     """:func:`agent_rollout` with a Hugging Face model as the policy; tensors on the model's device.
     reuse_cache: each turn feeds only its new tokens on top of the episode's key/value cache
-    (False: every turn re-reads the whole context, the reference path)."""
-    sampler = HFSampler(model, tokenizer, spec, stop_strings=STOPS, reuse_cache=reuse_cache,
-                        prefix_sharing=prefix_sharing)
-    batch = agent_rollout(sampler, tokenizer, examples, retriever, spec, config=config, eos=eos_ids(model, tokenizer))
-    return batch.to(next(model.parameters()).device)
+    (False: every turn re-reads the whole context, the reference path). max_rows: episodes of at most
+    this many rows (whole prompts' n, at least one prompt) run together, one group after the other."""
+    per = len(examples) if max_rows is None else max(1, max_rows // spec.n)
+    parts = []
+    for start in range(0, len(examples), per):
+        sampler = HFSampler(model, tokenizer, spec, stop_strings=STOPS, reuse_cache=reuse_cache,
+                            prefix_sharing=prefix_sharing)
+        parts.append(agent_rollout(sampler, tokenizer, examples[start : start + per], retriever, spec, config=config,
+                                   eos=eos_ids(model, tokenizer)))
+        del sampler  # its cache goes before the next group's
+    return (parts[0] if len(parts) == 1 else concat(parts)).to(next(model.parameters()).device)

@@ -80,6 +80,30 @@ class RolloutBatch:
         )
 
 
+def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Batches of the same n, one after the other (prompts left-padded, responses right-padded to the
+    widest; the padding, masked out, holds 0); scores are not carried (a rollout's parts are scored
+    together)."""
+    def stack(name: str, left: bool = False) -> Tensor | None:
+        parts = [getattr(b, name) for b in batches]
+        if parts[0] is None:
+            return None
+        width = max(p.shape[1] for p in parts)
+        pad = lambda p: (0, 0) * (p.dim() - 2) + ((width - p.shape[1], 0) if left else (0, width - p.shape[1]))  # noqa: E731
+        return torch.cat([torch.nn.functional.pad(p, pad(p)) for p in parts])
+
+    first = batches[0]
+    return RolloutBatch(
+        prompt_ids=stack("prompt_ids", left=True), prompt_mask=stack("prompt_mask", left=True),
+        response_ids=stack("response_ids"),
+        response_mask=stack("response_mask"), samp_logp=stack("samp_logp"), n=first.n,
+        samp_topk=stack("samp_topk"), top_p_cut=stack("top_p_cut"), entropy=stack("entropy"),
+        truncated=torch.cat([b.truncated for b in batches]) if first.truncated is not None else None,
+        completions=[c for b in batches for c in b.completions],
+        stats={k: torch.cat([b.stats[k] for b in batches]) for k in first.stats},
+    )
+
+
 def response_mask_from_lengths(ids: Tensor, lengths: Tensor, eos_id: list[int]) -> tuple[Tensor, Tensor]:
     """Mask [B, L] of each row's first ``lengths`` [B] generated tokens, and truncated [B]: the row's
     last generated token is not an end-of-sequence token (it ran out of budget). Built from the lengths,

@@ -24,7 +24,7 @@ from emapg.lm import cache_kwarg, decoder_and_head, positions
 from emapg.rollout.sampling import Sampled, SamplingSpec, draw, step_stats, warp
 
 
-class _ReservedLayer(DynamicLayer):
+class ReservedLayer(DynamicLayer):
     """A full-attention cache layer that writes new columns into a buffer reserved ahead (``spare``
     columns beyond what it holds), where ``DynamicLayer`` concatenates: appending a token then costs
     one column, not a copy of the whole cache (a quadratic cost over a long generation)."""
@@ -48,10 +48,29 @@ class _ReservedLayer(DynamicLayer):
         return self.keys, self.values
 
     def _grown(self, buf: Tensor | None, new: Tensor, capacity: int) -> Tensor:
-        out = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
+        out = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]), dtype=store_dtype(new))
         if buf is not None:
             out[..., : self.length, :].copy_(buf[..., : self.length, :])
         return out
+
+    @classmethod
+    def holding(cls, parts: list[tuple[Tensor, Tensor]], rows: int, width: int, spare: int) -> ReservedLayer:
+        """A layer of ``rows`` rows holding the (keys, values) ``parts`` stacked in order, each
+        right-aligned to ``width`` columns (zeros before: masked columns must hold finite numbers,
+        attention multiplies them by 0), with ``spare`` free columns after."""
+        k0, v0 = parts[0]
+        layer = cls(spare)
+        layer.lazy_initialization(k0, v0)
+        layer.kbuf = k0.new_zeros((rows, k0.shape[1], width + spare, k0.shape[3]))
+        layer.vbuf = v0.new_zeros((rows, v0.shape[1], width + spare, v0.shape[3]))
+        at = 0
+        for k, v in parts:
+            layer.kbuf[at : at + k.shape[0], :, width - k.shape[2] : width].copy_(k)
+            layer.vbuf[at : at + v.shape[0], :, width - v.shape[2] : width].copy_(v)
+            at += k.shape[0]
+        layer.length = width
+        layer.keys, layer.values = layer.kbuf[..., :width, :], layer.vbuf[..., :width, :]
+        return layer
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.kbuf is not None:
@@ -64,20 +83,36 @@ class _ReservedLayer(DynamicLayer):
             self.keys, self.values = self.kbuf[..., : self.length, :], self.vbuf[..., : self.length, :]
 
 
-def new_cache(model: nn.Module, spare: int = 0) -> Cache:
-    """An empty cache for ``model``: reserved full-attention layers when every layer attends to the whole
-    context, else the model's own ``DynamicCache`` (sliding-window or linear-attention layers)."""
+def store_dtype(t: Tensor) -> torch.dtype:
+    """The dtype a cache keeps ``t`` in: autocast's when it is on (under autocast with fp32 weights the
+    rotary embedding hands back fp32 keys beside bf16 values; attention casts both to bf16 anyway, so
+    keeping keys in fp32 would only take 1.5x the memory), else its own."""
+    device = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return t.dtype
+
+
+def full_attention(model: nn.Module) -> bool:
+    """Whether every layer of ``model`` attends to the whole context (no sliding-window or linear-attention
+    layers, whose caches forget columns)."""
     cfg = getattr(model, "config", None)
     types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
-    if types == {"full_attention"} and not sliding:
-        return Cache(layer_class_to_replicate=functools.partial(_ReservedLayer, spare))
-    return DynamicCache(config=cfg)
+    return types == {"full_attention"} and not sliding
+
+
+def new_cache(model: nn.Module, spare: int = 0) -> Cache:
+    """An empty cache for ``model``: reserved full-attention layers when :func:`full_attention`, else the
+    model's own ``DynamicCache``."""
+    if full_attention(model):
+        return Cache(layer_class_to_replicate=functools.partial(ReservedLayer, spare))
+    return DynamicCache(config=getattr(model, "config", None))
 
 
 def _reserve(cache, spare: int) -> None:
     for layer in getattr(cache, "layers", []):
-        if isinstance(layer, _ReservedLayer):
+        if isinstance(layer, ReservedLayer):
             layer.spare = spare
 
 
@@ -105,7 +140,7 @@ class KVState:
         return not (any(getattr(self.cache, "is_sliding", [])) or any(getattr(self.cache, "is_linear", [])))
 
 
-def _forward(model: nn.Module, ids: Tensor, mask: Tensor, cache) -> Tensor:
+def forward_columns(model: nn.Module, ids: Tensor, mask: Tensor, cache) -> Tensor:
     """One forward of new columns ``ids`` [B, T], appended to ``cache``; ``mask`` [B, C + T] covers the
     cache's columns and these. Returns the fp32 logits at the last column [B, V]."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)[:, -ids.shape[1] :],
@@ -118,7 +153,7 @@ def prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeat: int = 1) -> KVS
     """The cache of left-padded rows ``ids`` / ``mask`` [P, L], repeated ``repeat`` times per row
     (prefix sharing: n samples of a prompt share its cache)."""
     cache = new_cache(model)
-    _forward(model, ids, mask, cache)
+    forward_columns(model, ids, mask, cache)
     rows = [r[m.bool()].tolist() for r, m in zip(ids.cpu(), mask.cpu(), strict=True)]
     if repeat > 1:
         cache.batch_repeat_interleave(repeat)
@@ -134,7 +169,7 @@ def _stop_hits(tokenizer, generated: Tensor, stops: list[str], window: int) -> T
 
 
 @dataclass
-class _Record:
+class Record:
     """What :func:`decode` records for B rows, filled as the tokens are produced: [B, T] each (top-k
     ids [B, T, k]), and [B] tokens each row generated."""
 
@@ -146,7 +181,7 @@ class _Record:
     length: Tensor
 
     @classmethod
-    def empty(cls, b: int, steps: int, spec: SamplingSpec, pad_id: int, device) -> _Record:
+    def empty(cls, b: int, steps: int, spec: SamplingSpec, pad_id: int, device) -> Record:
         logp = torch.zeros((b, steps), dtype=torch.float32, device=device)
         return cls(ids=torch.full((b, steps), pad_id, dtype=torch.long, device=device), logp=logp,
                    entropy=torch.zeros_like(logp),
@@ -154,7 +189,8 @@ class _Record:
                    topk=torch.zeros((b, steps, spec.k), dtype=torch.long, device=device) if spec.k > 0 else None,
                    length=torch.zeros(b, dtype=torch.long, device=device))
 
-    def put(self, rows: Tensor, t: int, tok: Tensor, st, lost: Tensor | None, live: Tensor) -> None:
+    def put(self, rows: Tensor, t: int | Tensor, tok: Tensor, st, lost: Tensor | None, live: Tensor) -> None:
+        """Record the tokens of ``rows`` at column ``t`` (one for all, or [rows] columns of their own)."""
         self.ids[rows, t], self.logp[rows, t], self.entropy[rows, t] = tok, st.logp, st.entropy
         if self.cut is not None:
             self.cut[rows, t] = lost
@@ -168,7 +204,7 @@ class _Record:
                        topk=None if self.topk is None else self.topk[:, :steps], length=self.length)
 
 
-def _choose(logits: Tensor, spec: SamplingSpec, b: int, rows: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+def choose(logits: Tensor, spec: SamplingSpec, b: int, rows: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """The next token of each computed row: (tokens, the sampling distribution's scores, the tail mass
     top-p cut or None). One uniform per row of the whole batch (``b``) at every step: the same draws
     whether or not finished rows have left the batch."""
@@ -180,7 +216,7 @@ def _choose(logits: Tensor, spec: SamplingSpec, b: int, rows: Tensor) -> tuple[T
 
 
 def _carried_state(cache, mask: Tensor, state: KVState | None, new_ids: Tensor, new_mask: Tensor,
-                   rec: _Record, steps: int) -> KVState:
+                   rec: Record, steps: int) -> KVState:
     """The state after a decode: the cache columns of the fed tokens (those a row fed after its end
     masked out), and per row the real tokens the cache holds (all but the last one generated)."""
     fed = steps - 1
@@ -224,14 +260,14 @@ def decode(
     mask = new_mask if state is None else torch.cat([state.mask, new_mask], 1)
     cache = new_cache(model, spare=max_new_tokens) if state is None else state.cache
     _reserve(cache, new_ids.shape[1] + max_new_tokens)
-    logits = _forward(model, new_ids, mask, cache)
-    rec = _Record.empty(b, max_new_tokens, spec, pad_id, device)
+    logits = forward_columns(model, new_ids, mask, cache)
+    rec = Record.empty(b, max_new_tokens, spec, pad_id, device)
     unfinished = torch.ones(b, dtype=torch.long, device=device)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
     window = max((len(s) for s in stop_strings), default=0) + 1 if stop_strings else 0
     rows, steps = torch.arange(b, device=device), 0  # the rows the cache and the logits hold (all, unless compacted)
     for t in range(max_new_tokens):
-        tok, scores, lost = _choose(logits, spec, b, rows)
+        tok, scores, lost = choose(logits, spec, b, rows)
         st = step_stats(scores, tok, spec.k)
         live = unfinished[rows]
         tok = tok * live + pad_id * (1 - live)
@@ -251,6 +287,6 @@ def decode(
             cache.batch_select_indices(keep)
             rows, mask, tok = rows[keep], mask[keep], tok[keep]
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)
-        logits = _forward(model, tok[:, None], mask, cache)
+        logits = forward_columns(model, tok[:, None], mask, cache)
     carried = _carried_state(cache, mask, state, new_ids, new_mask, rec, steps) if keep_state else None
     return rec.sampled(steps), carried

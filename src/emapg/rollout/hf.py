@@ -13,7 +13,8 @@ from torch import Tensor, nn
 
 from emapg.lm import eval_mode
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
-from emapg.rollout.decode import KVState, decode, prefill
+from emapg.rollout.decode import KVState, decode, full_attention, prefill
+from emapg.rollout.pool import decode_chunks, decode_pool
 from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left
 from emapg.tasks.base import Example
 
@@ -91,19 +92,27 @@ class HFSampler:
 
 
 def generate(model: nn.Module, tokenizer, examples: list[Example], spec: SamplingSpec, *,
-             prefix_sharing: bool = True) -> RolloutBatch:
+             prefix_sharing: bool = True, max_rows: int | None = None) -> RolloutBatch:
     """Sample ``spec.n`` responses per example; returns a :class:`RolloutBatch` (rewards not yet set).
 
     Per token it records what ``spec`` asks (pi_samp's top-``spec.k`` ids among them); greedy
     decoding's samp_logp is the tempered log-prob of the argmax.
     prefix_sharing: run each prompt once (all but its last token) and repeat its key/value cache
         for its n samples, instead of running every prompt n times.
+    max_rows: decode at most this many rows at a time (:mod:`emapg.rollout.pool`: rows join as others
+        finish, a prompt's n samples sharing its cache); None = every row at once.
     """
     device = next(model.parameters()).device
     prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
     prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
-    sampler = HFSampler(model, tokenizer, spec, reuse_cache=False, prefix_sharing=prefix_sharing)
-    out = sampler([p for p in prompts for _ in range(spec.n)], spec.max_new_tokens)
+    if max_rows is not None and len(prompts) * spec.n > max_rows:
+        bounded = decode_pool if full_attention(model) else decode_chunks
+        with eval_mode(model):
+            out = bounded(model, prompts, spec, max_rows=max_rows, eos=eos_ids(model, tokenizer),
+                          pad_id=tokenizer.pad_token_id)
+    else:
+        sampler = HFSampler(model, tokenizer, spec, reuse_cache=False, prefix_sharing=prefix_sharing)
+        out = sampler([p for p in prompts for _ in range(spec.n)], spec.max_new_tokens)
     mask, truncated = response_mask_from_lengths(out.ids, out.length, eos_ids(model, tokenizer))
     return RolloutBatch(
         prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device), response_ids=out.ids,
