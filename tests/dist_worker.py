@@ -92,6 +92,9 @@ def cmd_update(out: Path, overrides: list[str]) -> None:
     if tr.dist.is_main:
         save_file({**grads, **params, **anchor, **pushed}, out / "result.safetensors")
         (out / "row.json").write_text(json.dumps({k: v for k, v in row.items() if not k.endswith("_seconds")}))
+        policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+                    for m in tr.model.modules() if distributed.is_sharded(m) and m._get_fsdp_state()._fsdp_param_group}
+        (out / "offload.json").write_text(json.dumps(sorted(policies)))
 
 
 def main(argv: list[str]) -> None:

@@ -134,3 +134,21 @@ def test_each_rank_holds_its_share_of_every_mini_batch():
     for world in (1, 2, 4):
         shares = [rank_prompts(16, 8, world, r) for r in range(world)]
         assert sorted(i for s in shares for i in s) == list(range(16))
+
+
+def test_offloaded_shards_compute_what_one_process_computes(tmp_path):
+    """offload: true keeps the shards in CPU memory (FSDP2's CPUOffloadPolicy): the same gradients, update
+    and anchor as one process without it; one process refuses it."""
+    from emapg.config import ConfigError, check_world, load_config
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    run(1, "update", str(one))
+    run(2, "update", str(two), "offload=true")
+    a, b = load_file(one / "result.safetensors"), load_file(two / "result.safetensors")
+    assert set(a) == set(b) and any(k.startswith("grad.") for k in a)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert json.loads((two / "offload.json").read_text()) == ["CPUOffloadPolicy"]  # every unit offloaded
+    with pytest.raises(ConfigError, match="offload: true needs FSDP2 shards"):
+        check_world(load_config(None, ["offload=true"]), 1)

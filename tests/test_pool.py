@@ -99,3 +99,22 @@ def test_models_whose_cache_forgets_columns_decode_in_whole_prompt_batches(monke
     valid = batch.response_mask.bool()
     st = response_logprobs(model, batch, temperature=0.8, prefix_sharing=False)
     torch.testing.assert_close(batch.samp_logp[valid], st.logp_tok, atol=2e-5, rtol=1e-5)
+
+
+def test_the_max_rows_field_reaches_training_rollouts_and_evaluation(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from emapg.config import load_config
+    from emapg.rollout import hf
+    from emapg.trainer import Trainer
+
+    calls = []
+    real = hf.decode_pool
+    monkeypatch.setattr(hf, "decode_pool", lambda *a, **kw: calls.append(kw["max_rows"]) or real(*a, **kw))
+    smoke = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
+    tr = Trainer(load_config(smoke, ["export=false", "eval.size=2", "eval.samples=3", "eval.greedy=false",
+                                     "rollout.max_rows=2"]), tmp_path, progress=False)
+    tr.rollout(1)
+    assert calls == [2]
+    tr.evaluate()
+    assert calls == [2, 2]

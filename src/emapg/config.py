@@ -199,6 +199,10 @@ class TrainConfig:
     """auto (CUDA when available), cpu, cuda, or cuda:N. Under torchrun each process takes its local rank's GPU."""
     mixed_precision: str | None = None
     """bf16: compute in bfloat16 with fp32 master weights (autocast; FSDP2's policy when sharded)."""
+    offload: bool = False
+    """torchrun (FSDP2): keep the shards of the policy, anchor and teacher, their gradients and the optimizer's
+    state in CPU memory; each layer is copied to the GPU for its pass and AdamW steps on the CPU (the paper's
+    reference offloads both). Frees the GPU for the rollout; slower updates. Needs 2+ processes."""
     gradient_checkpointing: bool = False
     """Recompute decoder activations in the backward pass: each layer keeps only its input per token. With
     prefix_sharing the prompt's pass keeps its activations and the responses' pass is checkpointed."""
@@ -587,8 +591,12 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def check_world(cfg: TrainConfig, world: int) -> None:
-    """The batch must split into whole prompt groups and whole micro-batches on each of ``world`` processes."""
+    """The batch must split into whole prompt groups and whole micro-batches on each of ``world`` processes;
+    offload needs the shards of 2+ processes."""
     mini = _mini(cfg)
+    if cfg.offload and world < 2:
+        raise ConfigError("offload: true needs FSDP2 shards: run under torchrun with 2 or more processes "
+                          f"(this run has {world}); one process keeps its model on its device")
     if cfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: {cfg.prompts_per_step} does not split over {world} processes")
     if mini % world or (mini // world) % cfg.micro_batch_prompts:

@@ -109,7 +109,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard(model: nn.Module, mixed_precision: str | None = None,
-          methods: dict[str, Callable[..., Any]] | None = None) -> nn.Module:
+          methods: dict[str, Callable[..., Any]] | None = None, offload: bool = False) -> nn.Module:
     """FSDP2 over the default process group: each decoder layer is one unit, the rest (embeddings,
     final norm, output head) the root unit. Parameters become DTensors sharded along dim 0.
 
@@ -117,8 +117,11 @@ def shard(model: nn.Module, mixed_precision: str | None = None,
     fp32 masters); None computes in the parameters' dtype.
     methods: name -> function(model, ...) to attach to the model and register as FSDP forward methods
     (each must return tensors, or a pytree of them, for FSDP to hook their backward).
+    offload: the shards (parameters, and so their gradients and the optimizer's state) live in CPU memory;
+    each unit is copied to the device for its forward and backward, and the optimizer steps on the CPU
+    (FSDP2's ``CPUOffloadPolicy``; verl's param_offload and optimizer_offload).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mp = None
     if mixed_precision == "bf16":
@@ -126,6 +129,8 @@ def shard(model: nn.Module, mixed_precision: str | None = None,
     elif mixed_precision is not None:
         raise ValueError(f"mixed_precision: expected 'bf16' or None, got {mixed_precision!r}")
     kw = {"mp_policy": mp} if mp is not None else {}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     decoder, _ = decoder_and_head(model)
     layers = getattr(decoder, "layers", None)
     if layers is None:

@@ -39,14 +39,16 @@ def eval_settings(cfg: Any, world: int, device: str) -> dict[str, Any]:
 
 
 def evaluate_shared(model: nn.Module, tokenizer, task: Task, examples: list[Example], spec: SamplingSpec, *,
-                    rank: int, world: int, seed: int, progress: str | None = None) -> dict[str, Any]:
+                    rank: int, world: int, seed: int, progress: str | None = None,
+                    max_rows: int | None = None) -> dict[str, Any]:
     """:func:`evaluate` of this process's share of ``examples`` (every ``world``-th from ``rank``), seeded
     ``seed`` (per rank) inside a forked RNG, so evaluation never shifts the training randomness; the
     shares' results combined (collective when ``world > 1``)."""
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed + RANK_SEED_STRIDE * rank)
-        res = evaluate(model, tokenizer, task, examples[rank::world], spec, progress=progress, outcomes=True)
+        res = evaluate(model, tokenizer, task, examples[rank::world], spec, progress=progress, outcomes=True,
+                       max_rows=max_rows)
     return combine_evals(distributed.all_gather_objects(res)) if world > 1 else res
 
 
@@ -83,7 +85,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 @torch.no_grad()
 def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], spec: SamplingSpec, *,
              batch_size: int = 64, progress: str | None = None, record: bool = False,
-             outcomes: bool = False, engine=None, seed: int | None = None) -> dict[str, Any]:
+             outcomes: bool = False, engine=None, seed: int | None = None,
+             max_rows: int | None = None) -> dict[str, Any]:
     """Mean reward over ``examples`` x ``spec.n`` samples (avg@n: pass@1 averaged over n samples).
 
     Returns {'accuracy' (= avg@n), 'pass@k' for k = 1, 2, 4, ... <= n, 'mean_length', 'num'}.
@@ -93,6 +96,7 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
     transcripts behind the number; an agent's completion includes the environment's information blocks).
     ``outcomes``: also return 'solved', {problem id: how many of its samples were correct}.
     ``engine``: a vLLM engine holding the model's weights samples instead (``seed`` seeds its batches).
+    ``max_rows``: the hf backend decodes at most this many rows at once (``rollout.max_rows``).
     """
     from tqdm.auto import tqdm
 
@@ -108,7 +112,7 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         batch = rollout_for_task(model, tokenizer, task, chunk, spec, engine=engine,
-                                 seed=None if seed is None else seed + start)
+                                 seed=None if seed is None else seed + start, max_rows=max_rows)
         rewards = score_completions(task, batch.completions, chunk, n, evaluation=True)
         total += float(rewards.sum())
         correct += (rewards >= 1.0).view(-1, n).sum(1).tolist()
@@ -193,7 +197,8 @@ class RunEvaluator:
                 where = "" if name == "heldout" else f" on the {name} set"
                 label = f"eval {which}{where} at step {step} ({len(examples)} problems)" if self.progress else None
                 res = evaluate_shared(model, self.tokenizer, task, examples, self.spec, rank=self.rank,
-                                      world=self.world, seed=self.cfg.seed, progress=label)
+                                      world=self.world, seed=self.cfg.seed, progress=label,
+                                      max_rows=self.cfg.rollout.max_rows)
             self._record(name, which, step, res)
             out[name] = res
         return out

@@ -81,7 +81,7 @@ def build_teacher(model: torch.nn.Module, tokenizer, cfg: TrainConfig, dist: dis
     if ckpt is not None:
         check_teacher(run_dir, cfg.algo.teacher, ckpt["state"].get("teacher_sha256"), digest, force, dist.is_main)
     if dist.enabled:
-        distributed.shard(teacher, cfg.mixed_precision, methods=SHARD_METHODS)
+        distributed.shard(teacher, cfg.mixed_precision, methods=SHARD_METHODS, offload=cfg.offload)
     return teacher, digest
 
 
@@ -115,7 +115,7 @@ def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.Di
     if dist.enabled:
         for m in (model, anchor_copy, init_copy):
             if m is not None:
-                distributed.shard(m, cfg.mixed_precision, methods=SHARD_METHODS)
+                distributed.shard(m, cfg.mixed_precision, methods=SHARD_METHODS, offload=cfg.offload)
     anchor = EMAAnchor(model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=anchor_copy)
     init_anchor = EMAAnchor(model, eta=1.0, module=init_copy) if own_init else None
     if cfg.log_kl_to_init and anchor_is_initial and cfg.algo.teacher is not None:
