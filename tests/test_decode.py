@@ -318,3 +318,26 @@ def test_the_decode_loop_reads_the_device_once_per_token(tokens):
     steps = out.response_ids.shape[1]
     assert steps == tokens  # the random model never says EOS: every step runs
     assert counter.ours <= steps + 8, (counter.ours, steps)
+
+
+def test_stop_strings_found_by_decoding_only_rows_that_drew_a_possible_last_token(monkeypatch):
+    """Rows are decoded only when their newest token holds a stop string's last character; the rows and
+    tokens equal those of decoding every row at every step (the stop strings are chosen so that a random
+    byte-level model hits them often)."""
+    model, tok = load_model("tiny-llama", seed=6)
+    stops = [*"abcdefgh", "e ", "xyz"]
+    enders = decode_mod.stop_enders(tok, stops, "cpu")
+    assert 0 < len(enders) < len(tok) and all(any(c in tok.decode([int(i)]) for c in "abcdefgh z") for i in enders)
+    prompts = [format_prompt(tok, ex.messages) for ex in _examples()]
+    ids, mask = pad_left([p for p in prompts for _ in range(3)], tok.pad_token_id)
+    spec = SamplingSpec(n=1, temperature=1.0, k=2)
+    outs = []
+    for every_token in (False, True):
+        if every_token:
+            monkeypatch.setattr(decode_mod, "stop_enders", lambda tok, stops, device: torch.arange(len(tok)))
+        torch.manual_seed(0)
+        outs.append(decode_mod.decode(model, ids, mask, None, spec, max_new_tokens=24, eos=[], pad_id=tok.pad_token_id,
+                                      tokenizer=tok, stop_strings=stops, keep_state=False)[0])
+    fast, full = outs
+    assert int(full.length.min()) < 24  # stop strings ended some rows
+    assert torch.equal(fast.length, full.length) and torch.equal(fast.ids, full.ids)

@@ -162,10 +162,32 @@ def prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeat: int = 1) -> KVS
     return KVState(cache=cache, mask=mask, tokens=rows)
 
 
-def _stop_hits(tokenizer, generated: Tensor, stops: list[str], window: int) -> Tensor:
-    """[B] whether the last ``window`` generated tokens of a row contain one of ``stops``."""
-    tails = tokenizer.batch_decode(generated[:, -window:], skip_special_tokens=True)
-    return torch.tensor([any(s in t for s in stops) for t in tails], device=generated.device)
+_ENDERS: dict[tuple[int, tuple[str, ...]], Tensor] = {}
+
+
+def stop_enders(tokenizer, stops: list[str], device) -> Tensor:
+    """The ids of the tokens whose text holds the last character of one of ``stops``: only such a token
+    can complete a stop string, so only rows that just drew one need their text decoded. Each id decoded
+    alone, once per tokenizer and stop list (a superset is harmless: it only costs a decode)."""
+    key = (id(tokenizer), tuple(stops))
+    if key not in _ENDERS:
+        last = {s[-1] for s in stops if s}
+        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+        texts = tokenizer.batch_decode([[i] for i in range(size)])
+        _ENDERS[key] = torch.tensor([i for i, t in enumerate(texts) if any(c in t for c in last)], dtype=torch.long)
+    return _ENDERS[key].to(device)
+
+
+def _stop_hits(tokenizer, generated: Tensor, tok: Tensor, enders: Tensor, stops: list[str], window: int) -> Tensor:
+    """[B] whether the last ``window`` generated tokens of a row contain one of ``stops``, decoding only the
+    rows whose newest token ``tok`` [B] is one of ``enders`` (one device read for the step)."""
+    hit = torch.zeros(tok.shape[0], dtype=torch.bool, device=tok.device)
+    rows = torch.isin(tok, enders).nonzero().squeeze(1).tolist()
+    if rows:
+        tails = tokenizer.batch_decode(generated[rows, -window:].tolist(), skip_special_tokens=True)
+        found = [r for r, t in zip(rows, tails, strict=True) if any(s in t for s in stops)]
+        hit[found] = True
+    return hit
 
 
 @dataclass
@@ -265,6 +287,7 @@ def decode(
     unfinished = torch.ones(b, dtype=torch.long, device=device)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
     window = max((len(s) for s in stop_strings), default=0) + 1 if stop_strings else 0
+    enders = stop_enders(tokenizer, stop_strings, device) if stop_strings else None
     rows, steps = torch.arange(b, device=device), 0  # the rows the cache and the logits hold (all, unless compacted)
     for t in range(max_new_tokens):
         tok, scores, lost = choose(logits, spec, b, rows)
@@ -274,7 +297,7 @@ def decode(
         rec.put(rows, t, tok, st, lost, live)
         done = torch.isin(tok, eos_t)
         if stop_strings:
-            done |= _stop_hits(tokenizer, rec.ids[rows, : t + 1], stop_strings, window)
+            done |= _stop_hits(tokenizer, rec.ids[rows, : t + 1], tok, enders, stop_strings, window)
         live = live & ~done
         unfinished[rows] = live
         steps = t + 1

@@ -3,7 +3,7 @@ the next prompts' n samples join as soon as enough rows have finished (continuou
 decode loop, :mod:`emapg.rollout.decode`).
 
 Why: the decode loop reserves each row's key/value cache for its whole budget. The paper's math step
-samples 128 prompts x 8 at up to 8k tokens, about 370 GB of cache for R1-Distill-1.5B: every row at
+samples 128 prompts x 8 at up to 8k tokens, about 246 GB of bf16 cache for R1-Distill-1.5B: every row at
 once cannot fit on one GPU, ``max_rows`` at a time can, and a rollout's peak memory then no longer
 grows with ``prompts_per_step``.
 
