@@ -226,8 +226,7 @@ class Trainer:
     # ---- the run, top down -------------------------------------------------------------------------
 
     def train(self) -> dict[str, Any] | None:
-        """Run to ``cfg.steps``; returns the final eval table {'init'|'policy'|'anchor': results}
-        (on rank 0; None on the other ranks)."""
+        """Run to ``cfg.steps``; the final eval table {'init'|'policy'|'anchor': results} on rank 0, else None."""
         from tqdm.auto import tqdm
 
         cfg = self.cfg

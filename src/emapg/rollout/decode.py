@@ -178,9 +178,11 @@ def stop_enders(tokenizer, stops: list[str], device) -> Tensor:
     return _ENDERS[key].to(device)
 
 
-def _stop_hits(tokenizer, generated: Tensor, tok: Tensor, enders: Tensor, stops: list[str], window: int) -> Tensor:
-    """[B] whether the last ``window`` generated tokens of a row contain one of ``stops``, decoding only the
-    rows whose newest token ``tok`` [B] is one of ``enders`` (one device read for the step)."""
+def _stop_hits(tokenizer, generated: Tensor, tok: Tensor, enders: Tensor, stops: list[str]) -> Tensor:
+    """[B] whether a row's last generated tokens (one more than the longest stop string's characters) contain
+    one of ``stops``, decoding only the rows whose newest token ``tok`` [B] is one of ``enders`` (one device
+    read for the step)."""
+    window = max(len(s) for s in stops) + 1
     hit = torch.zeros(tok.shape[0], dtype=torch.bool, device=tok.device)
     rows = torch.isin(tok, enders).nonzero().squeeze(1).tolist()
     if rows:
@@ -286,7 +288,6 @@ def decode(
     rec = Record.empty(b, max_new_tokens, spec, pad_id, device)
     unfinished = torch.ones(b, dtype=torch.long, device=device)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
-    window = max((len(s) for s in stop_strings), default=0) + 1 if stop_strings else 0
     enders = stop_enders(tokenizer, stop_strings, device) if stop_strings else None
     rows, steps = torch.arange(b, device=device), 0  # the rows the cache and the logits hold (all, unless compacted)
     for t in range(max_new_tokens):
@@ -297,7 +298,7 @@ def decode(
         rec.put(rows, t, tok, st, lost, live)
         done = torch.isin(tok, eos_t)
         if stop_strings:
-            done |= _stop_hits(tokenizer, rec.ids[rows, : t + 1], tok, enders, stop_strings, window)
+            done |= _stop_hits(tokenizer, rec.ids[rows, : t + 1], tok, enders, stop_strings)
         live = live & ~done
         unfinished[rows] = live
         steps = t + 1
