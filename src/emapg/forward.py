@@ -66,11 +66,11 @@ def _checkpointing(decoder: nn.Module) -> list[nn.Module]:
 
 def _plain(m: nn.Module, *args, **kwargs):
     """``m``'s forward outside transformers' checkpointing (its flag off for this call, a replay included)."""
-    m.training = False
+    was, m.training = m.training, False
     try:
         return type(m).forward(m, *args, **kwargs)
     finally:
-        m.training = True
+        m.training = was
 
 
 @contextlib.contextmanager
@@ -78,12 +78,14 @@ def _layers(layers: list[nn.Module], checkpointed: bool) -> Iterator[None]:
     """Inside the block, ``layers`` run outside transformers' checkpointing (which drops any cache
     given to a layer): plainly, or each checkpointed by us with its cache (a read-only one)."""
     for m in layers:
+        m.training = False  # transformers before 5.20 checks the flag in __call__, later ones in forward
         call = functools.partial(_plain, m)
         m.forward = functools.partial(checkpoint, call, use_reentrant=False) if checkpointed else call
     try:
         yield
     finally:
         for m in layers:
+            m.training = True
             m.__dict__.pop("forward", None)
 
 
