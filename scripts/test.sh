@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the fast test suite with lint, then the real vLLM engine's tests in
-# .venv-vllm (scripts/setup.sh says why that is a venv of its own). Real-model tests: add `-m slow`.
+# .venv-vllm (scripts/setup.sh says why that is a venv of its own), where the tests of emapg's own use of
+# transformers' key/value cache also run (that venv pins an older transformers). Real-model tests: add `-m slow`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,4 +10,5 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/python -m pytest -q "$@"
 if [ -x .venv-vllm/bin/python ] && [ "${EMAPG_VLLM:-cpu}" = "cpu" ]; then
   .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
+  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_forward.py tests/test_pool.py
 fi
