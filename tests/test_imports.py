@@ -90,7 +90,7 @@ LAYERS = [
                              "emapg.tasks.arithmetic", "emapg.tasks.math", "emapg.tasks.search_qa", "emapg.scoring"]),
     ("rollout", ["emapg.rollout", "emapg.rollout.decode", "emapg.rollout.pool", "emapg.rollout.hf",
                  "emapg.rollout.agent", "emapg.prompts", "emapg.rollout.vllm_backend"]),
-    ("the step", ["emapg.algo", "emapg.forward", "emapg.evaluate"]),
+    ("the step", ["emapg.algo", "emapg.forward", "emapg.evaluate", "emapg.plan"]),
     ("orchestration", ["emapg.trainer", "emapg.compare", "emapg.verdicts", "emapg.evalsuite",
                        "emapg.integrations.trl"]),
     ("command line", ["emapg.cli", "emapg.__main__"]),

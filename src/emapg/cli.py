@@ -97,6 +97,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from emapg.plan import report
+
+    cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
+    for name, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory),
+                        ("--prompt-tokens", args.prompt_tokens), ("--response-tokens", args.response_tokens or 1)):
+        if value <= 0:
+            raise ConfigError(f"{name}: must be > 0, got {value}")
+    print(report(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, prompt_tokens=args.prompt_tokens,
+                 response_tokens=args.response_tokens))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from emapg.evalsuite import EvalPlan, markdown, parse_sets, resolve_device, resolve_dtype, run
     from emapg.rollout.sampling import SamplingSpec
@@ -249,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
     p.add_argument("--version", action="version", version=f"emapg {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_train_parser, _eval_parser, _retrieval_parsers, _compare_parser):
+    for add in (_train_parser, _plan_parser, _eval_parser, _retrieval_parsers, _compare_parser):
         add(sub)
     return p
 
@@ -266,6 +279,18 @@ def _train_parser(sub) -> None:
                    help="data-parallel processes on this machine (runs torchrun; or launch torchrun yourself)")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.eta=0.95 steps=100")
     t.set_defaults(func=cmd_train)
+
+
+def _plan_parser(sub) -> None:
+    pl = sub.add_parser("plan", help="the memory a run needs per device, phase by phase (config.json only, no weights)")
+    pl.add_argument("--config", help="YAML config file, or the name of a shipped recipe")
+    pl.add_argument("--gpus", type=int, default=1, help="devices the run is sharded over (torchrun processes)")
+    pl.add_argument("--gpu-memory", type=float, default=80.0, help="GiB of memory per device")
+    pl.add_argument("--prompt-tokens", type=int, default=1024, help="the longest prompt, in tokens")
+    pl.add_argument("--response-tokens", type=int,
+                    help="the longest response (default: task_args.max_total_tokens, else rollout.max_new_tokens)")
+    pl.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model=/models/X rollout.max_rows=128")
+    pl.set_defaults(func=cmd_plan)
 
 
 def _eval_parser(sub) -> None:
@@ -379,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # KEY=VALUE overrides may stand anywhere after `train`, also after its options (--out DIR steps=3)
     args, extra = parser.parse_known_args(argv)
-    if args.command == "train":
+    if args.command in ("train", "plan"):
         args.overrides += [x for x in extra if "=" in x and not x.startswith("-")]
         extra = [x for x in extra if not ("=" in x and not x.startswith("-"))]
     if extra:

@@ -203,6 +203,9 @@ class TrainConfig:
     """torchrun (FSDP2): keep the shards of the policy, anchor and teacher, their gradients and the optimizer's
     state in CPU memory; each layer is copied to the GPU for its pass and AdamW steps on the CPU (the paper's
     reference offloads both). Frees the GPU for the rollout; slower updates. Needs 2+ processes."""
+    memory_check: bool = True
+    """On a GPU: refuse at the start a run whose memory plan (``emapg plan``) does not fit the device, naming
+    what to change; false runs it anyway."""
     gradient_checkpointing: bool = False
     """Recompute decoder activations in the backward pass: each layer keeps only its input per token. With
     prefix_sharing the prompt's pass keeps its activations and the responses' pass is checkpointed."""

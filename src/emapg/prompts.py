@@ -73,17 +73,19 @@ def fit_prompts(task: Task, tokenizer, context: int | None, budget: int, mode: s
     return cut
 
 
-def engine_model_len(task: Task, tokenizer, context: int | None, budget: int, sample: int = 64) -> int:
-    """The longest prompt + response a run's training rollouts can make, for an engine that plans its
-    cache by it (held-out evaluation samples with the HF backend): a task that reads files is measured
-    whole; a generated one on ``sample`` training prompts, with half again as margin. Rounded up to 64
-    tokens, never past the model's ``context``."""
+def longest_prompt(task: Task, tokenizer, sample: int = 64) -> int:
+    """The longest prompt, in tokens, a run's training rollouts can give: a task that reads files is measured
+    whole; a generated one on ``sample`` training prompts, with half again as margin."""
     pools = task.prompt_pools()
-    measured = bool(pools)
-    if not measured:
-        pools = [task.train_examples(random.Random(0), sample)]
-    longest = max((len(format_prompt(tokenizer, ex.messages)) for pool in pools for ex in pool), default=0)
-    if not measured:
-        longest = math.ceil(1.5 * longest)
-    total = 64 * math.ceil((longest + budget) / 64)
+    if pools:
+        return max((len(format_prompt(tokenizer, ex.messages)) for pool in pools for ex in pool), default=0)
+    drawn = task.train_examples(random.Random(0), sample)
+    return math.ceil(1.5 * max((len(format_prompt(tokenizer, ex.messages)) for ex in drawn), default=0))
+
+
+def engine_model_len(task: Task, tokenizer, context: int | None, budget: int, sample: int = 64) -> int:
+    """The longest prompt + response a run's training rollouts can make (:func:`longest_prompt`), for an
+    engine that plans its cache by it (held-out evaluation samples with the HF backend). Rounded up to 64
+    tokens, never past the model's ``context``."""
+    total = 64 * math.ceil((longest_prompt(task, tokenizer, sample) + budget) / 64)
     return min(total, context) if context else total

@@ -38,7 +38,7 @@ from emapg.checkpoint import (
     starting_checkpoint,
     tied_names,
 )
-from emapg.config import TrainConfig, check_world, recomputes_old, save_config
+from emapg.config import ConfigError, TrainConfig, check_world, recomputes_old, save_config
 from emapg.distributed import gathered
 from emapg.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.forward import SHARD_METHODS, model_logprobs
@@ -46,7 +46,7 @@ from emapg.lm import set_pass_mode
 from emapg.metrics import MetricsWriter, add_stats, peak_memory_row, rollout_row, update_row
 from emapg.models import policy_model, teacher_model, training_policy, weights_digest
 from emapg.objective import group_advantages
-from emapg.prompts import context_length, fit_prompts
+from emapg.prompts import context_length, fit_prompts, longest_prompt
 from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
@@ -66,6 +66,30 @@ def rank_prompts(prompts: int, mini: int, world: int, rank: int) -> list[int]:
     optimizer step sees the same prompts whatever the number of processes."""
     share = mini // world
     return [m + rank * share + i for m in range(0, prompts, mini) for i in range(share)]
+
+
+def check_memory(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, dist: distributed.DistInfo) -> None:
+    """On a GPU (with ``memory_check``): refuse, before anything else is built, a run whose memory plan does
+    not fit the device, naming the settings to change (:mod:`emapg.plan`)."""
+    capacity = device_capacity(dist.device)
+    if capacity is None or not cfg.memory_check:
+        return
+    from emapg import plan
+
+    shape = plan.shape_of(model.config)
+    teacher = plan.shape_of(plan.model_config(cfg.algo.teacher)) if cfg.algo.teacher else None
+    cost = lambda ck: plan.activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
+    p = plan.plan(cfg, shape, cost, world=dist.world, prompt_tokens=longest_prompt(task, tokenizer),
+                  response_tokens=response_budget(task, cfg.rollout.max_new_tokens), gpu_memory=capacity,
+                  teacher=teacher, device=dist.device.type)
+    reason = plan.too_big(p, capacity, cfg)
+    if reason:
+        raise ConfigError(reason)
+
+
+def device_capacity(device: torch.device) -> float | None:
+    """Bytes of memory on a CUDA device; None elsewhere (the plan is checked on GPUs only)."""
+    return float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
 
 
 def build_teacher(model: torch.nn.Module, tokenizer, cfg: TrainConfig, dist: distributed.DistInfo,
@@ -186,8 +210,7 @@ class Trainer:
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        # The estimator's head and both sampling specs, read from the config once.
-        self.head = algo.kl_head(cfg.algo)
+        self.head = algo.kl_head(cfg.algo)  # the estimator's head and both sampling specs, read once
         self.sampling = algo.rollout_sampling(cfg.rollout, self.head)
         with distributed.rank_zero_first(self.dist):  # rank 0 fills the caches (a converted model, an index)
             self.model, self.tokenizer = training_policy(cfg, self.dist.device)
@@ -197,6 +220,7 @@ class Trainer:
             fit = lambda t: fit_prompts(t, self.tokenizer, context_length(self.model), budget,  # noqa: E731
                                         cfg.long_prompts, warn=self.main)
             fit(self.task)
+            check_memory(cfg, self.model, self.tokenizer, self.task, self.dist)
             self.evaluator = RunEvaluator(cfg, self.task, self.tokenizer, self.run_dir, self.dist, progress, fit)
         names = set(self.model.state_dict()) - tied_names(self.model)  # before sharding: plain names
         ckpt = checkpoint_to_start(self.run_dir, cfg, names, resume, warn=self.main)

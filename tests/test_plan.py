@@ -1,0 +1,109 @@
+"""The memory plan (emapg.plan, `emapg plan`): its counts equal a real model's, its measured activation cost
+extrapolates to a longer row, it agrees with a measured training peak on this CPU, the paper's recipes get a
+plan from their hand-written configs, and a run the plan says cannot fit is refused before it starts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from emapg import plan as P
+from emapg.config import ConfigError, load_config
+from emapg.models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "tests" / "fixtures" / "model_configs"
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_the_shape_counts_equal_the_real_models(name):
+    model, tok = load_model(name)
+    shape = P.shape_of(P.model_config(name))
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert shape.largest_param == max(p.numel() for p in model.parameters())
+    from emapg.rollout.decode import prefill
+
+    ids = torch.randint(3, 250, (3, 11))
+    state = prefill(model, ids, torch.ones_like(ids))
+    cached = sum(layer.keys.numel() + layer.values.numel() for layer in state.cache.layers)
+    assert cached == 3 * 11 * shape.kv_bytes_per_token  # elements: x bytes per element gives the cache's bytes
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("mixed", [None, "bf16"])
+def test_the_activation_cost_fitted_at_short_rows_predicts_a_long_one(checkpointing, mixed):
+    shape = P.shape_of(P.model_config("tiny-qwen2"))
+    cost = P.activation_cost(shape, "float32", mixed, checkpointing)
+    one, two = (P._layers_model(shape.config, n, "float32", checkpointing) for n in (1, 2))
+    measured = P._saved_bytes(two, 256, mixed == "bf16") - P._saved_bytes(one, 256, mixed == "bf16")
+    assert cost.layer_bytes(1, 256) == pytest.approx(measured, rel=1e-6)
+    if checkpointing:  # a checkpointed layer keeps its input alone: the hidden state, fp32 residual stream
+        assert cost.per_token == pytest.approx(shape.hidden * 4, rel=0.05)
+
+
+def test_the_plan_agrees_with_a_measured_training_peak(tmp_path):
+    """bench/memory_plan.py's smallest shape (2 training steps of a random 11M-parameter model, its own
+    process): the plan within 25% of the measured peak (docs/BENCHMARKS.md holds the table of every shape)."""
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_plan.py"), "--shapes", "small", "--json",
+                           str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["measured_mb"] > 300  # the run really ran (weights, anchor, optimizer state, activations)
+    assert row["planned_mb"] == pytest.approx(row["measured_mb"], rel=0.25)
+
+
+def test_the_paper_recipes_plans_from_their_configs():
+    math = load_config(ROOT / "recipes" / "math_r1_distill_1p5b.yaml",
+                       [f"model={CONFIGS / 'deepseek-r1-distill-qwen-1.5b'}"])
+    text = P.report(math, gpus=8, gpu_memory_gb=80, prompt_tokens=512)
+    assert "1.78B parameters" in text and "fits: peak" in text
+    assert "vLLM engine (weights and cache) | 68.00" in text  # 0.85 of 80 GiB, asleep during the update
+    search = P.shape_of(P.model_config(str(CONFIGS / "qwen2.5-3b")))
+    assert (search.params, search.layers, search.kv_heads, search.head_dim) == (3_085_938_688, 36, 2, 128)
+
+
+def test_a_plan_that_does_not_fit_names_the_fixes():
+    """The math recipe on one 80 GiB GPU with the HF sampler, no checkpointing, no offload: the rollout (1,024
+    rows x 8.7k tokens of cache) and the update (8 rows' activations) do not fit; the largest row bound that
+    fits is found, and with it the rollout phase fits."""
+    over = [f"model={CONFIGS / 'deepseek-r1-distill-qwen-1.5b'}", "rollout.backend=hf", "offload=false",
+            "gradient_checkpointing=false"]
+    cfg = load_config(ROOT / "recipes" / "math_r1_distill_1p5b.yaml", over)
+    shape = P.shape_of(P.model_config(cfg.model))
+    cost = lambda ck: P.activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
+    p = P.plan(cfg, shape, cost, world=1, prompt_tokens=512)
+    assert p.phases[0].parts["key/value cache"] == 1024 * (512 + 8192) * 2 * 28 * 2 * 128 * 2  # bf16, 28 KiB a token
+    reason = P.too_big(p, 80 * P.GIB, cfg)
+    assert reason and "rollout.max_rows" in reason and "gradient_checkpointing=true" in reason
+    best = P.largest_fitting(cfg, shape, cost, 80 * P.GIB, world=1, prompt_tokens=512)
+    assert 8 <= best["rollout.max_rows"] < 1024
+    bounded = load_config(ROOT / "recipes" / "math_r1_distill_1p5b.yaml",
+                          [*over, f"rollout.max_rows={best['rollout.max_rows']}"])
+    assert P._phase(P.plan(bounded, shape, cost, world=1, prompt_tokens=512), "rollout") <= 80 * P.GIB
+
+
+def test_training_refuses_a_run_the_plan_says_cannot_fit(tmp_path, monkeypatch):
+    from emapg import trainer
+
+    monkeypatch.setattr(trainer, "device_capacity", lambda device: 2**20)  # a 1 MiB device
+    smoke = ROOT / "recipes" / "smoke.yaml"
+    with pytest.raises(ConfigError, match="the memory plan needs .* more than the device's 0.0 GiB"):
+        trainer.Trainer(load_config(smoke, ["eval.size=0"]), tmp_path / "a", progress=False)
+    trainer.Trainer(load_config(smoke, ["eval.size=0", "memory_check=false"]), tmp_path / "b", progress=False)
+
+
+def test_the_plan_command(capsys):
+    from emapg.cli import main
+
+    assert main(["plan", "--config", "smoke", "--gpus", "1", "--gpu-memory", "1", "--prompt-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| **peak (" in out and "fits: peak" in out
+    assert main(["plan", "--config", "smoke", "--gpus", "0"]) == 2
+    assert "--gpus: must be > 0" in capsys.readouterr().err
