@@ -10,7 +10,8 @@
 #   resume      2 steps in one go against 1 step + a resume to 2: the same policy and anchor; the export written
 #   eval        `emapg eval --device cuda` on two published-format fixtures, 2 samples each
 #   r1-8k       1 step of DeepSeek-R1-Distill-Qwen-1.5B's shape (untied head, 1.78B, random weights) with 8,192
-#               new tokens (no EOS: every row runs the whole budget), gradient checkpointing; peak memory reserved
+#               new tokens (no EOS: every row runs the whole budget), gradient checkpointing with prefix sharing;
+#               peak memory reserved against the memory plan's (fails when it exceeds the plan by over 15%)
 #   vllm-train  3 steps with rollout.backend=vllm in bf16 with sleep mode, eager (no compile), with truncated
 #               importance sampling: the figure shows the real bf16 sampler/trainer mismatch (when vllm is installed)
 #   vllm-eval   `emapg eval --backend vllm` (when vllm is installed)
@@ -81,9 +82,10 @@ check eval 25 "grep -E '^[|] [^|]+ [|] average [|]' $OUT/eval/eval.md" -- $PY -m
 if [ "$DEV" = cpu ]; then
   skip r1-8k "a rehearsal on the CPU: 1.78B parameters and their optimizer state need a GPU's memory"
 else
-  check r1-8k 220 "$G report $OUT/r1-8k" -- $PY "${TRAIN[@]}" model=random-qwen2.5-r1-1.5b mixed_precision=bf16 \
-    save_every=0 steps=1 prompts_per_step=1 micro_batch_prompts=1 rollout.n=2 rollout.max_new_tokens=8192 \
-    gradient_checkpointing=true prefix_sharing=false algo.kl=topk_reverse algo.k=32 lr=1e-6 --out "$OUT/r1-8k"
+  check r1-8k 220 "$G report $OUT/r1-8k && $G plan $OUT/r1-8k" -- $PY "${TRAIN[@]}" model=random-qwen2.5-r1-1.5b \
+    mixed_precision=bf16 save_every=0 steps=1 prompts_per_step=1 micro_batch_prompts=1 rollout.n=2 \
+    rollout.max_new_tokens=8192 gradient_checkpointing=true prefix_sharing=true algo.kl=topk_reverse algo.k=32 \
+    lr=1e-6 --out "$OUT/r1-8k"
 fi
 if $PY -c "import vllm" 2>/dev/null; then
   check vllm-train 55 "$G report $OUT/vllm-train" -- $PY "${TRAIN[@]}" "${SMALL[@]}" rollout.backend=vllm \

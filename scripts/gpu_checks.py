@@ -4,6 +4,8 @@
     signal RUN            fails unless some step had a group with a learning signal (advantages not all 0)
     agree [DEVICE]        one micro-batch's loss in bf16 autocast against fp32, same rollout (SmolLM2-135M)
     same A B              fails unless two runs' last checkpoints hold the same policy and anchor
+    plan RUN              the memory plan of a run's config against its measured peak (reserved): fails when the
+                          measured peak exceeds the plan by more than 15% (a plan that says "fits" wrongly)
 
 Each prints one line, the check's figure, and exits 1 when the check fails.
 """
@@ -81,8 +83,36 @@ def same(a: str, b: str) -> int:
     return 0 if same_step and worst <= 1e-6 else 1
 
 
+def plan(run: str) -> int:
+    import torch
+
+    from emapg import plan as P
+    from emapg.config import load_config
+    from emapg.models import load_model, load_tokenizer
+    from emapg.prompts import longest_prompt
+    from emapg.rollout import response_budget
+    from emapg.tasks import make_task
+
+    cfg = load_config(Path(run) / "config.yaml")
+    shape = P.shape_of(P.model_config(cfg.model))
+    task = make_task(cfg.task, **cfg.task_args)
+    if Path(cfg.model).is_dir():
+        tokenizer = load_tokenizer(cfg.model)
+    else:  # a built-in name: its tokenizer, the model built on the meta device (nothing allocated)
+        with torch.device("meta"):
+            _, tokenizer = load_model(cfg.model)
+    cost = lambda ck: P.activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
+    capacity = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    p = P.plan(cfg, shape, cost, prompt_tokens=longest_prompt(task, tokenizer),
+               response_tokens=response_budget(task, cfg.rollout.max_new_tokens), gpu_memory=capacity)
+    measured = max(r.get("peak_reserved_gb", float("nan")) for r in rows(run)) * 2**30
+    print(f"planned {p.peak / 2**30:.1f} GiB ({p.peak_phase}), measured {measured / 2**30:.1f} GiB reserved: "
+          f"measured / planned {measured / p.peak:.2f}")
+    return 0 if measured <= 1.15 * p.peak else 1
+
+
 def main(argv: list[str]) -> int:
-    commands = {"report": report, "signal": signal, "agree": agree, "same": same}
+    commands = {"report": report, "signal": signal, "agree": agree, "same": same, "plan": plan}
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 2
