@@ -210,8 +210,8 @@ class FakeLLM:
                 for p, sp in zip(prompts, params, strict=True)]
 
     def _one(self, prompt, sp, j):
-        self.streams.append(sp.seed + j)  # vLLM seeds a request's j-th sample with seed + j
-        gen = torch.Generator().manual_seed(sp.seed + j)
+        self.streams.append(None if sp.seed is None else sp.seed + j)  # vLLM seeds sample j with seed + j
+        gen = None if sp.seed is None else torch.Generator().manual_seed(sp.seed + j)
         ids, logprobs = list(prompt), []
         for _ in range(sp.max_tokens):
             if self.max_model_len is not None and len(ids) >= self.max_model_len:
@@ -335,6 +335,22 @@ def test_no_two_samples_share_a_random_stream(tmp_path, monkeypatch):
     assert len(engine.llm.streams) == 3 * 4 * 4
     assert len(agent_engine.llm.streams) > 2 * 2 * 4  # several turns
     assert len(set(streams)) == len(streams)
+
+
+def test_unseeded_requests_carry_no_seed_and_the_field_reaches_the_engine(tmp_path, monkeypatch):
+    """rollout.vllm_seeds=false: no request carries a seed (the engine's batched path); the field reaches the
+    engine the trainer builds."""
+    tr = Trainer(load_config(SMOKE, ["export=false", "eval.size=0"]), tmp_path / "a", progress=False)
+    engine = with_engine(tr)
+    engine.seeded = False
+    tr.rollout(1)
+    assert engine.llm.streams and set(engine.llm.streams) == {None}
+    made = {}
+    monkeypatch.setattr(vb, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(vb.VLLMRollout, "create", classmethod(lambda cls, *a, **kw: made.update(kw) or engine))
+    Trainer(load_config(SMOKE, ["export=false", "eval.size=0", "rollout.backend=vllm", "rollout.vllm_seeds=false"]),
+            tmp_path / "b", progress=False)
+    assert made["seeded"] is False
 
 
 def test_trainer_with_engine_trains_and_logs_no_top_p_cut(tmp_path):

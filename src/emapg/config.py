@@ -131,6 +131,11 @@ class RolloutConfig:
     vllm_sleep: bool = False
     """vllm on CUDA: free the engine's GPU memory during the update (its weights are pushed again before a
     rollout). The CPU backend has no sleep mode."""
+    vllm_seeds: bool = True
+    """vllm: seed every request from the run's seed, the step, the rank and the prompt (reproducible samples, a
+    resume that replays them); false lets requests draw from the engine's own generator (seeded once at its
+    start): vLLM's batched sampling path, faster on a GPU than a generator per request, but a run's samples then
+    depend on how vLLM batches them."""
     vllm_enforce_eager: bool | None = None
     """vllm: run the model eagerly (no CUDA graphs / torch.compile): faster start, slower decoding. None =
     true on the CPU (compiling takes minutes on a few cores), false on CUDA."""

@@ -226,7 +226,7 @@ def engine_for_run(cfg: Any, model: nn.Module, tokenizer, task: Any, spec: Sampl
         model, tokenizer, eos_ids(model, tokenizer), workdir=workdir, dtype=dtype, device=device,
         gpu_memory_utilization=r.vllm_gpu_memory, max_model_len=max_len,
         max_logprobs=spec.k, seed=cfg.seed + rank, sleep=r.vllm_sleep,
-        enforce_eager=eager, cpu_kv_cache_gib=kv_gib)
+        enforce_eager=eager, cpu_kv_cache_gib=kv_gib, seeded=r.vllm_seeds)
 
 
 def engine_for_eval(model: nn.Module, tokenizer, tasks: list[Any], spec: SamplingSpec, *, device: str, dtype: str,
@@ -259,8 +259,10 @@ class VLLMRollout:
     """Sampling through a vLLM ``LLM`` (or anything with its ``generate``/``collective_rpc``/
     ``reset_prefix_cache`` methods), plus the weight push. Build a real one with :meth:`create`."""
 
-    def __init__(self, llm: Any, tokenizer, eos: list[int], sampling_params_cls: Any = None, sleep: bool = False):
+    def __init__(self, llm: Any, tokenizer, eos: list[int], sampling_params_cls: Any = None, sleep: bool = False,
+                 seeded: bool = True):
         self.llm, self.tokenizer, self.eos, self.sleep = llm, tokenizer, eos, sleep
+        self.seeded = seeded  # False: requests carry no seed (vLLM's batched sampling path, the engine's generator)
         if sampling_params_cls is None:
             from vllm import SamplingParams
 
@@ -273,7 +275,8 @@ class VLLMRollout:
     @classmethod
     def create(cls, model: nn.Module, tokenizer, eos: list[int], *, workdir: str | Path, dtype: str, device: str,
                gpu_memory_utilization: float, max_model_len: int | None, max_logprobs: int, seed: int,
-               sleep: bool, enforce_eager: bool, cpu_kv_cache_gib: int | None = None) -> VLLMRollout:
+               sleep: bool, enforce_eager: bool, cpu_kv_cache_gib: int | None = None,
+               seeded: bool = True) -> VLLMRollout:
         """An engine colocated with this process (its GPU, or the CPU) with dummy weights; :meth:`sync`
         fills them. On the CPU ``cpu_kv_cache_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (unless the
         environment sets it already) and sleep mode is refused (vLLM's CPU backend has none)."""
@@ -303,7 +306,7 @@ class VLLMRollout:
                 max_logprobs=max(max_logprobs, 1), logprobs_mode="processed_logprobs", generation_config="vllm",
                 enable_prefix_caching=True, enable_sleep_mode=sleep, enforce_eager=enforce_eager,
             )
-        engine = cls(llm, tokenizer, eos, sleep=sleep)
+        engine = cls(llm, tokenizer, eos, sleep=sleep, seeded=seeded)
         engine.owns_dist = owns_dist
         if sleep:
             engine._sleep()
@@ -408,7 +411,8 @@ class VLLMRollout:
             raise RuntimeError("the vLLM engine is closed")
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: sync the policy's weights before sampling")
-        params = [self.params_cls(**sampling_kwargs(spec, stop_token_ids=self.eos, stop=stop, seed=seed))
+        params = [self.params_cls(**sampling_kwargs(spec, stop_token_ids=self.eos, stop=stop,
+                                                    seed=seed if self.seeded else None))
                   for _, spec, seed in requests]
         prompts = [{"prompt_token_ids": list(p)} for p, _, _ in requests]
         return self.llm.generate(prompts, params, use_tqdm=False)
