@@ -95,7 +95,7 @@ if $PY -c "import vllm" 2>/dev/null; then
     --task math --device "$DEV" --backend vllm --samples 2 --temperature 1.0 --max-new-tokens 64 --out "$OUT/vllm-eval" \
     --data tests/fixtures/evalsets/math500.jsonl tests/fixtures/evalsets/olympiadbench.jsonl
 else
-  skip vllm-train "vllm is not installed (pip install 'emapg[vllm]')"
+  skip vllm-train "vllm is not installed (pip install -e '.[vllm]' in emapg's clone)"
   skip vllm-eval "vllm is not installed"
 fi
 if [ "$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)" -ge 2 ]; then

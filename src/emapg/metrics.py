@@ -143,7 +143,8 @@ def _wandb_run(run_dir: Path, config: dict[str, Any], project: str):
     except ImportError:
         from emapg.config import ConfigError
 
-        raise ConfigError("report_to: wandb needs Weights & Biases: pip install 'emapg[wandb]'") from None
+        raise ConfigError("report_to: wandb needs Weights & Biases: pip install -e '.[wandb]' in emapg's clone "
+                          "(or pip install wandb)") from None
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
     write_text_atomic(id_file, run_id + "\n")
