@@ -67,6 +67,15 @@ def test_the_gpu_recipes_are_the_papers_setups(recipe):
         assert phrase in method, f"docs/METHOD.md no longer says {phrase!r}"
 
 
+def test_a_retriever_named_on_the_command_line_replaces_the_recipes():
+    cpu = load_config(ROOT / "recipes" / "search_cpu.yaml", ["task_args.retriever_url=http://127.0.0.1:8000/retrieve"])
+    assert cpu.task_args["retriever_url"] == "http://127.0.0.1:8000/retrieve" and "synthetic" not in cpu.task_args
+    gpu = load_config(ROOT / "recipes" / "search_qwen2p5_3b.yaml", ["task_args.index=/data/wiki-index"])
+    assert gpu.task_args["index"] == "/data/wiki-index" and "retriever_url" not in gpu.task_args
+    kept = load_config(ROOT / "recipes" / "search_cpu.yaml", ["task_args.max_turns=2"])
+    assert "synthetic" in kept.task_args  # other task_args leave the retriever alone
+
+
 def test_qa_normalisation_em_and_f1():
     assert normalize_answer("The  Eiffel Tower!") == "eiffel tower"
     assert qa_em("the Eiffel tower.", ["Eiffel Tower", "Tour Eiffel"]) == 1.0

@@ -340,8 +340,14 @@ def _build(cls, data: dict[str, Any], where: str):
     return cls(**kwargs)
 
 
+# task_args keys of which a task takes one (search_qa's retriever: an index folder, a server, or the generated
+# knowledge base): an override naming one drops the others the config file set.
+ONE_OF_TASK_ARGS = (frozenset({"index", "retriever_url", "synthetic"}),)
+
+
 def apply_override(data: dict[str, Any], item: str) -> None:
-    """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (so 0.9, true, null)."""
+    """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (so 0.9, true, null). A
+    task_args key of :data:`ONE_OF_TASK_ARGS` drops the other keys of its group."""
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. algo.eta=0.95")
     key, raw = item.split("=", 1)
@@ -360,7 +366,12 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             cls = hints[part]
         elif "dict" in str(hints[part]):  # free-form mapping (task_args.digits=3)
             node = node.setdefault(part, {})
-            node[".".join(parts[i + 1 :])] = value
+            name = ".".join(parts[i + 1 :])
+            for group in ONE_OF_TASK_ARGS if part == "task_args" and value is not None else ():
+                if name in group:  # the retriever named on the command line replaces the file's
+                    for other in group - {name}:
+                        node.pop(other, None)
+            node[name] = value
             return
         else:
             raise ConfigError(f"override {key!r}: {part!r} is not a section")
