@@ -156,6 +156,17 @@ def test_one_compare_at_a_time_per_output_folder(tmp_path):
     assert not (out / "a").exists()  # nothing started
 
 
+def test_a_compare_refuses_a_training_runs_folder(tmp_path):
+    from emapg.runs import claim_run_folder
+
+    run = tmp_path / "run"
+    claim_run_folder(run, has_checkpoint=False)
+    before = sorted(p.name for p in run.iterdir())
+    with pytest.raises(ConfigError, match="is the folder of a training run"):
+        run_all(load_spec(write_spec(tmp_path, SPEC)), run, log=lambda m: None)
+    assert sorted(p.name for p in run.iterdir()) == before  # nothing written
+
+
 def test_a_stop_file_lets_the_running_run_finish_and_starts_no_other(tmp_path):
     """`touch OUT/.compare.stop` while a run trains: that run finishes and is recorded, the next is not
     started, the file is removed, and the next call carries on with the run left."""

@@ -32,7 +32,7 @@ from emapg.checkpoint import has_checkpoint
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
 from emapg.outcomes import final_outcomes
-from emapg.runs import claim_run_folder
+from emapg.runs import MARKER, claim_run_folder
 from emapg.stats import interval95, mcnemar_p
 from emapg.verdicts import anchor_minus_policy, judge, load_hypotheses, paired_diffs, table
 
@@ -115,6 +115,9 @@ def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
     """
     if jobs < 1:
         raise ConfigError(f"--jobs: must be >= 1, got {jobs}")
+    if (out / MARKER).exists():
+        raise ConfigError(f"--out {out}: is the folder of a training run (emapg train wrote it); a comparison needs "
+                          "a folder of its own (nothing was changed)")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".compare.lock", "w") as lock:  # a second compare would restart this one's live runs
         try:
