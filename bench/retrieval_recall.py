@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"embedder": embedder.identity(), "embedder_load_s": load_s, "k": args.k, "corpora": {}}
     kb = make_kb(seed=args.kb_seed)
     corpora = {"generated KB": (kb["corpus"], kb_queries(kb))}
-    if not args.no_wiki and WIKI.is_file():
+    if not args.no_wiki:
+        if not WIKI.is_file():
+            sys.exit(f"retrieval_recall: the Wikipedia sample {WIKI} is not there (the README's Wikipedia rows need "
+                     "it, from ../shared beside the clone); --no-wiki measures the generated corpus alone")
         corpora["Wikipedia sample"] = (WIKI, wiki_queries(WIKI))
     with tempfile.TemporaryDirectory() as tmp:
         for name, (rows, probes) in corpora.items():
