@@ -45,7 +45,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "math" / "gsm8k.jsonl"
+GSM8K = "emapg:gsm8k_test"  # the GSM8K test set shipped with the package (row for row ../shared's gsm8k.jsonl)
 KS = (1, 4, 16, 32, 128, 1024)
 SAMPLED = ("k1", "k2", "k3", "k3pp", "k4", "k5")
 
@@ -205,11 +205,19 @@ def main() -> None:
     args = p.parse_args()
     if args.run is None and args.teacher is None:
         p.error("give --run (the early and trained pairs), --teacher (the distillation pair), or both")
+    for run, step in ((args.early_run or args.run, 10), (args.run, 30)):
+        if run is not None and not (run / "checkpoints" / f"step_{step:06d}").is_dir():
+            p.error(f"{run} has no step-{step} checkpoint: make it with `emapg train --out runs/demo "
+                    "keep_checkpoints=3` (or a 10-step run for --early-run, as this script's help shows)")
+    from emapg.models import BUILTIN
+
+    if args.teacher is not None and args.teacher not in BUILTIN and not (Path(args.teacher) / "config.json").is_file():
+        p.error(f"--teacher {args.teacher}: not a model folder (the demo's is made by emapg train --out runs/demo)")
     torch.set_num_threads(args.threads)
     from emapg.tasks import make_task
 
     data = {"arithmetic": (make_task("arithmetic", digits=2, ops="+", terms=2).eval_examples(24), 32),
-            "gsm8k": (make_task("math", eval_file=str(GSM8K), template="chat").eval_examples(12), 64)}
+            "gsm8k": (make_task("math", eval_file=GSM8K, template="chat").eval_examples(12), 64)}
     random.seed(0)
     results = {}
     pairs = ([("early", 10), ("trained", 30)] if args.run else []) + ([("distill", 0)] if args.teacher else [])
