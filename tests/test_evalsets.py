@@ -191,3 +191,23 @@ def test_eval_mistakes_are_one_line(args, message, capsys):
     assert main(["eval", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_a_runs_evaluation_takes_its_task_settings_with_the_retriever_given(tmp_path):
+    """`emapg eval --run RUN --task-args '{"index": ...}'`: the run's task_args (template, budgets...), its
+    retriever replaced by the one given (not two retrievers, which the task refuses)."""
+    import argparse
+
+    from emapg.cli import eval_subject
+    from emapg.config import load_config, save_config
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    (run / "export" / "policy").mkdir(parents=True)
+    (run / "export" / "anchor").mkdir(parents=True)
+    save_config(load_config(root / "recipes" / "search_cpu.yaml"), run / "config.yaml")
+    args = argparse.Namespace(run=str(run), model=None, task=None, task_args='{"index": "wiki-bm25"}')
+    models, task, task_args = eval_subject(args)
+    assert task == "search_qa" and models == [str(run / "export" / "policy"), str(run / "export" / "anchor")]
+    assert task_args["index"] == "wiki-bm25" and "synthetic" not in task_args
+    assert task_args["turn_prefix"] == load_config(root / "recipes" / "search_cpu.yaml").task_args["turn_prefix"]

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from emapg.config import SHIPPED_RECIPES as RECIPES
-from emapg.config import ConfigError, load_config
+from emapg.config import ConfigError, load_config, merged_task_args
 from emapg.retrieval import KINDS, SERVER_LIMITS
 
 DEFAULT_RECIPE = "cpu_demo"
@@ -160,7 +160,7 @@ def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     missing = [m for m in models if not Path(m).exists() and not args.model]
     if missing:
         raise ConfigError(f"--run {run}: no exported model at {missing[0]} (the run exports at its end)")
-    return models, cfg.task, {**cfg.task_args, **task_args}
+    return models, cfg.task, merged_task_args(cfg.task_args, task_args)
 
 
 def cmd_index_build(args: argparse.Namespace) -> int:

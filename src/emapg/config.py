@@ -345,6 +345,18 @@ def _build(cls, data: dict[str, Any], where: str):
 ONE_OF_TASK_ARGS = (frozenset({"index", "retriever_url", "synthetic"}),)
 
 
+def merged_task_args(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated with ``new``, where a key of :data:`ONE_OF_TASK_ARGS` set in ``new`` (not null) drops the
+    other keys of its group from ``base`` (the retriever named last replaces the earlier one)."""
+    out = dict(base)
+    for group in ONE_OF_TASK_ARGS:
+        if any(new.get(k) is not None for k in group):
+            for other in group - set(new):
+                out.pop(other, None)
+    out.update(new)
+    return out
+
+
 def apply_override(data: dict[str, Any], item: str) -> None:
     """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (so 0.9, true, null). A
     task_args key of :data:`ONE_OF_TASK_ARGS` drops the other keys of its group."""
@@ -366,12 +378,10 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             cls = hints[part]
         elif "dict" in str(hints[part]):  # free-form mapping (task_args.digits=3)
             node = node.setdefault(part, {})
-            name = ".".join(parts[i + 1 :])
-            for group in ONE_OF_TASK_ARGS if part == "task_args" and value is not None else ():
-                if name in group:  # the retriever named on the command line replaces the file's
-                    for other in group - {name}:
-                        node.pop(other, None)
-            node[name] = value
+            entry = {".".join(parts[i + 1 :]): value}
+            merged = merged_task_args(node, entry) if part == "task_args" else {**node, **entry}
+            node.clear()
+            node.update(merged)
             return
         else:
             raise ConfigError(f"override {key!r}: {part!r} is not a section")
