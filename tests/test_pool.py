@@ -118,3 +118,13 @@ def test_the_max_rows_field_reaches_training_rollouts_and_evaluation(tmp_path, m
     assert calls == [2]
     tr.evaluate()
     assert calls == [2, 2]
+
+
+def test_a_bounded_rollout_keeps_no_autograd_graph():
+    """Called with gradients enabled (as the trainer's rollout is, outside FSDP), the bounded paths record
+    nothing for a backward pass: every step's activations would otherwise stay alive to the end."""
+    model, tok = _model("tiny-llama", 4)
+    assert torch.is_grad_enabled()
+    batch = generate(model, tok, _examples(4), SamplingSpec(n=2, max_new_tokens=6, k=2), max_rows=3)
+    assert not batch.samp_logp.requires_grad and batch.samp_logp.grad_fn is None
+    assert not batch.entropy.requires_grad

@@ -58,6 +58,7 @@ def _joined(kept: Cache | None, kept_mask: Tensor | None, new: Cache | None, new
     return Cache(layers=layers), mask
 
 
+@torch.no_grad()
 def decode_chunks(model: nn.Module, prompts: list[list[int]], spec: SamplingSpec, *, max_rows: int,
                   eos: list[int], pad_id: int) -> Sampled:
     """:func:`decode_pool`'s rows, for models whose cache forgets columns (sliding-window or linear
@@ -84,6 +85,7 @@ def decode_chunks(model: nn.Module, prompts: list[list[int]], spec: SamplingSpec
                    top_p_cut=cat("top_p_cut", 0.0), topk=cat("topk", 0), length=torch.cat([o.length for o in outs]))
 
 
+@torch.no_grad()
 def decode_pool(model: nn.Module, prompts: list[list[int]], spec: SamplingSpec, *, max_rows: int,
                 eos: list[int], pad_id: int) -> Sampled:
     """``spec.n`` samples of each prompt (rows prompt-major: prompt i's sample j is row i * n + j), at
