@@ -132,3 +132,50 @@ def test_a_folder_that_cannot_be_written_is_a_message(tmp_path, capsys):
     assert train("--config", str(SMOKE), "--out", str(blocker / "run"), *FAST) == 2
     err = capsys.readouterr().err
     assert "emapg: error:" in err and "Not a directory" in err and "Traceback" not in err
+
+
+def _emapg(*args, **kw):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "emapg", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, **kw)
+
+
+def _wait_for(path, seconds=120):
+    import time
+
+    end = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(tmp_path):
+    """While `emapg train` writes a run, a second `train --out` and a `train --resume` of it are refused, naming
+    the writer's PID, and change nothing; once the writer is SIGKILLed, a resume takes the folder and finishes."""
+    import signal
+
+    run = tmp_path / "run"
+    first = _emapg("train", "--config", "smoke", "--out", str(run), "steps=400", "save_every=1", "eval.size=0",
+                   "export=false")
+    try:
+        _wait_for(run / "checkpoints" / "latest")
+        metrics = (run / "metrics.jsonl").read_text()
+        for args in (["--out", str(run)], ["--resume", str(run)]):
+            second = _emapg("train", "--config", "smoke", *args, "steps=2", "eval.size=0")
+            _, err = second.communicate(timeout=120)
+            assert second.returncode == 2, err
+            assert f"another emapg process (PID {first.pid}) is writing this run folder" in err
+            assert "Traceback" not in err
+        assert (run / "metrics.jsonl").read_text().startswith(metrics)  # the writer's log, nothing interleaved
+        assert not (run / "resumes.jsonl").exists()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    third = _emapg("train", "--resume", str(run), "steps=2")  # a few steps are saved, at most 2 remain
+    _, err = third.communicate(timeout=300)
+    assert third.returncode == 0 or "nothing would train" in err, err
+    assert "another emapg process" not in err

@@ -48,14 +48,15 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     cmd += ["--force"] if args.force else []
     if args.config:
         cmd += ["--config", str(recipe_path(args.config))]
-    return subprocess.call(cmd + list(args.overrides))
+    from emapg.runs import LOCK_ENV
+
+    env = {**os.environ, LOCK_ENV: str(run_dir.resolve())}  # this process holds the folder's lock for them
+    return subprocess.call(cmd + list(args.overrides), env=env)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from emapg import distributed
     from emapg.checkpoint import has_checkpoint
-    from emapg.runs import claim_run_folder, record_resume
-    from emapg.trainer import Trainer
+    from emapg.runs import claim_run_folder, lock_run, record_resume, unlock_run
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and not (args.out or args.resume):
@@ -67,13 +68,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not cfg_file.exists():
             raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
         cfg = load_config(cfg_file, args.overrides)
-        if rank0:
-            record_resume(run_dir, cfg_file, cfg, args.overrides, force=args.force)
     else:
         cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
-        if rank0:
+    try:  # the run folder's one writer from here to the end of the command (rank 0: the others only read)
+        if rank0 and args.resume:
+            lock_run(run_dir)
+            record_resume(run_dir, cfg_file, cfg, args.overrides, force=args.force)
+        elif rank0:
             claim_run_folder(run_dir, has_checkpoint(run_dir))
+        return _train_locked(args, cfg, run_dir, launched)
+    finally:
+        unlock_run(run_dir)
+
+
+def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool) -> int:
+    """``emapg train`` once its run folder is claimed (or its resume recorded) by this process."""
+    from emapg import distributed
+    from emapg.checkpoint import has_checkpoint
+    from emapg.trainer import Trainer
+
     if args.nproc > 1 and not launched:
         return _launch(args, run_dir)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), force=args.force)

@@ -10,17 +10,22 @@ is refused unless ``--force`` is given.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from emapg.config import ConfigError, TrainConfig, load_config, save_config, to_dict
 from emapg.metrics import PLOTS
 
 MARKER = ".emapg-run"
+LOCK = ".emapg.lock"  # the one writer's OS lock (and its PID, for the message a second writer gets)
+LOCK_ENV = "EMAPG_RUN_LOCK"  # set by a launcher holding the lock for the processes it starts (--nproc)
+_HELD: dict[Path, IO] = {}
 # What a run writes into its folder (removed when a run that never checkpointed starts again;
 # anything else there, such as emapg compare's log of the run, stays).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "resumes.jsonl", "tensorboard", "checkpoints", "export", "vllm",
@@ -30,17 +35,71 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "resumes.jsonl", "tensorboard", "ch
 REPLAY_SAFE = ("steps", "save_every", "keep_checkpoints", "export", "threads", "eval.", "report_to", "wandb_project")
 
 
+def lock_run(run_dir: Path) -> None:
+    """Make this process the run folder's one writer until it exits: an exclusive OS lock on ``RUN/.emapg.lock``,
+    which the OS releases when the process ends, however it ends (a killed run leaves no stale lock). A
+    second writer gets a ConfigError naming the holder's PID, before it writes anything. Re-entrant within a
+    process; a process started by a holder (``EMAPG_RUN_LOCK`` names the folder) writes under its lock."""
+    key = Path(run_dir).resolve()
+    if key in _HELD or os.environ.get(LOCK_ENV) == str(key):
+        return
+    key.mkdir(parents=True, exist_ok=True)
+    f = open(key / LOCK, "a+")  # noqa: SIM115 (held open for the process's life)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise _busy(run_dir, holder) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _HELD[key] = f
+
+
+def unlock_run(run_dir: Path) -> None:
+    """Let go of ``run_dir``'s lock if this process holds it (a command's end; the process's end does it too)."""
+    f = _HELD.pop(Path(run_dir).resolve(), None)
+    if f is not None:
+        f.close()
+
+
+def _busy(run_dir: Path, holder: str) -> ConfigError:
+    return ConfigError(f"{run_dir}: another emapg process (PID {holder}) is writing this run folder; wait for it "
+                       "to end, or pick another folder (nothing was changed)")
+
+
+def check_not_busy(run_dir: Path) -> None:
+    """Raise the second writer's ConfigError if another process holds ``run_dir``'s lock; changes nothing
+    (a shared lock tried and let go)."""
+    path = Path(run_dir) / LOCK
+    if not path.is_file() or path.parent.resolve() in _HELD:
+        return
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(run_dir, f.read().strip() or "unknown") from None
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def claim_run_folder(run_dir: Path, has_checkpoint: bool) -> None:
-    """Make ``run_dir`` ready for a fresh run, or raise ConfigError without touching it."""
+    """Make ``run_dir`` ready for a fresh run, holding its lock (:func:`lock_run`), or raise ConfigError
+    without touching it."""
     run_dir = Path(run_dir)
+    if os.environ.get(LOCK_ENV) != str(run_dir.resolve()):  # a launcher holding it has checked already
+        check_not_busy(run_dir)
     if has_checkpoint:
         raise ConfigError(f"--out {run_dir}: already holds a run with checkpoints; continue it with --resume "
                           f"{run_dir}, or pick another --out (nothing was changed)")
-    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK) if run_dir.is_dir() else []
     if entries and MARKER not in entries:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise ConfigError(f"--out {run_dir}: holds files emapg did not write ({shown}); a run starts only in a "
                           "new or empty folder (nothing was changed)")
+    lock_run(run_dir)  # before anything is removed: a run still writing here keeps its files
     left = [name for name in entries if name in RUN_FILES]
     if left:  # one of ours that stopped before its first checkpoint: nothing in it can be resumed
         print(f"emapg: {run_dir} holds a run that stopped before its first checkpoint: starting it again",
