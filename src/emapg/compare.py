@@ -32,7 +32,7 @@ from emapg.checkpoint import has_checkpoint
 from emapg.config import ConfigError
 from emapg.metrics import read_metrics
 from emapg.outcomes import final_outcomes
-from emapg.runs import MARKER, claim_run_folder
+from emapg.runs import LOCK_ENV, MARKER, claim_run_folder, unlock_run
 from emapg.stats import interval95, mcnemar_p
 from emapg.verdicts import anchor_minus_policy, judge, load_hypotheses, paired_diffs, table
 
@@ -166,11 +166,12 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
             while pending and len(running) < max(1, jobs):
                 run, cmd, line = pending.pop(0)
                 log(line)
-                if "--resume" not in cmd:
-                    claim_run_folder(run, has_checkpoint=False)  # new (a stale one was set aside above)
+                env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+                if "--resume" not in cmd:  # new (a stale one was set aside above): held for the run it starts
+                    claim_run_folder(run, has_checkpoint=False)
+                    env[LOCK_ENV] = str(run.resolve())
                 err = open(run / "compare_stderr.log", "w")  # closed by _finish
-                proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-                                        stderr=err)
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
                 running.append((run, proc, time.perf_counter(), err))
             time.sleep(0.2)
             for item in [r for r in running if r[1].poll() is not None]:
@@ -183,14 +184,16 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
             log(f"stopped by {stop} (removed): {left} runs left for the next call" if left else
                 f"removed {stop}: it came after the last run had started")
     finally:
-        for _, proc, _, err in running:  # interrupted: stop the runs; their checkpoints let the next call resume
+        for run, proc, _, err in running:  # interrupted: stop the runs; their checkpoints let the next call resume
             proc.terminate()
             err.close()
+            unlock_run(run)
 
 
 def _finish(run: Path, proc: subprocess.Popen, t0: float, err) -> None:
     seconds = time.perf_counter() - t0
     err.close()
+    unlock_run(run)
     if proc.returncode != 0:
         tail = (run / "compare_stderr.log").read_text()[-3000:]
         raise RuntimeError(f"run {run} failed (exit {proc.returncode}):\n{tail}")
