@@ -179,3 +179,18 @@ def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(tmp_path):
     _, err = third.communicate(timeout=300)
     assert third.returncode == 0 or "nothing would train" in err, err
     assert "another emapg process" not in err
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """A scheduler's SIGTERM: the run stops with its resume hint and exit 143, and the resume works."""
+    import signal
+
+    run = tmp_path / "run"
+    proc = _emapg("train", "--config", "smoke", "--out", str(run), "steps=400", "save_every=1", "eval.size=0",
+                  "export=false")
+    _wait_for(run / "checkpoints" / "latest")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert f"resume with: emapg train --resume {run}" in err and "terminated (SIGTERM)" in err
+    assert "Traceback" not in err

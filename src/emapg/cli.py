@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -412,6 +413,14 @@ def _compare_parser(sub) -> None:
     c.set_defaults(func=cmd_compare)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so that it stops the way Ctrl-C stops it."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -423,8 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         extra = [x for x in extra if not ("=" in x and not x.startswith("-"))]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # a scheduler's SIGTERM stops a run as Ctrl-C does (its resume hint), exit 143
+    before = signal.signal(signal.SIGTERM, _terminated) if args.command == "train" else None
     try:
         return args.func(args)
+    except Terminated:
+        print("emapg: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("emapg: interrupted", file=sys.stderr)
         return 130
@@ -435,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         print(f"emapg: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
 
 
 if __name__ == "__main__":
