@@ -531,7 +531,15 @@ DAMAGE = {
     "state without step": ("step_000004/state.json", lambda p: p.write_text('{"skipped_steps": 0}'), 2),
     "missing key": ("step_000004/policy.safetensors", _drop_a_tensor, 2),
     "garbage latest": ("latest", lambda p: p.write_bytes(b"\xff\xfe garbage"), 4),
+    "state of another step": ("step_000004/state.json", lambda p: _set_state(p, step=99), 2),
+    "step not a number": ("step_000004/state.json", lambda p: _set_state(p, step="four"), 2),
 }
+
+
+def _set_state(path, **changes):
+    state = json.loads(path.read_text())
+    state.update(changes)
+    path.write_text(json.dumps(state))
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))

@@ -177,6 +177,11 @@ def _read_state(path: Path) -> dict[str, Any]:
     missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{file} is damaged: no {', '.join(missing)}")
+    step = state["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{file} is damaged: step {step!r} is not a whole number >= 0")
+    if path.name[len("step_"):].isdigit() and _step_of(path) != step:
+        raise CheckpointError(f"{file} is damaged: it says step {step}, its folder is {path.name}")
     return state
 
 
