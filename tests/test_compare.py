@@ -56,6 +56,15 @@ def test_spec_quick_only_and_errors(tmp_path):
         load_spec(write_spec(tmp_path, SPEC.replace("b: [algo.eta=0.5]", "bad: [nokeyvalue]")))
     with pytest.raises(ConfigError, match="missing field 'configs'"):
         load_spec(write_spec(tmp_path, "base: x\n"))
+    with pytest.raises(ConfigError, match="configs: expected a mapping of name"):
+        load_spec(write_spec(tmp_path, SPEC.split("configs:")[0] + "configs: [a, b]\n"))
+    with pytest.raises(ConfigError, match="seeds: expected a list of whole numbers, got 'zero'"):
+        load_spec(write_spec(tmp_path, SPEC.replace("seeds: [0, 1]", "seeds: zero")))
+    with pytest.raises(ConfigError, match=r"groups: unknown configs \['c'\]"):
+        load_spec(write_spec(tmp_path, SPEC.replace("groups: {main: [a, b]}", "groups: {main: [a, c]}")))
+    # a bad value in the second config is found before the first config's runs start
+    with pytest.raises(ConfigError, match=r"configs.b: .*algo.eta"):
+        load_spec(write_spec(tmp_path, SPEC.replace("b: [algo.eta=0.5]", "b: [algo.eta=7]")))
 
 
 def test_mean_and_spread_over_seeds(tmp_path):

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from emapg.checkpoint import has_checkpoint
-from emapg.config import ConfigError
+from emapg.config import ConfigError, load_config
 from emapg.metrics import read_metrics
 from emapg.outcomes import final_outcomes
 from emapg.runs import LOCK_ENV, MARKER, claim_run_folder, unlock_run
@@ -70,6 +70,9 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
     for key in ("base", "configs"):
         if key not in raw:
             raise ConfigError(f"{path}: missing field {key!r}")
+    if not isinstance(raw["configs"], dict):
+        raise ConfigError(f"{path}: configs: expected a mapping of name -> list of KEY=VALUE overrides, got "
+                          f"{type(raw['configs']).__name__}")
     configs = {}
     for name, spec in raw["configs"].items():
         over = spec.get("overrides", []) if isinstance(spec, dict) else spec
@@ -77,7 +80,7 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
             raise ConfigError(f"{path}: configs.{name}: expected a list of KEY=VALUE overrides")
         configs[str(name)] = over
     labels = {str(n): s.get("label", n) for n, s in raw["configs"].items() if isinstance(s, dict)}
-    overrides, seeds = list(raw.get("overrides", [])), list(raw.get("seeds", [0]))
+    overrides, seeds = list(raw.get("overrides", [])), raw.get("seeds", [0])
     if quick:
         q = raw.get("quick") or {}
         overrides += q.get("overrides", [])
@@ -88,12 +91,25 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
         if unknown:
             raise ConfigError(f"{path}: unknown configs {unknown}; known: {', '.join(configs)}")
         configs = {n: configs[n] for n in only}
+    if not isinstance(seeds, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds):
+        raise ConfigError(f"{path}: seeds: expected a list of whole numbers, got {seeds!r}")
     base = Path(raw["base"])
     if not base.is_absolute():
         base = (path.parent / base).resolve()
     if not base.exists():
         raise ConfigError(f"{path}: base: {base} does not exist")
-    groups = {g: [n for n in names if n in configs] for g, names in (raw.get("groups") or {}).items()}
+    raw_groups = raw.get("groups") or {}
+    if not isinstance(raw_groups, dict) or not all(isinstance(v, list) for v in raw_groups.values()):
+        raise ConfigError(f"{path}: groups: expected a mapping of group name -> list of config names")
+    unknown = sorted({str(n) for names in raw_groups.values() for n in names} - {str(k) for k in raw["configs"]})
+    if unknown:
+        raise ConfigError(f"{path}: groups: unknown configs {unknown}; known: {', '.join(map(str, raw['configs']))}")
+    for name, over in configs.items():  # every config is checked before the first run starts
+        try:
+            load_config(base, [*overrides, *over])
+        except ConfigError as e:
+            raise ConfigError(f"{path}: configs.{name}: {e}") from None
+    groups = {g: [n for n in names if n in configs] for g, names in raw_groups.items()}
     prune = raw.get("prune_checkpoints", False)
     if not isinstance(prune, bool):
         raise ConfigError(f"{path}: prune_checkpoints: expected true or false, got {prune!r}")
