@@ -175,10 +175,14 @@ def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(tmp_path):
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
+    debris = [run / ".config.yaml.tmp-999999", run / "checkpoints" / ".latest.tmp-999999"]  # a kill mid-write
+    for path in debris:
+        path.write_text("half")
     third = _emapg("train", "--resume", str(run), "steps=2")  # a few steps are saved, at most 2 remain
     _, err = third.communicate(timeout=300)
     assert third.returncode == 0 or "nothing would train" in err, err
     assert "another emapg process" not in err
+    assert not any(path.exists() for path in debris)  # the resume took the folder and swept them
 
 
 def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):

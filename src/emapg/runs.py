@@ -39,7 +39,8 @@ def lock_run(run_dir: Path) -> None:
     """Make this process the run folder's one writer until it exits: an exclusive OS lock on ``RUN/.emapg.lock``,
     which the OS releases when the process ends, however it ends (a killed run leaves no stale lock). A
     second writer gets a ConfigError naming the holder's PID, before it writes anything. Re-entrant within a
-    process; a process started by a holder (``EMAPG_RUN_LOCK`` names the folder) writes under its lock."""
+    process; a process started by a holder (``EMAPG_RUN_LOCK`` names the folder) writes under its lock. Once
+    held, the temporary files an earlier, killed writer left (``.NAME.tmp-PID``) are removed."""
     key = Path(run_dir).resolve()
     if key in _HELD or os.environ.get(LOCK_ENV) == str(key):
         return
@@ -57,6 +58,9 @@ def lock_run(run_dir: Path) -> None:
     f.write(f"{os.getpid()}\n")
     f.flush()
     _HELD[key] = f
+    for debris in [*key.glob(".*.tmp-*"), *key.glob("checkpoints/.*.tmp-*")]:  # files a killed writer left
+        if debris.is_file():
+            debris.unlink()
 
 
 def unlock_run(run_dir: Path) -> None:
