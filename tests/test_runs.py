@@ -178,9 +178,11 @@ def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(tmp_path):
     debris = [run / ".config.yaml.tmp-999999", run / "checkpoints" / ".latest.tmp-999999"]  # a kill mid-write
     for path in debris:
         path.write_text("half")
-    third = _emapg("train", "--resume", str(run), "steps=2")  # a few steps are saved, at most 2 remain
+    from emapg.checkpoint import resume_step
+
+    third = _emapg("train", "--resume", str(run), f"steps={resume_step(run) + 1}")  # one step more
     _, err = third.communicate(timeout=300)
-    assert third.returncode == 0 or "nothing would train" in err, err
+    assert third.returncode == 0, err
     assert "another emapg process" not in err
     assert not any(path.exists() for path in debris)  # the resume took the folder and swept them
 
@@ -198,3 +200,16 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     assert proc.returncode == 143, err
     assert f"resume with: emapg train --resume {run}" in err and "terminated (SIGTERM)" in err
     assert "Traceback" not in err
+
+
+def test_a_resume_to_a_step_it_has_reached_trains_nothing_and_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train("--config", str(SMOKE), "--out", str(out), "steps=2", "export=false", "eval.size=0") == 0
+    capsys.readouterr()
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".emapg.lock"}
+    assert train("--resume", str(out)) == 0
+    assert "is at step 2 already (steps: 2): nothing to train" in capsys.readouterr().err
+    assert train("--resume", str(out), "steps=1") == 2
+    assert "steps: 1 is before step 2" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in files} == files  # nothing rewritten
+    assert not (out / "resumes.jsonl").exists()

@@ -160,6 +160,13 @@ def resume_candidates(run_dir: Path) -> list[Path]:
     return [first] + [p for p in found if p != first]
 
 
+def resume_step(run_dir: Path) -> int | None:
+    """The step a resume of ``run_dir`` would most likely start from (its best candidate's folder name;
+    a damaged one falls back further when read), or None without a checkpoint."""
+    found = resume_candidates(run_dir)
+    return _step_of(found[0]) if found else None
+
+
 def has_checkpoint(run_dir: Path) -> bool:
     """Whether the run folder holds a complete checkpoint to resume from."""
     return bool(resume_candidates(run_dir))

@@ -75,12 +75,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:  # the run folder's one writer from here to the end of the command (rank 0: the others only read)
         if rank0 and args.resume:
             lock_run(run_dir)
+            if not _steps_left(run_dir, cfg.steps):
+                return 0
             record_resume(run_dir, cfg_file, cfg, args.overrides, force=args.force)
         elif rank0:
             claim_run_folder(run_dir, has_checkpoint(run_dir))
         return _train_locked(args, cfg, run_dir, launched)
     finally:
         unlock_run(run_dir)
+
+
+def _steps_left(run_dir: Path, steps: int) -> bool:
+    """Whether a resume of ``run_dir`` to ``steps`` has steps to train: at the checkpoint's step it says so
+    (nothing is touched); before it, it is refused."""
+    from emapg.checkpoint import resume_step
+
+    done = resume_step(run_dir)
+    if done is None or steps > done:
+        return True
+    if steps < done:
+        raise ConfigError(f"steps: {steps} is before step {done}, where {run_dir} stopped; a resume trains on to a "
+                          "later step (nothing was changed)")
+    print(f"emapg: {run_dir} is at step {done} already (steps: {steps}): nothing to train; give steps=N with N > "
+          f"{done} to continue (nothing was changed)", file=sys.stderr)
+    return False
 
 
 def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool) -> int:
