@@ -72,6 +72,17 @@ def test_data_that_is_not_utf8_names_the_file_and_line(tmp_path):
         load_rows(bad_json)
 
 
+def test_a_lone_surrogate_and_a_file_that_is_not_parquet_are_named(tmp_path):
+    rows = tmp_path / "d.jsonl"
+    rows.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "smile \\ud83d", "answer": "3"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl, line 2: field 'problem': not valid Unicode text \(a lone surrogate"):
+        load_rows(rows, required=("problem", "answer"))
+    fake = tmp_path / "train.parquet"
+    fake.write_text("id,question\n1,what?\n")
+    with pytest.raises(DataError, match=r"train.parquet: not a readable Parquet file"):
+        load_rows(fake)
+
+
 def test_a_null_answer_is_called_null_not_missing(tmp_path):
     rows = tmp_path / "d.jsonl"
     rows.write_text('{"problem": "1+1", "answer": null}\n')

@@ -101,8 +101,23 @@ def _read_table(path: Path) -> list[tuple[str, dict]]:
     else:
         from datasets import Dataset
 
-        ds = Dataset.from_parquet(str(path))
+        try:
+            ds = Dataset.from_parquet(str(path))
+        except Exception as e:  # pyarrow's own error types for a file that is not Parquet
+            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {str(e)[:200]})") from None
     return [(f"row {i}", dict(row)) for i, row in enumerate(ds)]
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud83d", common in scraped data:
+    JSON allows it, no tokenizer can encode it), naming where it is."""
+    for text in value if isinstance(value, list) else [value]:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise DataError(f"{where}: not valid Unicode text (a lone surrogate {text[e.start]!r} at character "
+                                f"{e.start + 1}); fix or drop the row") from None
 
 
 def load_rows(path: str | Path, fields: dict[str, str] | None = None, required: tuple[str, ...] = ()) -> list[dict]:
@@ -140,6 +155,8 @@ def load_rows(path: str | Path, fields: dict[str, str] | None = None, required: 
                 raise DataError(f"{path}, {where}: missing field {name!r}; the row has {', '.join(sorted(row))}")
             if item[name] is None:
                 raise DataError(f"{path}, {where}: field {name!r} is null (expected a value)")
+        for name in {*fields, *required}:
+            _check_text(item[name], f"{path}, {where}: field {name!r}")
         item.setdefault("id", where.replace(" ", "-"))
         item["_source"] = f"{path}, {where}"  # where a message about this row points
         out.append(item)
