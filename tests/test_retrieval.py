@@ -364,6 +364,16 @@ def test_open_retriever(index_dir, server_url):
             open_retriever(**kwargs)
 
 
+def test_a_number_of_more_digits_than_python_reads_is_a_bad_request(index):
+    url, stop = start_server(index, max_body_bytes=20_000)
+    try:
+        huge = b'{"queries": ["a"], "topk": ' + b"9" * 5000 + b"}"  # Python converts at most 4,300 digits
+        status, body = request(url + "/retrieve", huge)
+        assert status == 400 and "malformed JSON body" in body["error"]
+    finally:
+        stop()
+
+
 def test_server_errors_are_json_for_every_status(server_url):
     host, port = server_url.removeprefix("http://").split(":")
     deep = b'{"queries": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"

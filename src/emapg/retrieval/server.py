@@ -97,8 +97,8 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
 def _parse(body: bytes, max_queries: int, max_query_chars: int, max_topk: int) -> tuple[list[str], int, bool]:
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"malformed JSON body: {e}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or a number of more than 4,300 digits
+        raise RequestError(400, f"malformed JSON body: {str(e)[:200]}") from None
     except RecursionError:
         raise RequestError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
