@@ -255,6 +255,8 @@ def test_bad_combinations_are_refused(tiny, tmp_path):
         make(EMAPGTrainer, tiny, tmp_path, kl="k7")
     with pytest.raises(ValueError, match="every vocabulary id"):
         make(EMAPGTrainer, tiny, tmp_path, kl="exact_reverse")
+    with pytest.raises(ValueError, match="EMAPGTrainer: k=100000 is more than the model's vocabulary"):
+        make(EMAPGTrainer, tiny, tmp_path, k=100_000)
     for bad, field in ((dict(eta=0.0), "algo.eta"), (dict(eta=1.5), "algo.eta"), (dict(ema_every=0), "algo.ema_every"),
                        (dict(k=-1), "algo.k"), (dict(form="Paper"), "algo.form")):  # refused before any model is built
         with pytest.raises(ValueError, match=f"EMAPGTrainer: {field}: "):

@@ -187,6 +187,9 @@ class EMAPGTrainer(GRPOTrainer):
                              "(the EMA and the head gathers read whole tensors); use DDP or ZeRO-1/2, or "
                              "emapg's own trainer (emapg train --nproc N, FSDP2)")
         policy = self.accelerator.unwrap_model(self.model)
+        vocab = policy.get_output_embeddings().weight.shape[0]
+        if self.kl_k > vocab:  # as emapg train refuses it
+            raise ConfigError(f"EMAPGTrainer: k={k} is more than the model's vocabulary of {vocab} tokens")
         self.peft = hasattr(policy, "peft_config")
         self.teacher_sha256 = None
         if teacher is not None:
