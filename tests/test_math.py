@@ -72,6 +72,18 @@ def test_math_reward_does_not_execute_text_and_survives_garbage():
     assert math_reward("\\boxed{\\frac{1}{0}}", "1") == 0.0
 
 
+def test_math_reward_from_a_worker_thread():
+    """math-verify's timeouts need the main thread (signal.alarm); from another thread the reward still scores."""
+    import threading
+
+    out = []
+    worker = threading.Thread(target=lambda: out.extend([math_reward("so \\boxed{3}", "3"),
+                                                         math_reward("so \\boxed{4}", "3")]))
+    worker.start()
+    worker.join()
+    assert out == [1.0, 0.0]
+
+
 def test_last_boxed_balances_braces():
     assert last_boxed("x \\boxed{\\frac{1}{2}} y \\boxed{a{b}c}") == "a{b}c"
     assert last_boxed("no box") is None

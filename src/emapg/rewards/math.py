@@ -37,16 +37,24 @@ def _normalise_number_text(s: str) -> str:
     return s
 
 
-def _parse(text: str, timeout: int):
+def _parse(text: str, timeout: int | None):
     from math_verify import parse
 
     return parse(text, parsing_timeout=timeout)
 
 
 def math_reward(completion: str, answer: str, timeout: int = 5) -> float:
-    """1.0 if the completion's final answer is mathematically equal to ``answer``, else 0.0."""
+    """1.0 if the completion's final answer is mathematically equal to ``answer``, else 0.0.
+
+    ``timeout`` (seconds) bounds math-verify's parsing and comparison in the main thread; math-verify times
+    out with ``signal.alarm``, which only the main thread may use, so elsewhere (a reward in a worker
+    thread, as TRL or a web server may call it) they run without a limit."""
+    import threading
+
     from math_verify import verify
 
+    if threading.current_thread() is not threading.main_thread():
+        timeout = None
     gold_text = _normalise_number_text(str(answer))
     gold = _parse(f"${gold_text}$", timeout) or _parse(gold_text, timeout)
     if not gold:
