@@ -570,7 +570,7 @@ def test_when_no_checkpoint_is_intact_resume_says_which_files_are_damaged(finish
     with pytest.raises(CheckpointError, match=r"no intact checkpoint.*step_000004/anchor.safetensors.*"
                                               r"step_000002/anchor.safetensors"):
         Trainer(cfg("eval.size=0"), run, resume=True, progress=False)
-    out = subprocess.run([sys.executable, "-m", "emapg", "train", "--resume", str(run)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "emapg", "train", "--resume", str(run), "steps=6"], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "anchor.safetensors is damaged" in out.stderr
 

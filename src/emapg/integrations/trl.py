@@ -131,6 +131,20 @@ class _EMAStep(TrainerCallback):
         self.trainer.ema_step()
 
 
+def _refuse_unsupported(kl: str, est, args) -> None:
+    """What EMAPGTrainer cannot do, refused before TRL builds anything."""
+    if est.head == "all":
+        raise ValueError(f"EMAPGTrainer: kl={kl!r} needs the reference's log-probs at every vocabulary id of "
+                         "every token between generation and loss; use topk_reverse or topk_forward with a "
+                         "large k instead")
+    if args is None or args.beta == 0.0:
+        raise ValueError("EMAPGTrainer: GRPOConfig.beta is 0, so there is no KL term for the EMA reference "
+                         "to anchor; set beta (e.g. GRPOConfig(beta=0.001))")
+    if args.sync_ref_model:
+        raise ValueError("EMAPGTrainer: GRPOConfig.sync_ref_model mixes the reference every "
+                         "ref_model_sync_steps; the EMA reference replaces it (set eta, ema_every instead)")
+
+
 class EMAPGTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with an EMA reference and an emapg KL estimator; constructed like it.
 
@@ -159,16 +173,7 @@ class EMAPGTrainer(GRPOTrainer):
         except ConfigError as e:
             raise ConfigError(f"EMAPGTrainer: {e}") from None
         est = klmod.estimator(kl)
-        if est.head == "all":
-            raise ValueError(f"EMAPGTrainer: kl={kl!r} needs the reference's log-probs at every vocabulary id of "
-                             "every token between generation and loss; use topk_reverse or topk_forward with a "
-                             "large k instead")
-        if args is None or args.beta == 0.0:
-            raise ValueError("EMAPGTrainer: GRPOConfig.beta is 0, so there is no KL term for the EMA reference "
-                             "to anchor; set beta (e.g. GRPOConfig(beta=0.001))")
-        if args.sync_ref_model:
-            raise ValueError("EMAPGTrainer: GRPOConfig.sync_ref_model mixes the reference every "
-                             "ref_model_sync_steps; the EMA reference replaces it (set eta, ema_every instead)")
+        _refuse_unsupported(kl, est, args)
         self.kl_name, self.kl_k, self.kl_form = kl, (k if est.head != "none" else 0), form
         self.pg_coef, self.teacher_name = float(pg_coef), (teacher if isinstance(teacher, str) else None)
         self._capture: list[tuple[Tensor, Tensor]] | None = None
@@ -187,8 +192,7 @@ class EMAPGTrainer(GRPOTrainer):
                              "(the EMA and the head gathers read whole tensors); use DDP or ZeRO-1/2, or "
                              "emapg's own trainer (emapg train --nproc N, FSDP2)")
         policy = self.accelerator.unwrap_model(self.model)
-        vocab = policy.get_output_embeddings().weight.shape[0]
-        if self.kl_k > vocab:  # as emapg train refuses it
+        if self.kl_k > (vocab := policy.get_output_embeddings().weight.shape[0]):  # as emapg train refuses it
             raise ConfigError(f"EMAPGTrainer: k={k} is more than the model's vocabulary of {vocab} tokens")
         self.peft = hasattr(policy, "peft_config")
         self.teacher_sha256 = None
