@@ -558,6 +558,18 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(finishe
     assert tr.step == 6
 
 
+def test_latest_naming_a_deleted_checkpoint_is_named_and_the_newest_complete_one_resumes(finished_run, tmp_path,
+                                                                                          capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    shutil.rmtree(run / "checkpoints" / "step_000004")  # latest still names it
+    tr = Trainer(cfg("steps=6", "save_every=2", "eval.size=0"), run, resume=True, progress=False)
+    assert tr.step == 2
+    assert "names step_000004, which is incomplete or missing" in capsys.readouterr().err
+
+
 def test_when_no_checkpoint_is_intact_resume_says_which_files_are_damaged(finished_run, tmp_path):
     import shutil
 

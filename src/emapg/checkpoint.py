@@ -229,8 +229,14 @@ def tied_names(model: nn.Module) -> set[str]:
 def intact_checkpoint(run_dir: Path, names: set[str], warn: bool = True, what: str = "--resume") -> dict[str, Any]:
     """The contents of the newest checkpoint of the run folder that reads whole and holds every policy
     tensor in ``names``. A damaged one (a truncated tensor file, garbage JSON, a missing key) is named in
-    a warning and skipped; none intact is a CheckpointError naming every damaged file."""
+    a warning and skipped; none intact is a CheckpointError naming every damaged file. A ``latest`` that
+    names a missing or incomplete checkpoint, or cannot be read, is named in a warning too."""
     damaged = []
+    if warn and (Path(run_dir) / "checkpoints" / LATEST).exists():
+        try:
+            latest_checkpoint(run_dir)
+        except (FileNotFoundError, CheckpointError) as e:
+            print(f"emapg: warning: {e}; looking for the newest complete checkpoint instead", file=sys.stderr)
     for path in resume_candidates(run_dir):
         try:
             ckpt = load_checkpoint(path)
