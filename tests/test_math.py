@@ -132,6 +132,17 @@ def test_loader_errors_name_file_line_and_field(tmp_path):
         load_rows(tmp_path / "x.csv")
 
 
+def test_a_train_file_no_larger_than_the_held_out_share_says_why_nothing_trains(tmp_path):
+    from emapg.tasks import make_task
+
+    f = tmp_path / "small.jsonl"
+    f.write_text("".join(json.dumps({"problem": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(10)))
+    with pytest.raises(ValueError, match=r"has 10 rows, and without an eval_file its last eval_size \(500\)"):
+        make_task("math", train_file=str(f))
+    task = make_task("math", train_file=str(f), eval_size=4)  # the fix the message names
+    assert len(task.eval_examples(100)) == 4
+
+
 def test_tiny_model_math_eval_end_to_end(tmp_path):
     import subprocess
     import sys

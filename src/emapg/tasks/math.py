@@ -94,6 +94,10 @@ class MathTask(Task):
         train = math_rows(train_file, problem_field, answer_field) if train_file else []
         held = math_rows(eval_file, problem_field, answer_field) if eval_file else []
         if not held:
+            if train and len(train) <= eval_size:
+                raise ValueError(f"task_args.train_file: {train_file} has {len(train)} rows, and without an eval_file "
+                                 f"its last eval_size ({eval_size}) are held out, which leaves none to train on: give "
+                                 "an eval_file, or a smaller task_args.eval_size")
             held, train = train[-eval_size:], train[:-eval_size]
         self._train = [self._example(r, "train") for r in train]
         self._eval = [self._example(r, "eval") for r in held]
