@@ -78,18 +78,17 @@ def measure(folder: str, overrides: list[str]) -> dict:
 
     torch.set_num_threads(2)
     cfg = load_config(None, [f"model={folder}", *BASE, *overrides])
-    shape = P.shape_of(P.model_config(folder))
     base_kb = status_kb("VmRSS")
     with tempfile.TemporaryDirectory() as run:
         tr = Trainer(cfg, Path(run), progress=False)
-        prompt = longest_prompt(tr.task, tr.tokenizer)
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: loading the weights is not counted
         tr.train()
         peak_kb = status_kb("VmHWM")
-    cost = lambda ck: P.activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
-    p = P.plan(cfg, shape, cost, prompt_tokens=prompt, device="cpu")
+        p = P.run_plan(cfg, tr.model.config, tr.task, tr.tokenizer, device="cpu")  # as emapg train's check
+        prompt = longest_prompt(tr.task, tr.tokenizer)  # the prompt length it planned for, for the record
+        params = sum(t.numel() for t in tr.model.parameters())
     return {"measured_mb": (peak_kb - base_kb) / 1024, "planned_mb": p.peak / 2**20, "peak_phase": p.peak_phase,
-            "params": shape.params, "prompt_tokens": prompt}
+            "params": params, "prompt_tokens": prompt}
 
 
 def main() -> None:

@@ -89,22 +89,17 @@ def plan(run: str) -> int:
     from emapg import plan as P
     from emapg.config import load_config
     from emapg.models import load_model, load_tokenizer
-    from emapg.prompts import longest_prompt
-    from emapg.rollout import response_budget
     from emapg.tasks import make_task
 
     cfg = load_config(Path(run) / "config.yaml")
-    shape = P.shape_of(P.model_config(cfg.model))
     task = make_task(cfg.task, **cfg.task_args)
     if Path(cfg.model).is_dir():
         tokenizer = load_tokenizer(cfg.model)
     else:  # a built-in name: its tokenizer, the model built on the meta device (nothing allocated)
         with torch.device("meta"):
             _, tokenizer = load_model(cfg.model)
-    cost = lambda ck: P.activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
     capacity = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    p = P.plan(cfg, shape, cost, prompt_tokens=longest_prompt(task, tokenizer),
-               response_tokens=response_budget(task, cfg.rollout.max_new_tokens), gpu_memory=capacity)
+    p = P.run_plan(cfg, P.model_config(cfg.model), task, tokenizer, gpu_memory=capacity)
     measured = max(r.get("peak_reserved_gb", float("nan")) for r in rows(run)) * 2**30
     print(f"planned {p.peak / 2**30:.1f} GiB ({p.peak_phase}), measured {measured / 2**30:.1f} GiB reserved: "
           f"measured / planned {measured / p.peak:.2f}")

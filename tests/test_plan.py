@@ -77,16 +77,15 @@ def test_a_plan_that_does_not_fit_names_the_fixes():
             "gradient_checkpointing=false"]
     cfg = load_config(ROOT / "recipes" / "math_r1_distill_1p5b.yaml", over)
     shape = P.shape_of(P.model_config(cfg.model))
-    cost = lambda ck: P.activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
-    p = P.plan(cfg, shape, cost, world=1, prompt_tokens=512)
+    p = P.plan(cfg, shape, world=1, prompt_tokens=512)
     assert p.phases[0].parts["key/value cache"] == 1024 * (512 + 8192) * 2 * 28 * 2 * 128 * 2  # bf16, 28 KiB a token
     reason = P.too_big(p, 80 * P.GIB, cfg)
     assert reason and "rollout.max_rows" in reason and "gradient_checkpointing=true" in reason
-    best = P.largest_fitting(cfg, shape, cost, 80 * P.GIB, world=1, prompt_tokens=512)
+    best = P.largest_fitting(cfg, shape, 80 * P.GIB, world=1, prompt_tokens=512)
     assert 8 <= best["rollout.max_rows"] < 1024
     bounded = load_config(ROOT / "recipes" / "math_r1_distill_1p5b.yaml",
                           [*over, f"rollout.max_rows={best['rollout.max_rows']}"])
-    assert P._phase(P.plan(bounded, shape, cost, world=1, prompt_tokens=512), "rollout") <= 80 * P.GIB
+    assert P._phase(P.plan(bounded, shape, world=1, prompt_tokens=512), "rollout") <= 80 * P.GIB
 
 
 def test_training_refuses_a_run_the_plan_says_cannot_fit(tmp_path, monkeypatch):

@@ -21,7 +21,6 @@ the plan with measured peaks; ``emapg train`` runs it at the start on a GPU and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,15 +201,14 @@ class Plan:
         return max(self.phases, key=lambda p: p.total).name if self.phases else "-"
 
 
-def plan(cfg: Any, shape: ModelShape, cost: Callable[[bool], ActivationCost], *, world: int = 1,
-         prompt_tokens: int = 512, response_tokens: int | None = None, gpu_memory: float | None = None,
-         teacher: ModelShape | None = None, device: str = "cuda") -> Plan:
+def plan(cfg: Any, shape: ModelShape, *, world: int = 1, prompt_tokens: int = 512,
+         response_tokens: int | None = None, gpu_memory: float | None = None, teacher: ModelShape | None = None,
+         device: str = "cuda") -> Plan:
     """The per-device memory plan of ``cfg`` (a TrainConfig) on ``world`` devices, for prompts of up to
     ``prompt_tokens`` tokens and responses of up to ``response_tokens`` (default rollout.max_new_tokens; an
-    agent episode's whole budget for agent tasks); ``cost(checkpointing)`` is the policy's
-    :class:`ActivationCost` without or with gradient checkpointing. ``gpu_memory`` (bytes) sizes vLLM's share
-    when the backend is vllm. ``device``: cuda (AdamW's multi-tensor step: one parameter-sized temporary) or
-    cpu (one tensor at a time)."""
+    agent episode's whole budget for agent tasks), the policy's layers costing what :func:`activation_cost`
+    measures. ``gpu_memory`` (bytes) sizes vLLM's share when the backend is vllm. ``device``: cuda (AdamW's
+    multi-tensor step: one parameter-sized temporary) or cpu (one tensor at a time)."""
     shard = 1.0 / world if world > 1 else 1.0
     pb = DTYPE_BYTES[cfg.dtype]
     cb = 2 if cfg.mixed_precision == "bf16" else pb
@@ -239,13 +237,14 @@ def plan(cfg: Any, shape: ModelShape, cost: Callable[[bool], ActivationCost], *,
     mb_rows, tokens = cfg.micro_batch_prompts * n, prompt_tokens + budget
     head = {"head's logits chunk": min(cfg.chunk_size, mb_rows * budget) * shape.vocab * 4 * HEAD_CHUNK_COPIES}
     layer_gather = {"gathered layers (FSDP)": 2 * shape.layer_params * cb} if world > 1 else {}
+    cost = lambda ck: activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
     plain = cost(False).layer_bytes(mb_rows, tokens)
     nograd = mb_rows * tokens * _nograd_bytes(shape, cb)
     p.phases.append(Phase("reference", {"one layer's activations (no grad)": nograd, **head, **layer_gather}))
-    update = {"saved activations": shape.layers * plain, **head, **layer_gather,
+    saved = cost(True).layer_bytes(mb_rows, tokens) if cfg.gradient_checkpointing else plain
+    update = {"saved activations": shape.layers * saved, **head, **layer_gather,
               "gradients": trainable * pb * shard * on_device}
     if cfg.gradient_checkpointing:
-        update["saved activations"] = shape.layers * cost(True).layer_bytes(mb_rows, tokens)
         update["one layer recomputed"] = plain
     p.phases.append(Phase("update", update))
     if not cfg.offload:
@@ -281,16 +280,37 @@ def _nograd_bytes(shape: ModelShape, cb: int) -> float:
     return (3 * text.intermediate_size + attention) * cb + 2 * shape.hidden * 4
 
 
+_LORA: dict[tuple, int] = {}
+
+
 def _lora_params(shape: ModelShape, cfg: Any) -> int:
-    """Trainable parameters of the LoRA adapters ``cfg.lora`` asks for (PEFT on the meta model)."""
+    """Trainable parameters of the LoRA adapters ``cfg.lora`` asks for (PEFT on the meta model; cached, as
+    :func:`largest_fitting` plans many times)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(shape.config)
-        peft = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                                target_modules=cfg.lora.target_modules))
-    return sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    key = (shape.config.to_json_string(use_diff=False), cfg.lora.r, str(cfg.lora.target_modules))
+    if key not in _LORA:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(shape.config)
+            peft = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                    target_modules=cfg.lora.target_modules))
+        _LORA[key] = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    return _LORA[key]
+
+
+def run_plan(cfg: Any, config, task, tokenizer, *, world: int = 1, device: str = "cuda",
+             gpu_memory: float | None = None) -> Plan:
+    """The plan of a run as ``emapg train`` checks it: the model's ``config``, prompts as long as the task's
+    longest (:func:`emapg.prompts.longest_prompt`), responses as long as its budget (an agent episode's whole
+    budget), a teacher's config read from ``algo.teacher``."""
+    from emapg.prompts import longest_prompt
+    from emapg.rollout import response_budget
+
+    teacher = shape_of(model_config(cfg.algo.teacher)) if cfg.algo.teacher else None
+    return plan(cfg, shape_of(config), world=world, prompt_tokens=longest_prompt(task, tokenizer),
+                response_tokens=response_budget(task, cfg.rollout.max_new_tokens), gpu_memory=gpu_memory,
+                teacher=teacher, device=device)
 
 
 def render(p: Plan, capacity: float | None = None) -> str:
@@ -308,8 +328,7 @@ def render(p: Plan, capacity: float | None = None) -> str:
     return "\n".join(lines + [f"\n{note}" for note in p.notes])
 
 
-def largest_fitting(cfg: Any, shape: ModelShape, cost: Callable[[bool], ActivationCost], capacity: float,
-                    **kw) -> dict[str, Any]:
+def largest_fitting(cfg: Any, shape: ModelShape, capacity: float, **kw) -> dict[str, Any]:
     """The largest ``rollout.max_rows`` (hf backend) and ``micro_batch_prompts`` that fit in ``capacity``
     bytes, each tried with the other as configured (None: none fits)."""
     import dataclasses
@@ -322,13 +341,13 @@ def largest_fitting(cfg: Any, shape: ModelShape, cost: Callable[[bool], Activati
             if rows > rows_step:
                 break
             trial = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_rows=rows))
-            if _phase(plan(trial, shape, cost, **kw), "rollout") <= capacity:
+            if _phase(plan(trial, shape, **kw), "rollout") <= capacity:
                 best = rows
         out["rollout.max_rows"] = best
     best, share = None, (cfg.mini_batch_prompts or cfg.prompts_per_step) // kw.get("world", 1)
     for mb in (m for m in range(1, share + 1) if share % m == 0):  # whole micro-batches per process
         trial = dataclasses.replace(cfg, micro_batch_prompts=mb)
-        if _phase(plan(trial, shape, cost, **kw), "update") <= capacity:
+        if _phase(plan(trial, shape, **kw), "update") <= capacity:
             best = mb
     out["micro_batch_prompts"] = best
     return out
@@ -366,15 +385,14 @@ def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, res
     response_tokens = response_tokens or cfg.task_args.get("max_total_tokens") or cfg.rollout.max_new_tokens
     shape = shape_of(model_config(cfg.model))
     teacher = shape_of(model_config(cfg.algo.teacher)) if cfg.algo.teacher else None
-    cost = lambda ck: activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
     capacity = gpu_memory_gb * GIB
     kw = dict(world=gpus, prompt_tokens=prompt_tokens, response_tokens=response_tokens, gpu_memory=capacity,
               teacher=teacher)
-    p = plan(cfg, shape, cost, **kw)
+    p = plan(cfg, shape, **kw)
     head = (f"{cfg.model}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, vocabulary {shape.vocab}; "
             f"{gpus} device(s) of {gpu_memory_gb:g} GiB; prompts up to {prompt_tokens} tokens, responses up to "
             f"{response_tokens}; per device:\n")
     verdict = too_big(p, capacity, cfg) or f"fits: peak {p.peak / GIB:.1f} of {capacity / GIB:.1f} GiB"
-    best = largest_fitting(cfg, shape, cost, capacity, **kw)
+    best = largest_fitting(cfg, shape, capacity, **kw)
     sizes = ", ".join(f"{k}={v}" for k, v in best.items() if v is not None) or "none"
     return f"{head}\n{render(p, capacity)}\n\n{verdict}\nlargest that fit (each with the rest as set): {sizes}"

@@ -46,7 +46,7 @@ from emapg.lm import set_pass_mode
 from emapg.metrics import MetricsWriter, add_stats, peak_memory_row, rollout_row, update_row
 from emapg.models import policy_model, teacher_model, training_policy, weights_digest
 from emapg.objective import group_advantages
-from emapg.prompts import context_length, fit_prompts, longest_prompt
+from emapg.prompts import context_length, fit_prompts
 from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
@@ -76,12 +76,8 @@ def check_memory(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, dist
         return
     from emapg import plan
 
-    shape = plan.shape_of(model.config)
-    teacher = plan.shape_of(plan.model_config(cfg.algo.teacher)) if cfg.algo.teacher else None
-    cost = lambda ck: plan.activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
-    p = plan.plan(cfg, shape, cost, world=dist.world, prompt_tokens=longest_prompt(task, tokenizer),
-                  response_tokens=response_budget(task, cfg.rollout.max_new_tokens), gpu_memory=capacity,
-                  teacher=teacher, device=dist.device.type)
+    p = plan.run_plan(cfg, model.config, task, tokenizer, world=dist.world, device=dist.device.type,
+                      gpu_memory=capacity)
     reason = plan.too_big(p, capacity, cfg)
     if reason:
         raise ConfigError(reason)
