@@ -36,13 +36,14 @@ REPLAY_SAFE = ("steps", "save_every", "keep_checkpoints", "export", "threads", "
 
 
 def lock_run(run_dir: Path) -> None:
-    """Make this process the run folder's one writer until it exits: an exclusive OS lock on ``RUN/.emapg.lock``,
-    which the OS releases when the process ends, however it ends (a killed run leaves no stale lock). A
-    second writer gets a ConfigError naming the holder's PID, before it writes anything. Re-entrant within a
-    process; a process started by a holder (``EMAPG_RUN_LOCK`` names the folder) writes under its lock. Once
-    held, the temporary files an earlier, killed writer left (``.NAME.tmp-PID``) are removed."""
+    """Make this process the run folder's one writer until :func:`unlock_run` or its exit: an exclusive OS lock
+    on ``RUN/.emapg.lock``, which the OS releases when the process ends, however it ends (a killed run leaves
+    no stale lock). A second writer gets a ConfigError naming the holder's PID, before it writes anything.
+    Re-entrant within a process; a process started by a holder (``EMAPG_RUN_LOCK`` names the folder) writes
+    under its lock. Once held, the temporary files an earlier, killed writer left (``.NAME.tmp-PID``) are
+    removed."""
     key = Path(run_dir).resolve()
-    if key in _HELD or os.environ.get(LOCK_ENV) == str(key):
+    if _held_here(key):
         return
     key.mkdir(parents=True, exist_ok=True)
     f = open(key / LOCK, "a+")  # noqa: SIM115 (held open for the process's life)
@@ -75,11 +76,16 @@ def _busy(run_dir: Path, holder: str) -> ConfigError:
                        "to end, or pick another folder (nothing was changed)")
 
 
+def _held_here(key: Path) -> bool:
+    """Whether this process holds the lock of the resolved folder ``key``, itself or through its launcher."""
+    return key in _HELD or os.environ.get(LOCK_ENV) == str(key)
+
+
 def check_not_busy(run_dir: Path) -> None:
     """Raise the second writer's ConfigError if another process holds ``run_dir``'s lock; changes nothing
     (a shared lock tried and let go)."""
     path = Path(run_dir) / LOCK
-    if not path.is_file() or path.parent.resolve() in _HELD:
+    if not path.is_file() or _held_here(path.parent.resolve()):
         return
     with open(path) as f:
         try:
@@ -93,8 +99,7 @@ def claim_run_folder(run_dir: Path, has_checkpoint: bool) -> None:
     """Make ``run_dir`` ready for a fresh run, holding its lock (:func:`lock_run`), or raise ConfigError
     without touching it."""
     run_dir = Path(run_dir)
-    if os.environ.get(LOCK_ENV) != str(run_dir.resolve()):  # a launcher holding it has checked already
-        check_not_busy(run_dir)
+    check_not_busy(run_dir)
     if has_checkpoint:
         raise ConfigError(f"--out {run_dir}: already holds a run with checkpoints; continue it with --resume "
                           f"{run_dir}, or pick another --out (nothing was changed)")

@@ -14,6 +14,7 @@ wrote after its end are masked out and never attended).
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -162,20 +163,21 @@ def prefill(model: nn.Module, ids: Tensor, mask: Tensor, repeat: int = 1) -> KVS
     return KVState(cache=cache, mask=mask, tokens=rows)
 
 
-_ENDERS: dict[tuple[int, tuple[str, ...]], Tensor] = {}
+_ENDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {stops: ids}
 
 
 def stop_enders(tokenizer, stops: list[str], device) -> Tensor:
     """The ids of the tokens whose text holds the last character of one of ``stops``: only such a token
     can complete a stop string, so only rows that just drew one need their text decoded. Each id decoded
     alone, once per tokenizer and stop list (a superset is harmless: it only costs a decode)."""
-    key = (id(tokenizer), tuple(stops))
-    if key not in _ENDERS:
+    known = _ENDERS.setdefault(tokenizer, {})
+    if tuple(stops) not in known:
         last = {s[-1] for s in stops if s}
         size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
         texts = tokenizer.batch_decode([[i] for i in range(size)])
-        _ENDERS[key] = torch.tensor([i for i, t in enumerate(texts) if any(c in t for c in last)], dtype=torch.long)
-    return _ENDERS[key].to(device)
+        known[tuple(stops)] = torch.tensor([i for i, t in enumerate(texts) if any(c in t for c in last)],
+                                           dtype=torch.long)
+    return known[tuple(stops)].to(device)
 
 
 def _stop_hits(tokenizer, generated: Tensor, tok: Tensor, enders: Tensor, stops: list[str]) -> Tensor:
