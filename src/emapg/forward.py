@@ -99,13 +99,13 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     n, resp = mb.n, mb.response_ids
     pmask = mb.prompt_mask
     inputs = resp[:, :-1]  # the last response token predicts nothing we need
-    ckpt = _checkpointing(decoder)
     if not prefix_sharing:
         full_ids = torch.cat([mb.prompt_ids.repeat_interleave(n, 0), inputs], 1)
         full_mask = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
         h = decoder(input_ids=full_ids, attention_mask=full_mask, position_ids=positions(full_mask),
                     use_cache=False).last_hidden_state
         return h[:, pmask.shape[1] - 1 :]
+    ckpt = _checkpointing(decoder)
     with _layers(ckpt, checkpointed=False):
         out = decoder(input_ids=mb.prompt_ids, attention_mask=pmask, position_ids=positions(pmask), use_cache=True)
     h_first = out.last_hidden_state[:, -1:].repeat_interleave(n, 0)  # left padding: last column is real

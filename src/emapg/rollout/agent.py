@@ -196,11 +196,11 @@ def rollout_model(model: nn.Module, tokenizer, examples: list[Example], retrieve
     (False: every turn re-reads the whole context, the reference path). max_rows: episodes of at most
     this many rows (whole prompts' n, at least one prompt) run together, one group after the other."""
     per = len(examples) if max_rows is None else max(1, max_rows // spec.n)
-    parts = []
+    eos, parts = eos_ids(model, tokenizer), []
     for start in range(0, len(examples), per):
         sampler = HFSampler(model, tokenizer, spec, stop_strings=STOPS, reuse_cache=reuse_cache,
                             prefix_sharing=prefix_sharing)
         parts.append(agent_rollout(sampler, tokenizer, examples[start : start + per], retriever, spec, config=config,
-                                   eos=eos_ids(model, tokenizer)))
+                                   eos=eos))
         del sampler  # its cache goes before the next group's
     return (parts[0] if len(parts) == 1 else concat(parts)).to(next(model.parameters()).device)

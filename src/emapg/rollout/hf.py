@@ -105,15 +105,15 @@ def generate(model: nn.Module, tokenizer, examples: list[Example], spec: Samplin
     device = next(model.parameters()).device
     prompts = [format_prompt(tokenizer, ex.messages) for ex in examples]
     prompt_ids, prompt_mask = pad_left(prompts, tokenizer.pad_token_id)
+    eos = eos_ids(model, tokenizer)
     if max_rows is not None and len(prompts) * spec.n > max_rows:
         bounded = decode_pool if full_attention(model) else decode_chunks
         with eval_mode(model):
-            out = bounded(model, prompts, spec, max_rows=max_rows, eos=eos_ids(model, tokenizer),
-                          pad_id=tokenizer.pad_token_id)
+            out = bounded(model, prompts, spec, max_rows=max_rows, eos=eos, pad_id=tokenizer.pad_token_id)
     else:
         sampler = HFSampler(model, tokenizer, spec, reuse_cache=False, prefix_sharing=prefix_sharing)
         out = sampler([p for p in prompts for _ in range(spec.n)], spec.max_new_tokens)
-    mask, truncated = response_mask_from_lengths(out.ids, out.length, eos_ids(model, tokenizer))
+    mask, truncated = response_mask_from_lengths(out.ids, out.length, eos)
     return RolloutBatch(
         prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device), response_ids=out.ids,
         response_mask=mask, samp_logp=out.logp, n=spec.n, samp_topk=out.topk,

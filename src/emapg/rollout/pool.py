@@ -64,11 +64,10 @@ def decode_chunks(model: nn.Module, prompts: list[list[int]], spec: SamplingSpec
     """:func:`decode_pool`'s rows, for models whose cache forgets columns (sliding-window or linear
     attention layers, which cannot be compacted): whole prompts' n samples, ``max_rows`` rows (at least
     one prompt) at a time, one batch after the other."""
-    per = max(1, max_rows // spec.n)
+    per, device = max(1, max_rows // spec.n), next(model.parameters()).device
     outs = []
     for i in range(0, len(prompts), per):
         ids, mask = pad_left([p for p in prompts[i : i + per] for _ in range(spec.n)], pad_id)
-        device = next(model.parameters()).device
         out, _ = decode(model, ids.to(device), mask.to(device), None, spec, max_new_tokens=spec.max_new_tokens,
                         eos=eos, pad_id=pad_id, keep_state=False)
         outs.append(out)
