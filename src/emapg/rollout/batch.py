@@ -80,17 +80,22 @@ class RolloutBatch:
         )
 
 
+def pad_cat(parts: list[Tensor | None], *, left: bool = False, fill: float = 0) -> Tensor | None:
+    """Tensors [B_i, T_i, ...] stacked along rows, each padded with ``fill`` along dim 1 to the widest
+    (on the left or the right); None when the first is None (a field a sampler does not record)."""
+    if parts[0] is None:
+        return None
+    width = max(p.shape[1] for p in parts)
+    pads = [(0, 0) * (p.dim() - 2) + ((width - p.shape[1], 0) if left else (0, width - p.shape[1])) for p in parts]
+    return torch.cat([torch.nn.functional.pad(p, pad, value=fill) for p, pad in zip(parts, pads, strict=True)])
+
+
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     """Batches of the same n, one after the other (prompts left-padded, responses right-padded to the
     widest; the padding, masked out, holds 0); scores are not carried (a rollout's parts are scored
     together)."""
     def stack(name: str, left: bool = False) -> Tensor | None:
-        parts = [getattr(b, name) for b in batches]
-        if parts[0] is None:
-            return None
-        width = max(p.shape[1] for p in parts)
-        pad = lambda p: (0, 0) * (p.dim() - 2) + ((width - p.shape[1], 0) if left else (0, width - p.shape[1]))  # noqa: E731
-        return torch.cat([torch.nn.functional.pad(p, pad(p)) for p in parts])
+        return pad_cat([getattr(b, name) for b in batches], left=left)
 
     first = batches[0]
     return RolloutBatch(

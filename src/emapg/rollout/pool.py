@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
+from emapg.rollout.batch import pad_cat
 from emapg.rollout.decode import COMPACT_BELOW, Record, ReservedLayer, choose, decode, forward_columns, prefill
 from emapg.rollout.sampling import Sampled, SamplingSpec, pad_left, step_stats
 
@@ -71,15 +72,7 @@ def decode_chunks(model: nn.Module, prompts: list[list[int]], spec: SamplingSpec
         out, _ = decode(model, ids.to(device), mask.to(device), None, spec, max_new_tokens=spec.max_new_tokens,
                         eos=eos, pad_id=pad_id, keep_state=False)
         outs.append(out)
-    width = max(o.ids.shape[1] for o in outs)
-
-    def cat(name: str, fill) -> Tensor | None:
-        parts = [getattr(o, name) for o in outs]
-        if parts[0] is None:
-            return None
-        pads = [(0, 0) * (p.dim() - 2) + (0, width - p.shape[1]) for p in parts]
-        return torch.cat([torch.nn.functional.pad(p, pad, value=fill) for p, pad in zip(parts, pads, strict=True)])
-
+    cat = lambda name, fill: pad_cat([getattr(o, name) for o in outs], fill=fill)  # noqa: E731
     return Sampled(ids=cat("ids", pad_id), logp=cat("logp", 0.0), entropy=cat("entropy", 0.0),
                    top_p_cut=cat("top_p_cut", 0.0), topk=cat("topk", 0), length=torch.cat([o.length for o in outs]))
 
