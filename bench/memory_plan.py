@@ -78,13 +78,15 @@ def measure(folder: str, overrides: list[str]) -> dict:
 
     torch.set_num_threads(2)
     cfg = load_config(None, [f"model={folder}", *BASE, *overrides])
+    config = P.model_config(folder)
+    P.shape_of(config)  # transformers' model classes imported before the base level, as the run's libraries are
     base_kb = status_kb("VmRSS")
     with tempfile.TemporaryDirectory() as run:
         tr = Trainer(cfg, Path(run), progress=False)
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: loading the weights is not counted
         tr.train()
         peak_kb = status_kb("VmHWM")
-        p = P.run_plan(cfg, tr.model.config, tr.task, tr.tokenizer, device="cpu")  # as emapg train's check
+        p = P.run_plan(cfg, config, tr.task, tr.tokenizer, device="cpu")  # as emapg train's check
         prompt = longest_prompt(tr.task, tr.tokenizer)  # the prompt length it planned for, for the record
         params = sum(t.numel() for t in tr.model.parameters())
     return {"measured_mb": (peak_kb - base_kb) / 1024, "planned_mb": p.peak / 2**20, "peak_phase": p.peak_phase,
