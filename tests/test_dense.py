@@ -182,14 +182,38 @@ def test_dense_errors_say_what_to_do(tmp_path, tiny, embedder):
         DenseIndex.load(newer)
 
 
-def test_a_bm25_rebuild_keeps_the_dense_index_only_for_the_same_passages(tmp_path, embedder):
+def test_a_bm25_rebuild_keeps_the_dense_index_only_for_the_same_passages(tmp_path, embedder, capsys):
+    """Rebuilt from the same corpus, the dense index stays; from another, it goes, and the command says so."""
     corpus = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
-    build_index(corpus, tmp_path / "i")
+    assert build_index(corpus, tmp_path / "i")["dense"] is None
     build_dense(tmp_path / "i", embedder, progress=False)
-    build_index(corpus, tmp_path / "i")
+    assert build_index(corpus, tmp_path / "i")["dense"] == "kept"
     assert DenseIndex.load(tmp_path / "i").search([QUERIES[1][0]])[0][0].id == "p2"
-    build_index(write_jsonl(tmp_path / "other.jsonl", CORPUS[:5]), tmp_path / "i")
+    other = write_jsonl(tmp_path / "other.jsonl", CORPUS[:5])
+    assert cli.main(["index", "build", "--corpus", str(other), "--out", str(tmp_path / "i")]) == 0
     assert not (tmp_path / "i" / "dense").exists()
+    err = capsys.readouterr().err
+    assert (f"warning: its dense index was encoded from other passages and is removed; encode these with: "
+            f"emapg index dense --index {tmp_path / 'i'}") in err
+
+
+def test_a_damaged_dense_index_is_named_with_the_rebuild(tmp_path, tiny):
+    """A truncated index.faiss and a garbage dense.json: one line naming the file and the command that rebuilds."""
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny, cut)
+    faiss_file = cut / "dense" / "index.faiss"
+    faiss_file.write_bytes(faiss_file.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=f"^{faiss_file}: damaged, faiss cannot read it .*"
+                                         f"rebuild it: emapg index dense --index {cut}$"):
+        DenseIndex.load(cut)
+    garbage = tmp_path / "garbage"
+    shutil.copytree(tiny, garbage)
+    (garbage / "dense" / "dense.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"^{garbage / 'dense' / 'dense.json'}: damaged, not the JSON"):
+        DenseIndex.load(garbage)
+    (garbage / "emapg_index.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f"^{garbage / 'emapg_index.json'}: damaged, expected a JSON object"):
+        BM25Index.load(garbage)
 
 
 def test_rrf_is_the_sum_of_reciprocal_ranks():
@@ -436,3 +460,26 @@ def test_an_import_that_does_not_fit_is_refused(tmp_path, embedder):
     with pytest.raises(ValueError, match="junk.index: not a faiss index"):
         import_dense(tmp_path / "ix", tmp_path / "junk.index", "minilm")
     assert not (tmp_path / "ix" / "dense").exists()
+
+
+def test_a_full_disk_while_encoding_names_the_folder(tmp_path, embedder, monkeypatch):
+    """numpy's and faiss's write errors name no path: the shard and the dense folder are named instead."""
+    import emapg.retrieval.dense as dense
+
+    build_index(write_jsonl(tmp_path / "c.jsonl", CORPUS), tmp_path / "i")
+
+    def short_write(f, vecs):
+        raise OSError("1536 requested and 12 written")
+    monkeypatch.setattr(dense.np, "save", short_write)
+    with pytest.raises(OSError, match="cut short") as e:
+        build_dense(tmp_path / "i", embedder, progress=False)
+    assert e.value.filename == str(tmp_path / "i" / ".dense.partial" / "shard-000000.npy")
+    monkeypatch.undo()
+
+    def no_room(ix, path):
+        raise RuntimeError("Error in WriteIndex\nret == (1): write error")
+    monkeypatch.setattr(dense._import_faiss(), "write_index", no_room)
+    with pytest.raises(OSError, match="faiss could not write the index") as e:
+        build_dense(tmp_path / "i", embedder, progress=False)
+    assert e.value.filename == str(tmp_path / "i" / "dense")
+    assert not (tmp_path / "i" / "dense").exists()

@@ -68,6 +68,7 @@ def index_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("bm25")
     meta = build_index(write_jsonl(d / "corpus.jsonl", CORPUS), d / "index")
     assert meta["documents"] == len(CORPUS) and meta["format_version"] == 1 and meta["stemmer"] == "english"
+    assert meta.pop("dense") is None  # what became of a dense index there: none was
     assert json.loads((d / "index" / "emapg_index.json").read_text()) == meta
     return d / "index"
 
@@ -270,6 +271,15 @@ def test_server_http_errors(server_url):
         conn.endheaders()
         resp = conn.getresponse()
         assert resp.status == 411 and "Content-Length" in json.loads(resp.read())["error"]
+    finally:
+        conn.close()
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:  # a Content-Length that is not a number is named
+        conn.putrequest("POST", "/retrieve", skip_accept_encoding=True)
+        conn.putheader("Content-Length", "abc")
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 400 and json.loads(resp.read())["error"] == "invalid HTTP request: bad Content-Length"
     finally:
         conn.close()
 

@@ -213,3 +213,51 @@ def test_a_resume_to_a_step_it_has_reached_trains_nothing_and_says_so(tmp_path, 
     assert "steps: 1 is before step 2" in capsys.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in files} == files  # nothing rewritten
     assert not (out / "resumes.jsonl").exists()
+
+
+def _file_size_limit(limit):
+    """A child's writes stop at ``limit`` bytes per file with EFBIG, as on a full disk (SIGXFSZ ignored)."""
+    import resource
+    import signal
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    return limited
+
+
+def test_a_full_disk_while_checkpointing_names_the_folder_and_loses_nothing(tmp_path):
+    """A checkpoint write that runs out of room (safetensors' own error) ends in one line naming the
+    checkpoint folder after the run's hint, leaves no half checkpoint, and the same command succeeds
+    once there is room."""
+    run = tmp_path / "run"
+    cmd = ["train", "--config", "smoke", "--out", str(run), "steps=2", "save_every=1", "eval.size=0", "export=false"]
+    proc = _emapg(*cmd, preexec_fn=_file_size_limit(400_000))  # the tiny policy's 430 kB file does not fit
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err and "SafetensorError" not in err
+    assert f"emapg: error: {run / 'checkpoints' / 'step_000001'}: File too large" in err.splitlines()
+    assert f"the run failed at step 1; no checkpoint yet: run the same command again to start over in {run}" in err
+    assert not [p for p in (run / "checkpoints").iterdir()]  # no half-written checkpoint, no temporary folder
+    again = _emapg(*cmd)
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert json.loads((run / "checkpoints" / "latest").read_text())["step"] == 2
+
+
+def test_a_full_disk_while_building_an_index_names_the_folder(tmp_path):
+    """bm25s and numpy report a cut-short write without a path: the message names the index folder, and an
+    index already there is untouched."""
+    corpus = tmp_path / "corpus.jsonl"
+    with open(corpus, "w") as f:
+        for i in range(3000):
+            text = f"passage {i} about topic {i % 97} and more words {i * 7}"
+            f.write(json.dumps({"id": str(i), "text": text}) + "\n")
+    proc = _emapg("index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "ix"),
+                  preexec_fn=_file_size_limit(50_000))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("emapg: error:")]
+    assert line.startswith(f"emapg: error: {tmp_path / 'ix'}: ") and ("File too large" in line or "cut short" in line)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ix")]  # the temporary folder is gone

@@ -323,6 +323,30 @@ def test_a_bad_override_is_blamed_on_the_command_line_not_the_file(tmp_path):
         load_config(bad, ["algo.k=4"])
 
 
+def test_every_wrong_field_of_a_config_is_named_in_one_message(tmp_path):
+    """Wrong types, unknown keys and out-of-range values, in the file and on the command line, all in one
+    error (one rerun, not one per field), each blamed where it was typed."""
+    from emapg.config import ConfigError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("extends: smoke\nsteps: ten\nlr: -1\nalgo:\n  eta: 2\n  k: many\n  etta: 3\n"
+                   "rollout:\n  n: 0\n  temperature: hot\neval:\n  size: -3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{bad}: 8 problems: ")
+    for part in ("steps: expected int, got 'ten'", "algo: unknown key(s) etta", "algo.k: expected int, got 'many'",
+                 "rollout.temperature: expected float, got 'hot'", "algo.eta: must be in (0, 1], got 2.0",
+                 "rollout.n: must be >= 1, got 0", "lr: must be a finite number > 0", "eval.size: must be >= 0"):
+        assert part in message, part
+    with pytest.raises(ConfigError) as e:
+        load_config(bad, ["steps=4", "eval.size=x", "algo.beta=-1"])
+    message = str(e.value)
+    assert "steps:" not in message  # the override fixed it
+    assert f"override eval.size=x (over {bad}): eval.size: expected int, got 'x'" in message
+    assert f"override algo.beta=-1 (over {bad}): algo.beta:" in message and f"{bad}: algo.eta: must be in" in message
+
+
 def test_config_file_errors_name_file_and_line(tmp_path):
     from emapg.config import ConfigError
 

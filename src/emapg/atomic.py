@@ -6,8 +6,10 @@ go through here."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -64,11 +66,30 @@ def is_ours(path: Path) -> bool:
     return f"-{os.getpid()}-" in path.name
 
 
+def write_error(e: BaseException, target: Path) -> OSError | None:
+    """A failure to write into ``target`` as an OSError that names it, when the original names no file: a
+    full disk or a file-size limit inside numpy or bm25s (``OSError`` without a filename), or inside
+    safetensors (its own ``SafetensorError`` carrying the OS error code). None for any other error."""
+    if isinstance(e, OSError):
+        if e.filename:
+            return None
+        return OSError(e.errno, e.strerror or f"a write was cut short (is the disk full?): {e}", str(target))
+    if type(e).__name__ == "SafetensorError":
+        code = re.search(r"(?:code: |os error )(\d+)", str(e))
+        if code:
+            number = int(code.group(1))
+            return OSError(number, os.strerror(number), str(target))
+        if "I/O error" in str(e) or "IoError" in str(e):
+            return OSError(errno.EIO, str(e), str(target))
+    return None
+
+
 @contextlib.contextmanager
 def folder_atomic(target: Path) -> Iterator[Path]:
     """Yield an empty temporary sibling folder to fill; when the block ends it is flushed to disk and
     renamed to ``target``. An existing ``target`` is renamed aside first (put back if the rename
-    fails) and removed only afterwards. On an exception the temporary folder is removed."""
+    fails) and removed only afterwards. On an exception the temporary folder is removed, and a write
+    failure that names no file (a full disk) is raised as an OSError naming ``target``."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = sibling(target, TMP)
@@ -89,6 +110,9 @@ def folder_atomic(target: Path) -> Iterator[Path]:
         fsync_dir(target.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        named = write_error(e, target)
+        if named is not None:  # "No space left on device" alone does not say where
+            raise named from e
         raise

@@ -205,6 +205,11 @@ def cmd_index_build(args: argparse.Namespace) -> int:
         raise ConfigError(f"--fields: not JSON ({e})") from None
     meta = build_index(args.corpus, args.out, fields=fields)
     print(f"emapg index: {meta['documents']} passages indexed into {args.out}", file=sys.stderr)
+    if meta["dense"] == "dropped" and not args.dense:
+        print(f"emapg index: warning: its dense index was encoded from other passages and is removed; encode "
+              f"these with: emapg index dense --index {args.out}", file=sys.stderr)
+    elif meta["dense"] == "kept":
+        print("emapg index: its dense index is kept (the same passages)", file=sys.stderr)
     if args.dense:
         args.index = args.out
         return cmd_index_dense(args)

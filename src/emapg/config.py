@@ -31,7 +31,18 @@ SHIPPED_RECIPES = Path(__file__).resolve().parent / "recipes"
 
 
 class ConfigError(ValueError):
-    """A user-fixable problem in a config file or an override."""
+    """A user-fixable problem in a config file or an override; ``problems`` lists each one (a config with
+    several wrong fields is reported once, all of them in one message)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None, partial: Any = None):
+        super().__init__(message)
+        self.problems = problems or [message]
+        self.partial = partial  # what was built from the valid fields (the rest at their defaults), or None
+
+
+def _all_of(problems: list[str]) -> ConfigError:
+    """One error for every problem found: ``a: ...; b: ...`` (one line)."""
+    return ConfigError("; ".join(problems), problems)
 
 
 @dataclass
@@ -333,10 +344,21 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
 
 def _build(cls, data: dict[str, Any], where: str):
     hints = _fields(cls)
+    problems, kwargs = [], {}
     unknown = set(data) - set(hints)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(hints)}")
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+        problems.append(f"{where or 'top level'}: unknown key(s) {', '.join(sorted(unknown))}; "
+                        f"known: {', '.join(hints)}")
+    for k, v in data.items():
+        if k in hints:
+            try:
+                kwargs[k] = _coerce(v, hints[k], f"{where}.{k}" if where else k)
+            except ConfigError as e:  # every wrong field is reported, not only the first
+                problems += e.problems
+                if e.partial is not None:  # a section with wrong fields: its valid ones are still checked
+                    kwargs[k] = e.partial
+    if problems:
+        raise ConfigError("; ".join(problems), problems, partial=cls(**kwargs))
     return cls(**kwargs)
 
 
@@ -412,10 +434,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         apply_override(data, item)
     try:
-        cfg = _build(TrainConfig, data, "")
+        try:
+            cfg = _build(TrainConfig, data, "")
+        except ConfigError as e:  # wrong types: the valid fields' values are checked too, for one message
+            named = {p.split(":", 1)[0] for p in e.problems}
+            try:
+                check_fields({n: _value(e.partial, n) for n in RULES if n not in named})
+            except ConfigError as more:
+                raise _all_of(e.problems + more.problems) from None
+            raise
         validate(cfg)
-    except ConfigError as e:
-        raise ConfigError(f"{_blamed(str(e), source, overrides or [])}: {e}") from None
+    except ConfigError as e:  # each problem blamed on where its value came from: the file or an override
+        blames = [_blamed(p, source, overrides or []) for p in e.problems]
+        if len(set(blames)) == 1:  # one place to fix: named once
+            head = f"{blames[0]}: " + (f"{len(blames)} problems: " if len(blames) > 1 else "")
+            raise ConfigError(head + "; ".join(e.problems), [f"{blames[0]}: {p}" for p in e.problems]) from None
+        raise _all_of([f"{b}: {p}" for b, p in zip(blames, e.problems, strict=True)]) from None
     return cfg
 
 
@@ -557,8 +591,9 @@ RULES: dict[str, Rule] = {
 
 
 def check_fields(values: dict[str, Any]) -> None:
-    """Check settings by the table: ``{"algo.eta": 0.9, ...}``; ConfigError naming the first bad field.
+    """Check settings by the table: ``{"algo.eta": 0.9, ...}``; one ConfigError naming every bad field.
     The config loader checks every field this way; the TRL plug-in checks its keyword arguments."""
+    problems = []
     for name, value in values.items():
         ok, expected = RULES[name]
         try:
@@ -566,7 +601,9 @@ def check_fields(values: dict[str, Any]) -> None:
         except TypeError:  # a value of another type, given directly (the TRL plug-in's arguments)
             good = False
         if not good:
-            raise ConfigError(f"{name}: {expected}, got {value!r}")
+            problems.append(f"{name}: {expected}, got {value!r}")
+    if problems:
+        raise _all_of(problems)
 
 
 def _value(cfg: TrainConfig, name: str) -> Any:
@@ -613,10 +650,10 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
 
 def validate(cfg: TrainConfig) -> None:
     """Check every field by :data:`RULES`, then :data:`CONSISTENCY`; raise ConfigError naming the field."""
-    check_fields({name: _value(cfg, name) for name in RULES})
-    for name, ok, message in CONSISTENCY:
-        if not ok(cfg):
-            raise ConfigError(f"{name}: {message(cfg)}")
+    check_fields({name: _value(cfg, name) for name in RULES})  # first: the rules across fields assume these
+    problems = [f"{name}: {message(cfg)}" for name, ok, message in CONSISTENCY if not ok(cfg)]
+    if problems:
+        raise _all_of(problems)
 
 
 def check_world(cfg: TrainConfig, world: int) -> None:

@@ -27,6 +27,7 @@ from emapg.retrieval.passages import (
     has_dense,
     passages_digest,
     read_corpus,
+    read_meta,
     read_passages,
     write_passages,
 )
@@ -56,11 +57,16 @@ def _replaceable(out: Path) -> bool:
     return out.is_dir() and ((out / META_FILE).is_file() or not any(out.iterdir()))
 
 
-def _keep_dense(out: Path, tmp: Path) -> None:
+def _keep_dense(out: Path, tmp: Path) -> str | None:
     """Carry an existing dense index into a rebuilt folder when the passages are byte-identical
-    (a dense index of other passages is dropped: ``DenseIndex.load`` would refuse it anyway)."""
-    if has_dense(out) and (out / PASSAGES_FILE).is_file() and passages_digest(out) == passages_digest(tmp):
+    (``"kept"``); a dense index of other passages is dropped (``"dropped"``: ``DenseIndex.load`` would
+    refuse it anyway); None when there was none."""
+    if not has_dense(out):
+        return None
+    if (out / PASSAGES_FILE).is_file() and passages_digest(out) == passages_digest(tmp):
         shutil.copytree(out / DENSE_DIR, tmp / DENSE_DIR, copy_function=os.link)  # hard links: no second copy
+        return "kept"
+    return "dropped"
 
 
 def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | None = None) -> dict:
@@ -68,7 +74,9 @@ def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | No
 
     ``fields`` renames columns as in ``emapg.data.load_rows`` (``{"text": "contents"}``). Raises DataError
     for a malformed corpus (naming file, line and field, or a duplicate id) and FileExistsError if ``out``
-    exists and is neither an index nor an empty folder.
+    exists and is neither an index nor an empty folder. The returned metadata's ``dense`` says what became
+    of a dense index the folder held: ``"kept"`` (the same passages), ``"dropped"`` (other passages: it is
+    encoded again with ``emapg index dense``) or None (there was none).
     """
     bm25s, Stemmer = _import_bm25s()
     start = time.perf_counter()
@@ -86,7 +94,7 @@ def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | No
     with folder_atomic(out) as tmp:  # a rebuilt index replaces the old one only when complete
         retriever.save(tmp, show_progress=False)
         write_passages(passages, tmp)
-        _keep_dense(out, tmp)
+        dense = _keep_dense(out, tmp)
         meta = {
             "format_version": FORMAT_VERSION,
             "documents": len(passages),
@@ -97,7 +105,7 @@ def build_index(corpus: str | Path, out: str | Path, fields: dict[str, str] | No
             "build_seconds": round(time.perf_counter() - start, 3),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    return meta
+    return {**meta, "dense": dense}
 
 
 class BM25Index:
@@ -123,7 +131,7 @@ class BM25Index:
         if missing:
             raise FileNotFoundError(f"{path} is not an emapg BM25 index: missing {', '.join(missing)} "
                                     "(build one with emapg.retrieval.bm25.build_index)")
-        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+        meta = read_meta(path / META_FILE)
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: unsupported index format version {meta.get('format_version')!r} "
                              f"(this emapg reads version {FORMAT_VERSION}); rebuild the index")

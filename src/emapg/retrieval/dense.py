@@ -17,6 +17,7 @@ format (no pickle). ``dense/`` appears only when complete (written to a temporar
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from emapg.atomic import folder_atomic, write_json_atomic
+from emapg.atomic import folder_atomic, write_error, write_json_atomic
 from emapg.retrieval import Passage
 from emapg.retrieval.embed import Embedder, weights_digest
-from emapg.retrieval.passages import DENSE_DIR, PASSAGES_FILE, Passages, passages_digest, read_passages
+from emapg.retrieval.passages import DENSE_DIR, PASSAGES_FILE, Passages, passages_digest, read_meta, read_passages
 from emapg.retrieval.passages import DENSE_META as META_FILE
 
 FORMAT_VERSION = 1
@@ -97,10 +98,14 @@ def _shard_path(partial: Path, i: int) -> Path:
 
 def _save_shard(path: Path, vecs: np.ndarray) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, vecs)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, vecs)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise (write_error(e, path) or e) from e  # a full disk: named
     os.replace(tmp, path)
 
 
@@ -205,7 +210,11 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
     for s in range(shards):  # added shard by shard: one shard's vectors in memory beside the index
         ix.add(np.load(_shard_path(partial, s)))
     with folder_atomic(index / DENSE_DIR) as tmp:
-        faiss.write_index(ix, str(tmp / FAISS_FILE))
+        try:
+            faiss.write_index(ix, str(tmp / FAISS_FILE))
+        except RuntimeError as e:  # faiss's C++ write error (a full disk) names no folder
+            raise OSError(errno.EIO, f"faiss could not write the index ({str(e).strip().splitlines()[-1]})",
+                          str(index / DENSE_DIR)) from None
         meta = {"format_version": FORMAT_VERSION, **plan, "factory": factory, "faiss_version": faiss.__version__,
                 "search_params": search_params, "trained_on": trained,
                 "build_seconds": round(time.perf_counter() - start, 3)}
@@ -278,7 +287,7 @@ class DenseIndex:
         if not (dense / META_FILE).is_file() or not (dense / FAISS_FILE).is_file():
             raise FileNotFoundError(f"{path} has no dense index ({DENSE_DIR}/{META_FILE} and "
                                     f"{DENSE_DIR}/{FAISS_FILE}); build one with: emapg index dense --index {path}")
-        meta = json.loads((dense / META_FILE).read_text(encoding="utf-8"))
+        meta = read_meta(dense / META_FILE)
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{dense}: unsupported dense index format {meta.get('format_version')!r} "
                              f"(this emapg reads version {FORMAT_VERSION}); rebuild it")
@@ -292,7 +301,12 @@ class DenseIndex:
         if weights_digest(emb.folder) != meta["weights_sha256"]:
             raise ValueError(f"{dense}: its passages were encoded by other weights than embedder "
                              f"{emb.name!r} ({emb.folder}) holds; rebuild it or give the embedder it was built with")
-        ix = faiss.read_index(str(dense / FAISS_FILE))
+        try:
+            ix = faiss.read_index(str(dense / FAISS_FILE))
+        except RuntimeError as e:  # faiss's C++ read error: a truncated or foreign file
+            why = str(e).strip().splitlines()[-1]
+            raise ValueError(f"{dense / FAISS_FILE}: damaged, faiss cannot read it ({why}); "
+                             f"rebuild it: emapg index dense --index {path}") from None
         if ix.ntotal != len(passages) or ix.d != emb.dim:
             raise ValueError(f"{dense}: {ix.ntotal} vectors of dimension {ix.d} for {len(passages)} passages and "
                              f"a {emb.dim}-dimensional embedder; rebuild it")

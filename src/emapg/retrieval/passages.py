@@ -24,6 +24,18 @@ def has_dense(folder: Path) -> bool:
     return (Path(folder) / DENSE_DIR / DENSE_META).is_file()
 
 
+def read_meta(path: Path) -> dict:
+    """An index's metadata file (``emapg_index.json``, ``dense/dense.json``); a damaged one is a ValueError
+    naming it and the rebuild, not a bare JSON error."""
+    try:
+        meta = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: damaged, not the JSON an index build writes ({e}); rebuild the index") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: damaged, expected a JSON object; rebuild the index")
+    return meta
+
+
 @dataclass
 class Passages:
     """Passages in index order: row i is ``ids[i]``, ``titles[i]``, ``texts[i]``; ``sha256``: the digest of

@@ -178,6 +178,19 @@ def create_app(retriever: Retriever, *, max_queries: int = DEFAULT_LIMITS["max_q
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
+class _NamedErrors(h11.Connection):
+    """h11's connection, keeping the parse error it raised (``bad Content-Length``) for the 400's message."""
+
+    error: h11.RemoteProtocolError | None = None
+
+    def next_event(self):
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.error = e
+            raise
+
+
 class _DeadlineH11(H11Protocol):
     """uvicorn's h11 protocol with a total deadline for a request's headers, counted from the connection
     (or from the end of the previous response) whatever the client sends meanwhile: uvicorn's own
@@ -186,6 +199,10 @@ class _DeadlineH11(H11Protocol):
 
     header_timeout = 10.0
     _deadline: asyncio.TimerHandle | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.conn = _NamedErrors(h11.SERVER, self.config.h11_max_incomplete_event_size or 16 * 1024)  # uvicorn's
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -219,6 +236,9 @@ class _DeadlineH11(H11Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
+        error = getattr(self.conn, "error", None)
+        if error is not None and str(error):  # what was wrong, not only that something was
+            msg = f"invalid HTTP request: {error}"
         body = json.dumps({"error": msg}).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]
