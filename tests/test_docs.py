@@ -1,0 +1,356 @@
+"""The docs' commands, run as written: every fenced ```bash and ```python block of README.md and docs/*.md,
+and every command of the README's results table, collected from the Markdown (a new command is covered
+without a new test).
+
+Every command is checked (fast, default suite): its options parse with emapg's own parser, its config
+and overrides load (keys, types and ranges), a comparison spec loads, a script or file it names exists,
+a bench script takes the options given, a pip extra exists, a Python block compiles.
+
+Then the blocks run, one command after another in a scratch folder that holds the repository's recipes,
+bench, studies and scripts, and the user's files they name (USER_FILES). What a block needs is marked
+after its language (```bash gpu): such a block is checked, never run:
+  gpu        a GPU (torchrun over 8 devices, vLLM's CUDA engine)
+  own-files  the user's own models or datasets (/models/..., /data/..., a trained search agent)
+  network    a download from a hub
+  hours      hours of runs even scaled down (the studies)
+``slow`` blocks run under ``-m slow``; unmarked ones in the default suite. Runs are scaled down, the same
+way for every block: ``emapg train`` trains tiny-llama for one step (a resume one step past its
+checkpoint; tiny-llama-h32 under vLLM, whose CPU attention takes heads of 32 and up), ``emapg eval`` scores 8 problems, ``emapg compare`` runs its spec's quick variant,
+``serve-retriever`` answers /health on a free port and is stopped at the end of its block, and the
+paper's model folders are their hand-written config.json (MODEL_CONFIGS: enough for ``emapg plan``).
+``bash scripts/test.sh`` is the suite this test is part of: it is checked, not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKS = {"gpu", "own-files", "network", "hours", "slow"}
+CHECK_ONLY = {"gpu", "own-files", "network", "hours"}
+MODEL_CONFIGS = {"/models/DeepSeek-R1-Distill-Qwen-1.5B": ROOT / "tests/fixtures/model_configs/deepseek-r1-distill-"
+                                                           "qwen-1.5b",
+                 "/models/Qwen2.5-3B": ROOT / "tests/fixtures/model_configs/qwen2.5-3b"}
+USER_FILES = {  # the files the runnable blocks name as the user's own
+    "my.yaml": "extends: smoke\n",
+    "wiki.jsonl": "".join(json.dumps({"id": str(i), "title": t, "text": x}) + "\n" for i, (t, x) in enumerate([
+        ("Paris", "Paris is the capital and largest city of France."),
+        ("Berlin", "Berlin is the capital of Germany and its largest city."),
+        ("Danube", "The Danube flows through ten countries into the Black Sea."),
+        ("Everest", "Mount Everest is Earth's highest mountain above sea level."),
+    ])),
+}
+NEVER_RUN = {("bash", "scripts/test.sh"): "the suite this test is part of (CI runs it)"}
+SCRIPT_DIRS = ("recipes", "bench", "studies", "scripts")
+
+
+@dataclass
+class Block:
+    doc: Path
+    line: int
+    lang: str
+    marks: set[str]
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.doc.relative_to(ROOT)}:{self.line}"
+
+
+def blocks() -> list[Block]:
+    found = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for m in re.finditer(r"^```(\w*)([^\n]*)\n(.*?)^```", text, re.M | re.S):
+            if m.group(1) in ("bash", "python"):
+                found.append(Block(doc, text[:m.start()].count("\n") + 1, m.group(1), set(m.group(2).split()),
+                                   m.group(3)))
+    return found
+
+
+def table_commands() -> list[tuple[str, str]]:
+    """(where, command) for each command of the README's results table (its last column)."""
+    out = []
+    for n, line in enumerate((ROOT / "README.md").read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("|") and line.count("|") >= 4:
+            for span in re.findall(r"`([^`]+)`", line.rstrip(" |").rsplit("|", 1)[-1]):
+                if re.match(r"(emapg|python|bash|torchrun) ", span):
+                    out.append((f"README.md:{n}", span))
+    return out
+
+
+def commands(block: Block) -> list[tuple[int, dict[str, str], list[str]]]:
+    """(line, environment, argv) per command of a shell block: continuation lines joined, comments dropped,
+    ``NAME=value`` lines kept as variables of the block and ``$NAME`` expanded (a word per token)."""
+    env: dict[str, str] = {}
+    out, logical, start = [], "", 0
+    for i, raw in enumerate(block.text.splitlines()):
+        if not logical:
+            start = block.line + 1 + i
+        logical += raw
+        if raw.endswith("\\"):
+            logical = logical[:-1] + " "
+            continue
+        words, logical = shlex.split(logical, comments=True), ""
+        prefix = {}
+        while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+            name, value = words.pop(0).split("=", 1)
+            prefix[name] = value
+        if not words:
+            env.update(prefix)
+            continue
+        argv = []
+        for w in words:
+            argv += shlex.split(env[w[1:]]) if w.startswith("$") and w[1:] in env else [w]
+        out.append((start, prefix, argv))
+    return out
+
+
+# ---- checks: every command --------------------------------------------------------------------------
+
+
+def _emapg_args(argv: list[str]) -> list[str] | None:
+    """The arguments after ``emapg`` for any way the docs start it (None: not emapg)."""
+    if argv[0] in ("emapg", ".venv/bin/emapg", ".venv-vllm/bin/emapg"):
+        return argv[1:]
+    if argv[:3] == ["python", "-m", "emapg"]:
+        return argv[3:]
+    if argv[0] == "torchrun" and "-m" in argv:
+        i = argv.index("-m")
+        assert argv[i + 1] == "emapg", f"torchrun runs {argv[i + 1]}, not emapg"
+        assert all(a.startswith("--") or argv[j - 1].startswith("--") for j, a in enumerate(argv[1:i], 1)), \
+            f"torchrun's options: {argv[1:i]}"
+        return argv[i + 2:]
+    return None
+
+
+def _repo_file(name: str) -> Path | None:
+    path = ROOT / name
+    return path if path.exists() else None
+
+
+def check_emapg(args: list[str]) -> None:
+    from emapg.cli import build_parser, recipe_path
+    from emapg.compare import load_spec
+    from emapg.config import apply_override, load_config
+    from emapg.tasks import TASKS
+
+    parser = build_parser()
+    try:
+        ns, extra = parser.parse_known_args(args)
+    except SystemExit:
+        raise AssertionError(f"emapg's parser refuses: emapg {shlex.join(args)}") from None
+    if ns.command in ("train", "plan"):
+        ns.overrides += [x for x in extra if "=" in x and not x.startswith("-")]
+        extra = [x for x in extra if not ("=" in x and not x.startswith("-"))]
+    assert not extra, f"unrecognized arguments {extra}"
+    if ns.command in ("train", "plan"):
+        overrides = [o for o in ns.overrides]
+        if getattr(ns, "resume", None):
+            for item in overrides:  # the run's own config is not here: the keys must exist
+                apply_override({}, item)
+            return
+        name = ns.config or "cpu_demo"
+        config = _repo_file(name) or (None if name.endswith(".yaml") and "/" not in name else recipe_path(name))
+        if config is None:  # the user's own config file: its overrides' keys must exist
+            for item in overrides:
+                apply_override({}, item)
+            return
+        load_config(config, overrides)
+    elif ns.command == "compare":
+        spec = _repo_file(ns.spec)
+        assert spec is not None, f"--spec {ns.spec}: no such file in the repository"
+        load_spec(spec, quick=ns.quick, only=ns.only)
+    elif ns.command == "eval":
+        assert ns.task is None or ns.task in TASKS, f"--task {ns.task}: not one of {sorted(TASKS)}"
+        if ns.task_args:
+            json.loads(ns.task_args)
+
+
+def check(argv: list[str]) -> None:
+    """A command is what the docs say it is: see the module's docstring."""
+    args = _emapg_args(argv)
+    if args is not None:
+        return check_emapg(args)
+    head = argv[0]
+    if head == "python":
+        script = _repo_file(argv[1])
+        assert script is not None, f"{argv[1]}: no such file in the repository"
+        source = script.read_text(encoding="utf-8")
+        for opt in [a.split("=")[0] for a in argv[2:] if a.startswith("--")]:
+            assert f'"{opt}"' in source, f"{argv[1]} has no option {opt}"
+    elif head == "bash":
+        assert _repo_file(argv[1]) is not None, f"{argv[1]}: no such file in the repository"
+        if argv[1] == "scripts/demo.sh":
+            check_emapg(["train", *argv[2:]])
+    elif head == "pip":
+        extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        for spec in argv[2:]:
+            m = re.fullmatch(r"(?:\.|emapg)\[([\w,-]+)\]", spec)
+            if m:
+                unknown = set(m.group(1).split(",")) - set(extras)
+                assert not unknown, f"no extra {sorted(unknown)} in pyproject.toml"
+    elif head not in ("huggingface-cli", "source", "tensorboard"):
+        raise AssertionError(f"a command this test does not know how to check: {shlex.join(argv)}")
+
+
+BLOCKS = blocks()
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_every_documented_command_is_what_it_says(block):
+    assert block.marks <= MARKS, f"{block}: unknown marks {block.marks - MARKS} (known: {sorted(MARKS)})"
+    if block.lang == "python":
+        compile(block.text, str(block), "exec")
+        return
+    cmds = commands(block)
+    assert cmds, f"{block}: a shell block without a command"
+    for line, _, argv in cmds:
+        try:
+            check(argv)
+        except Exception as e:  # the doc's place first: where to fix it
+            raise AssertionError(f"{block.doc.relative_to(ROOT)}:{line}: {shlex.join(argv)}: {e}") from e
+
+
+@pytest.mark.parametrize("where,command", table_commands(), ids=[w for w, _ in table_commands()])
+def test_every_command_of_the_results_table_is_what_it_says(where, command):
+    check(shlex.split(command))
+
+
+def test_the_docs_have_blocks_and_the_readme_table_has_commands():
+    """The collection itself: README and USAGE blocks found, so a broken pattern cannot pass by finding none."""
+    docs = {b.doc.name for b in BLOCKS}
+    assert {"README.md", "USAGE.md", "REPRODUCE.md"} <= docs
+    assert sum(b.doc.name == "USAGE.md" for b in BLOCKS) >= 8 and len(table_commands()) >= 10
+
+
+# ---- runs: the blocks that run here ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _latest_step(run: Path) -> int:
+    return json.loads((run / "checkpoints" / "latest").read_text())["step"]
+
+
+def scaled(args: list[str], cwd: Path) -> list[str]:
+    """An emapg command as the runs take it (the module's docstring)."""
+    args = [f"model={MODEL_CONFIGS[a[6:]]}" if a.startswith("model=") and a[6:] in MODEL_CONFIGS else a for a in args]
+    sub = args[0]
+    if sub == "train":
+        if "--resume" in args:
+            return [*args, f"steps={_latest_step(cwd / args[args.index('--resume') + 1]) + 1}"]
+        return [*args, "model=tiny-llama", "steps=1", "save_every=1", "eval.size=8", "eval.every=0"]
+    if sub == "eval":
+        return [*args, "--size", "8", "--max-new-tokens", "8"]
+    if sub == "compare" and "--report-only" not in args:
+        return [*args, "--quick"]
+    if sub == "serve-retriever":
+        return [*args, "--port", str(_free_port())]
+    return args
+
+
+def _wait_health(proc: subprocess.Popen, port: int, where: str) -> None:
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        assert proc.poll() is None, f"{where}: the server stopped: {proc.stderr.read()}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                assert json.loads(r.read())["status"] == "ok"
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{where}: the server never answered /health")
+
+
+def run_block(block: Block, cwd: Path) -> None:
+    for name in SCRIPT_DIRS:
+        if not (cwd / name).exists():
+            (cwd / name).symlink_to(ROOT / name)
+    for name, text in USER_FILES.items():
+        (cwd / name).write_text(text, encoding="utf-8")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    servers = []
+    try:
+        for line, prefix, argv in commands(block):
+            where = f"{block.doc.relative_to(ROOT)}:{line}"
+            if tuple(argv[:2]) in NEVER_RUN:
+                continue
+            args = _emapg_args(argv)
+            if args is not None:
+                args = scaled(args, cwd)
+                if argv[0].startswith(".venv-vllm"):  # vLLM's CPU attention takes heads of 32 and up
+                    args = [a.replace("model=tiny-llama", "model=tiny-llama-h32") for a in args]
+                exe = [str(ROOT / argv[0])] if argv[0].startswith(".venv") else [sys.executable, "-m", "emapg"]
+                cmd = [*exe, *args]
+            elif argv[0] == "python":
+                cmd = [sys.executable, str(ROOT / argv[1]), *argv[2:]]
+            elif argv[0] == "bash":
+                cmd = ["bash", str(ROOT / argv[1]), *(scaled(["train", *argv[2:]], cwd)[1:] if argv[1] ==
+                                                       "scripts/demo.sh" else argv[2:])]
+                if argv[1] == "scripts/demo.sh":
+                    cmd += ["--out", str(cwd / "runs" / "demo-sh")]
+            else:
+                raise AssertionError(f"{where}: a command this test does not know how to run: {shlex.join(argv)}")
+            if args is not None and args[0] == "serve-retriever":
+                port = int(args[-1])
+                proc = subprocess.Popen(cmd, cwd=cwd, env={**env, **prefix}, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True)
+                servers.append(proc)
+                _wait_health(proc, port, where)
+                continue
+            done = subprocess.run(cmd, cwd=cwd, env={**env, **prefix}, capture_output=True, text=True, timeout=1800)
+            assert done.returncode == 0, f"{where}: {shlex.join(argv)} (run as {shlex.join(cmd)}) exited " \
+                                         f"{done.returncode}:\n{done.stderr[-3000:]}"
+            assert "Traceback" not in done.stderr, f"{where}: {done.stderr[-3000:]}"
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+TRL_SCALE = {  # the TRL snippet's run: what it says -> what the run takes (each must still be in the snippet)
+    '"Qwen/Qwen2.5-0.5B-Instruct"': "str(TINY)",  # a hub model: a tiny random model's local folder instead
+    "beta=0.001,": "beta=0.001, max_steps=1, max_completion_length=8, report_to=[],",
+}
+
+
+def run_python(block: Block, cwd: Path) -> None:
+    code = block.text
+    if "EMAPGTrainer(" in code:
+        from emapg.models import load_model, save_hf_folder
+
+        save_hf_folder(*load_model("tiny-llama"), cwd / "tiny")
+        for said, run in TRL_SCALE.items():
+            assert said in code, f"{block}: the snippet no longer says {said!r}: update TRL_SCALE"
+            code = code.replace(said, run)
+        code = f"from pathlib import Path\nTINY = Path({str(cwd / 'tiny')!r})\n" + code
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"{block}: exited {done.returncode}:\n{done.stderr[-3000:]}"
+
+
+RUNNABLE = [b for b in BLOCKS if not (b.marks & CHECK_ONLY)]
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, marks=pytest.mark.slow) if "slow" in b.marks else b
+                                   for b in RUNNABLE], ids=[str(b) for b in RUNNABLE])
+def test_every_documented_block_runs(block, tmp_path):
+    (run_python if block.lang == "python" else run_block)(block, tmp_path)
