@@ -63,16 +63,18 @@ def passes(policy: torch.Tensor, anchor: torch.Tensor, mb: RolloutBatch, a: Algo
     return pol, anc
 
 
-CASES = [(name, form) for name, est in kl.ESTIMATORS.items() for form in (kl.FORMS if est.paper else ("unbiased",))]
+# every estimator in each of its forms; the top-k ones with every head and tail
+CASES = [(name, form, head) for name, est in kl.ESTIMATORS.items() for form in est.forms()
+         for head in (kl.HEAD_CHOICES if est.topk else (None,)) if est.topk or form == "unbiased" or est.paper]
 
 
-@pytest.mark.parametrize("estimator,form", CASES)
+@pytest.mark.parametrize("estimator,form,head", CASES)
 @pytest.mark.parametrize("agg", list(AGGREGATIONS))
-def test_loss_equals_its_reference_composition_from_full_logits(estimator, form, agg):
+def test_loss_equals_its_reference_composition_from_full_logits(estimator, form, head, agg):
     """loss = agg(clipped surrogate) + beta * agg(token_kl), the KL from kl.token_kl on full logits
     (pi_samp the sampler, s its importance weight), pi_old = pi_samp."""
     policy, anchor, samp, batch = make_case(0, estimator)
-    a = AlgoConfig(kl=estimator, k=K, form=form, beta=0.3, agg=agg)
+    a = AlgoConfig(kl=estimator, k=K, form=form, head=head, beta=0.3, agg=agg)
     counts = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(B), "max_len": L}
     pol, anc = passes(policy, anchor, batch, a)
     got, stats = algo.loss(pol, anc, batch, a, counts)
@@ -80,7 +82,7 @@ def test_loss_equals_its_reference_composition_from_full_logits(estimator, form,
     logp_tok = policy.log_softmax(-1).gather(-1, batch.response_ids[..., None])[..., 0]
     pg = clipped_surrogate(logp_tok, batch.samp_logp, batch.advantages, a.eps_low, a.eps_high, a.dual_clip).loss
     kl_tok = kl.token_kl(policy, anchor, batch.response_ids, estimator=estimator, k=K, sampling_logits=samp,
-                         form=form)
+                         form=form, head=head)
     want = aggregate(pg, mask, agg, **counts) + 0.3 * aggregate(kl_tok, mask, agg, **counts)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     (g_got,) = torch.autograd.grad(got, policy)
@@ -94,9 +96,9 @@ def test_loss_equals_its_reference_composition_from_full_logits(estimator, form,
 @given(micro=st.integers(1, 4), seed=st.integers(0, 1000), agg=st.sampled_from(list(AGGREGATIONS)),
        case=st.sampled_from(CASES))
 def test_micro_batch_losses_add_up_to_the_mini_batch_loss(micro, seed, agg, case):
-    estimator, form = case
+    estimator, form, head = case
     policy, anchor, _, batch = make_case(seed, estimator)
-    a = AlgoConfig(kl=estimator, k=K, form=form, beta=0.05, agg=agg)
+    a = AlgoConfig(kl=estimator, k=K, form=form, head=head, beta=0.05, agg=agg)
     counts = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(B), "max_len": L}
 
     def loss_of(sl: slice):
@@ -128,6 +130,10 @@ def test_what_the_passes_gather_follows_the_estimators_declaration():
     names = ("topk_reverse", "topk_forward", "exact_reverse", "k3")
     heads = [algo.kl_head(AlgoConfig(kl=name, k=32)) for name in names]
     assert [h.sampler_k for h in heads] == [32, 0, 0, 0]
+    # a head named in the config: the union gathers the sampler's ids and finds the anchor's own
+    union = algo.kl_head(AlgoConfig(kl="topk_forward", k=K, head="union"))
+    assert union.sampler_k == K and algo.anchor_request(union, batch, V)[1] == K
+    assert algo.kl_head(AlgoConfig(kl="topk_reverse", k=K, head="anchor")).sampler_k == 0
     assert [h.kind for h in heads] == ["sampler_topk", "anchor_topk", "all", "none"]
     spec = algo.rollout_sampling(RolloutConfig(n=3, temperature=0.7, top_p=0.9, max_new_tokens=9), heads[0])
     assert spec == SamplingSpec(n=3, temperature=0.7, top_p=0.9, max_new_tokens=9, greedy=False, k=32)

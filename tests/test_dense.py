@@ -44,9 +44,7 @@ def tiny(tmp_path_factory, embedder) -> Path:
 
 @pytest.fixture(scope="module")
 def wiki(tmp_path_factory, embedder) -> Path:
-    """The first 80 passages of the shared Wikipedia sample (real text, many near neighbours)."""
-    if not SAMPLE.is_file():
-        pytest.skip(f"shared corpus sample {SAMPLE} is absent")
+    """The first 80 Wikipedia passages of tests/fixtures/corpus (real text, many near neighbours)."""
     d = tmp_path_factory.mktemp("wiki")
     rows = SAMPLE.read_text(encoding="utf-8").splitlines()[:80]
     build_index(write_jsonl(d / "corpus.jsonl", rows), d / "index")

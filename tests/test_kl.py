@@ -28,13 +28,13 @@ def make(V=V, seed=0, off_policy=False):
     return theta, anchor, samp
 
 
-def expectation(estimator, theta, anchor, samp, k=0, form="unbiased"):
+def expectation(estimator, theta, anchor, samp, k=0, form="unbiased", head=None):
     """E_{p ~ pi_samp}[estimate] and E[grad estimate] by enumerating every token p."""
     Vn = theta.shape[0]
     tokens = torch.arange(Vn)
     rows = lambda t: t.unsqueeze(0).expand(Vn, Vn)  # noqa: E731 - the same distribution at V positions
     est = kl.token_kl(rows(theta), rows(anchor), tokens, estimator=estimator, k=k,
-                      sampling_logits=None if samp is None else rows(samp), form=form)
+                      sampling_logits=None if samp is None else rows(samp), form=form, head=head)
     weights = torch.softmax(theta if samp is None else samp, -1).detach()
     value = (weights * est).sum()
     (grad,) = torch.autograd.grad(value, theta)
@@ -234,39 +234,134 @@ def test_topk_unbiased_property(V, k_frac, seed, off, estimator):
     torch.testing.assert_close(grad, true_grad, atol=1e-10, rtol=1e-8)
 
 
+# ---- the top-k family: every head and tail, by enumeration --------------------------------------------------
+# docs/METHOD.md section 3.6: with a the first distribution of the KL and b the second (reverse: a = pi,
+# b = anchor; forward: a = anchor, b = pi), T the head, a_T its mass and R = sum_{v not in T} a log(a(v|T^c) /
+# b(v|T^c)) the tail's share of the KL (its mass times its conditional KL), the tails' expectations are
+#   unbiased, residual: KL                      (value and gradient)
+#   paper:              KL, gradient grad KL + grad pi(T) (reverse) / - grad pi(T) (forward)
+#   bucket:             KL - R = sum_T a log(a/b) + a(T^c) log(a(T^c)/b(T^c))
+#   truncated:          sum_T a log(a/b)
+#   renormalised:       sum_T (a/a_T) log((a/a_T)/(b/b_T)) (0 for an empty head)
+# each written below over the whole vocabulary, independently of emapg.kl, with T held fixed.
+
+
+def head_set(choice, k, theta, anchor, samp):
+    """The head T as a [V] 0/1 mask: the top-k ids of pi_samp, of the anchor, or both (argsort, not topk)."""
+    def top(logits):
+        m = torch.zeros(logits.shape[0])
+        m[torch.argsort(logits.detach(), descending=True)[:k]] = 1.0
+        return m
+    sampler = top(theta if samp is None else samp)
+    return {"sampler": sampler, "anchor": top(anchor), "union": torch.maximum(sampler, top(anchor))}[choice]
+
+
+def expected_by_formula(direction, form, theta, anchor, T):
+    """What the tail's expectation is by docs/METHOD.md section 3.6, as a function of theta (T fixed)."""
+    lp, la = torch.log_softmax(theta, -1), torch.log_softmax(anchor, -1)
+    la_, lb = (lp, la) if direction == "reverse" else (la, lp)
+    a = la_.exp()
+    full = (a * (la_ - lb)).sum()
+    head = (T * a * (la_ - lb)).sum()
+    a_in, b_in = (T * a).sum(), (T * lb.exp()).sum()
+    if form in ("unbiased", "residual"):
+        return full
+    if form == "paper":
+        pi_in = (T * lp.exp()).sum()
+        sign = 1.0 if direction == "reverse" else -1.0
+        return full + sign * (pi_in - pi_in.detach())  # the KL's value, its gradient plus or minus grad pi(T)
+    if form == "bucket":
+        out = 1 - T
+        a_out, b_out = 1 - a_in, 1 - b_in
+        r = (out * a * ((la_ - torch.log(a_out)) - (lb - torch.log(b_out)))).sum() if out.any() else 0.0
+        return full - r
+    if form == "truncated":
+        return head
+    if not T.any():
+        return 0.0 * theta.sum()  # an empty head: 0, gradient 0
+    return (T * (a / a_in) * ((la_ - torch.log(a_in)) - (lb - torch.log(b_in)))).sum()
+
+
+FAMILY = [(e, h, f) for e in ("topk_reverse", "topk_forward") for h in kl.HEAD_CHOICES for f in kl.FORMS]
+
+
+@policies
+@pytest.mark.parametrize("k", [0, 1, 5, V - 1, V])
+@pytest.mark.parametrize("estimator,head,form", FAMILY)
+def test_every_head_and_tail_has_the_expectation_method_states(estimator, head, form, k, off_policy):
+    """Value and gradient, in expectation over the sampled token, enumerated exactly, against section 3.6's
+    formula; the unbiased tails against the KL itself; the biased ones provably biased where T is partial."""
+    theta, anchor, samp = make(off_policy=off_policy, seed=k + 7)
+    direction = kl.estimator(estimator).direction
+    value, grad = expectation(estimator, theta, anchor, samp, k=k, form=form, head=head)
+    T = head_set(head, k, theta, anchor, samp)
+    want = expected_by_formula(direction, form, theta, anchor, T)
+    (want_grad,) = torch.autograd.grad(want, theta)
+    torch.testing.assert_close(value, want.detach(), **CLOSE)
+    torch.testing.assert_close(grad, want_grad, **CLOSE)
+    true_value, true_grad = exact(theta, anchor, direction)
+    if kl.TAILS[form].unbiased:
+        torch.testing.assert_close(value, true_value, **CLOSE)
+        torch.testing.assert_close(grad, true_grad, **CLOSE)
+    elif 0 < T.sum() < V - (form == "bucket"):  # a partial head: the bias is there, the test tells tails apart
+        # (with one id outside, the bucket is exact: a single id's conditional KL is 0)
+        assert (grad - true_grad).abs().max() > 1e-6
+        assert form == "paper" or (value - true_value).abs() > 1e-6
+
+
+def test_the_union_head_counts_a_shared_id_once():
+    sampler = torch.tensor([[3, 1, 4]])
+    ids, mask = kl.union_mask(sampler, torch.tensor([[4, 5, 3]]))
+    assert ids.tolist() == [[3, 1, 4, 4, 5, 3]] and mask.tolist() == [[True, True, True, False, True, False]]
+
+
+def test_a_sampled_estimator_refuses_a_tail_and_a_head():
+    theta, anchor, _ = make()
+    with pytest.raises(ValueError, match="is a top-k estimator's tail; k3 is defined in unbiased, paper"):
+        kl.token_kl(theta[None], anchor[None], torch.tensor([0]), estimator="k3", form="bucket")
+    with pytest.raises(ValueError, match="k3 is not a top-k estimator"):
+        kl.token_kl(theta[None], anchor[None], torch.tensor([0]), estimator="k3", head="union")
+
+
 # ---- lean form == reference form ---------------------------------------------------------------
 
 
-def lean_from_logits(policy_logits, anchor_logits, tokens, estimator, k, sampling_logits, form):
+def lean_from_logits(policy_logits, anchor_logits, tokens, estimator, k, sampling_logits, form, head=None):
     logp = torch.log_softmax(policy_logits, -1)
     loga = torch.log_softmax(anchor_logits, -1)
     samp = policy_logits if sampling_logits is None else sampling_logits
-    q = kl.head_ids(estimator, k if "topk" in estimator else policy_logits.shape[-1], samp, anchor_logits)
+    est = kl.estimator(estimator)
+    if est.topk:
+        q, mask = kl.choose_head(head or est.default_head, k, samp, anchor_logits)
+    else:
+        q, mask = kl.head_ids(estimator, policy_logits.shape[-1], samp, anchor_logits), None
     gather = lambda t, i: t.gather(-1, i)  # noqa: E731
     tok = tokens.unsqueeze(-1)
     return kl.kl_from_logprobs(
         estimator, gather(logp, tok).squeeze(-1), gather(loga, tok).squeeze(-1),
         samp_logp_tok=None if sampling_logits is None else gather(torch.log_softmax(samp, -1), tok).squeeze(-1),
-        policy_logp_q=gather(logp, q), anchor_logp_q=gather(loga, q), in_q=(q == tok).any(-1), form=form)
+        policy_logp_q=gather(logp, q), anchor_logp_q=gather(loga, q), in_q=(q == tok).any(-1), head_mask=mask,
+        form=form)
 
 
-# Estimators with an exact head, in each form that differs. A purely sampled estimator's two forms
-# evaluate the same declared term on the same two numbers; the enumeration tests above prove those.
-HEAD_CASES = [(name, form) for name, est in kl.ESTIMATORS.items() if est.head != "none"
-              for form in (kl.FORMS if est.paper else ("unbiased",))]
+# Estimators with an exact head: every head and tail of the top-k ones, and the exact ones. A purely sampled
+# estimator's two forms evaluate the same declared term on the same two numbers; the enumeration tests
+# above prove those.
+HEAD_CASES = [(e, h, f) for e, h, f in FAMILY] + [(name, None, "unbiased") for name, est in kl.ESTIMATORS.items()
+                                                  if est.head == "all"]
 
 
-@pytest.mark.parametrize("estimator,form", HEAD_CASES)
+@pytest.mark.parametrize("estimator,head,form", HEAD_CASES)
 @pytest.mark.parametrize("off_policy", [False, True])
-def test_lean_form_equals_reference_form(estimator, form, off_policy):
+def test_lean_form_equals_reference_form(estimator, head, form, off_policy):
     g = torch.Generator().manual_seed(1)
     N, Vn, k = 20, 50, 7
     policy = torch.randn(N, Vn, generator=g).requires_grad_(True)
     anchor = policy.detach() + 0.5 * torch.randn(N, Vn, generator=g)
     samp = policy.detach() + 0.3 * torch.randn(N, Vn, generator=g) if off_policy else None
     tokens = torch.randint(0, Vn, (N,), generator=g)
-    ref = kl.token_kl(policy, anchor, tokens, estimator=estimator, k=k, sampling_logits=samp, form=form)
-    lean = lean_from_logits(policy, anchor, tokens, estimator, k, samp, form)
+    ref = kl.token_kl(policy, anchor, tokens, estimator=estimator, k=k, sampling_logits=samp, form=form, head=head)
+    lean = lean_from_logits(policy, anchor, tokens, estimator, k, samp, form, head)
     torch.testing.assert_close(lean, ref, **CLOSE)
     (g_ref,) = torch.autograd.grad(ref.sum(), policy)
     (g_lean,) = torch.autograd.grad(lean.sum(), policy)

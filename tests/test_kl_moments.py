@@ -10,17 +10,18 @@ from emapg import kl
 from emapg.kl_moments import exact_kl, moments
 
 V = 12
-CASES = [(name, form, k) for name, est in kl.ESTIMATORS.items()
-         for form in (kl.FORMS if est.paper else ("unbiased",))
-         for k in ((0, 1, 4, V - 1) if est.head in ("sampler_topk", "anchor_topk") else (0,))]
+CASES = [(name, form, head, k) for name, est in kl.ESTIMATORS.items()
+         for form in (est.forms() if est.topk else ("unbiased", "paper") if est.paper else ("unbiased",))
+         for head in (kl.HEAD_CHOICES if est.topk else (None,))
+         for k in ((0, 1, 4, V - 1) if est.topk else (0,))]
 
 
-def enumerate_moments(name, form, k, policy, anchor):
+def enumerate_moments(name, form, head, k, policy, anchor):
     pi = torch.softmax(policy, -1)
     values, grads = [], []
     for p in range(V):
         z = policy.clone().requires_grad_(True)
-        f = kl.token_kl(z, anchor, torch.tensor(p), estimator=name, k=k, form=form)
+        f = kl.token_kl(z, anchor, torch.tensor(p), estimator=name, k=k, form=form, head=head)
         (g,) = torch.autograd.grad(f, z)
         values.append(float(f))
         grads.append(g)
@@ -30,14 +31,14 @@ def enumerate_moments(name, form, k, policy, anchor):
             float(pi @ ((grads - mean_g) ** 2).sum(-1)))
 
 
-@pytest.mark.parametrize("name,form,k", CASES)
+@pytest.mark.parametrize("name,form,head,k", CASES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_closed_form_moments_equal_enumeration(name, form, k, seed):
+def test_closed_form_moments_equal_enumeration(name, form, head, k, seed):
     g = torch.Generator().manual_seed(seed)
     policy = torch.randn(V, generator=g, dtype=torch.float64) * 1.5
     anchor = policy + 0.7 * torch.randn(V, generator=g, dtype=torch.float64)
-    m = moments(name, policy, anchor, k=k, form=form)
-    value, value_var, grad, grad_var = enumerate_moments(name, form, k, policy, anchor)
+    m = moments(name, policy, anchor, k=k, form=form, head=head)
+    value, value_var, grad, grad_var = enumerate_moments(name, form, head, k, policy, anchor)
     assert m.value == pytest.approx(value, rel=1e-9, abs=1e-12)
     assert m.value_var == pytest.approx(value_var, rel=1e-7, abs=1e-12)
     torch.testing.assert_close(m.grad, grad, rtol=1e-9, atol=1e-12)

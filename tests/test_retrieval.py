@@ -24,7 +24,7 @@ from emapg.retrieval.bm25 import BM25Index, build_index  # noqa: E402
 from emapg.retrieval.client import HTTPRetriever, parse_contents  # noqa: E402
 from emapg.retrieval.server import make_server  # noqa: E402
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "flashrag_wiki_sample.jsonl"
+SAMPLE = Path(__file__).resolve().parent / "fixtures" / "corpus" / "flashrag_wiki_sample_200.jsonl"  # Wikipedia
 
 CORPUS = [
     {"id": "p1", "title": "Zorvath Kellbrook",
@@ -186,18 +186,16 @@ def test_build_replaces_an_index_only_after_success(tmp_path):
         BM25Index.load(tmp_path / "nowhere")
 
 
-def test_shared_wikipedia_sample_title_queries(tmp_path):
-    if not SAMPLE.is_file():
-        pytest.skip(f"shared corpus sample {SAMPLE} is absent")
+def test_wikipedia_passages_title_queries(tmp_path):
     meta = build_index(SAMPLE, tmp_path / "wiki")
     index = BM25Index.load(tmp_path / "wiki")
-    assert meta["documents"] == len(index) == 1000
+    assert meta["documents"] == len(index) == 200
     rows = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines() if line.strip()]
     counts = collections.Counter(r["title"] for r in rows)
     unique = [r for r in rows if counts[r["title"]] == 1]
     results = index.search([r["title"] for r in unique], topk=3)
     found = {r["id"] for r, hits in zip(unique, results, strict=True) if r["id"] in [p.id for p in hits]}
-    assert {"0", "106", "238", "389", "545", "681", "840"} <= found
+    assert {"0", "106"} <= found
     assert len(found) >= 0.95 * len(unique)
     evan = results[[r["id"] for r in unique].index("0")][0]
     assert (evan.id, evan.title) == ("0", "Evan Morris") and evan.text == rows[0]["text"]

@@ -37,8 +37,9 @@ class KLHead:
     """The ids q whose KL terms the estimator sums exactly, read from its declaration once per run.
 
     kind: ``sampler_topk`` (pi_samp's top-k, recorded at sampling), ``anchor_topk`` (the anchor's own
-    top-k, found in the anchor pass), ``all`` (every id: the exact estimators) or ``none`` (a purely
-    sampled estimator, or a top-k one at k = 0). k: the head's size (0 unless top-k)."""
+    top-k, found in the anchor pass), ``union`` (both: up to 2k ids), ``all`` (every id: the exact
+    estimators) or ``none`` (a purely sampled estimator, or a top-k one at k = 0). k: the head's size
+    per set (0 unless top-k)."""
 
     kind: str
     k: int = 0
@@ -46,15 +47,18 @@ class KLHead:
     @property
     def sampler_k(self) -> int:
         """How many top-k ids per token the sampler must record."""
-        return self.k if self.kind == "sampler_topk" else 0
+        return self.k if self.kind in ("sampler_topk", "union") else 0
+
+
+HEAD_KINDS = {"sampler": "sampler_topk", "anchor": "anchor_topk", "union": "union"}
 
 
 def kl_head(a: AlgoConfig) -> KLHead:
-    """The head of the configured estimator (``algo.kl`` at ``algo.k``)."""
-    kind = kl.estimator(a.kl).head
-    if kind in ("sampler_topk", "anchor_topk"):
-        return KLHead(kind, a.k) if a.k > 0 else KLHead("none")
-    return KLHead(kind)
+    """The head of the configured estimator (``algo.kl`` at ``algo.k``, ``algo.head`` or its own)."""
+    est = kl.estimator(a.kl)
+    if est.topk:
+        return KLHead(HEAD_KINDS[a.head or est.default_head], a.k) if a.k > 0 else KLHead("none")
+    return KLHead(est.head)
 
 
 def rollout_sampling(r: RolloutConfig, head: KLHead) -> SamplingSpec:
@@ -75,17 +79,18 @@ class AnchorStats:
     exact: bool = False  # the head is every id: no sampled tail term
     weight_logp: Tensor | None = None  # the KL's importance-weight denominator: None = log pi_samp(p)
     tis: Tensor | None = None  # [N] truncated importance weights min(pi_old / pi_samp, cap), or None
+    head_mask: Tensor | None = None  # [N, k] which of head_ids are in the head (a union's repeats are not)
 
 
 def anchor_request(head: KLHead, mb: RolloutBatch, vocab: int) -> tuple[Tensor | None, int]:
     """What the anchor pass gathers: ``(ids, k_self)``. q is pi_samp's top-k (recorded at sampling)
     for a head that is the sampler's, the anchor's own top-k (``k_self``, found in the pass) for one
-    that is the anchor's, every id for the exact estimators, nothing otherwise."""
+    that is the anchor's, both for a union, every id for the exact estimators, nothing otherwise."""
     valid = mb.response_mask.bool()
     if head.kind == "all":
         return torch.arange(vocab, device=valid.device).expand(int(valid.sum()), vocab), 0
-    if head.kind == "sampler_topk":
-        return mb.samp_topk[valid], 0
+    if head.kind in ("sampler_topk", "union"):
+        return mb.samp_topk[valid], head.k if head.kind == "union" else 0
     if head.kind == "anchor_topk":
         return None, head.k
     return None, 0
@@ -106,8 +111,11 @@ def anchor_stats(head: KLHead, st: TokenLogprobs, ids: Tensor | None, mb: Rollou
     ``recompute``, ``a.kl_weight == "old"`` makes the trainer's pi_old weigh the KL's sampled term (the
     search fork's choice), and ``a.tis_cap`` gives each token its truncated importance weight
     min(pi_old / pi_samp, cap)."""
-    head_ids, logp_head = ids, st.logp_ids
-    if st.topk_ids is not None:  # the anchor chose the head (its own top-k)
+    head_ids, logp_head, head_mask = ids, st.logp_ids, None
+    if head.kind == "union":  # the sampler's ids, then the anchor's own that are not among them
+        head_ids, head_mask = kl.union_mask(ids, st.topk_ids)
+        logp_head = torch.cat([st.logp_ids, st.topk_logp], -1)
+    elif st.topk_ids is not None:  # the anchor chose the head (its own top-k)
         head_ids, logp_head = st.topk_ids, st.topk_logp
     samp = mb.samp_logp[mb.response_mask.bool()]
     old = samp if old_logp is None else old_logp
@@ -115,7 +123,8 @@ def anchor_stats(head: KLHead, st: TokenLogprobs, ids: Tensor | None, mb: Rollou
     if recompute and a is not None and a.tis_cap is not None:
         tis = torch.exp(old - samp).clamp(max=a.tis_cap).detach()
     return AnchorStats(st.logp_tok, logp_head, head_ids, old, init_logp_tok, exact=head.kind == "all",
-                       weight_logp=old if recompute and a is not None and a.kl_weight == "old" else None, tis=tis)
+                       weight_logp=old if recompute and a is not None and a.kl_weight == "old" else None, tis=tis,
+                       head_mask=head_mask)
 
 
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:
@@ -137,11 +146,11 @@ def loss(pol: TokenLogprobs, anc: AnchorStats, mb: RolloutBatch, a: AlgoConfig,
     # log pi_samp(p): the KL's importance weight s = pi_theta / pi_samp (algo.kl_weight: or pi_old's, or none)
     samp = mb.samp_logp[valid] if anc.weight_logp is None else anc.weight_logp
     has_tail = anc.head_ids is not None and not anc.exact
+    in_q = kl.in_head(anc.head_ids, p) if has_tail else None
     kl_tok = kl.kl_from_logprobs(a.kl, pol.logp_tok, anc.logp_tok,
                                  samp_logp_tok=None if a.kl_weight == "none" else samp,
-                                 policy_logp_q=pol.logp_ids, anchor_logp_q=anc.logp_head,
-                                 in_q=kl.in_head(anc.head_ids, p) if has_tail else None,
-                                 form=a.form, is_clip=a.is_clip)
+                                 policy_logp_q=pol.logp_ids, anchor_logp_q=anc.logp_head, in_q=in_q,
+                                 head_mask=anc.head_mask, form=a.form, is_clip=a.is_clip)
     sur = clipped_surrogate(_scatter(pol.logp_tok, valid), _scatter(anc.old_logp, valid), mb.advantages,
                             a.eps_low, a.eps_high, a.dual_clip)
     pg_tok = sur.loss if anc.tis is None else sur.loss * _scatter(anc.tis, valid)  # TIS: off-sampler tokens
@@ -154,6 +163,11 @@ def loss(pol: TokenLogprobs, anc: AnchorStats, mb: RolloutBatch, a: AlgoConfig,
     if anc.tis is not None:  # how far the sampler is from the trainer: sums over tokens
         stats["tis_weight"] = float(anc.tis.sum())
         stats["tis_capped_frac"] = float((anc.tis >= a.tis_cap).sum())
+    if has_tail:  # the head's telemetry, sums over tokens: its mass under each, the sampled token outside it
+        pi_in, an_in = kl.head_masses(pol.logp_ids.detach(), anc.logp_head, anc.head_mask)
+        stats.update(head_mass=float(pi_in.sum()), head_mass_anchor=float(an_in.sum()),
+                     tail_token_frac=float((~in_q).sum()), kl_tok_sq=float((kl_tok.detach() ** 2).sum()),
+                     kl_tok_sum=float(kl_tok.detach().sum()))
     if anc.init_logp_tok is not None:  # diagnostic: k3 (unbiased, >= 0) of KL(pi_theta || pi_init)
         stats["kl_to_init"] = float(kl.kl_from_logprobs("k3", pol.logp_tok.detach(), anc.init_logp_tok,
                                                         samp_logp_tok=samp).sum())

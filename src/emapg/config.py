@@ -24,7 +24,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from emapg.atomic import write_text_atomic
-from emapg.kl import ESTIMATORS, FORMS
+from emapg.kl import ESTIMATORS, FORMS, HEAD_CHOICES
 from emapg.objective import ADVANTAGES, AGGREGATIONS
 
 SHIPPED_RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -55,7 +55,15 @@ class AlgoConfig:
     k: int = 32
     """Head size of the top-k estimators (0 = purely sampled, vocab size = exact)."""
     form: str = "unbiased"
-    """Top-k form: 'unbiased' (ours, default) or 'paper' (the reference code's, gradient-biased)."""
+    """A top-k estimator's tail (emapg.kl.TAILS; docs/METHOD.md section 3.6): 'unbiased' (ours, default),
+    'paper' (the reference code's, gradient-biased), 'bucket' (the tail's mass as one outcome: no sampling,
+    a lower bound), 'residual' (the bucket plus a sampled estimate of the rest: unbiased), 'renormalised'
+    (the KL over the head, both renormalised) or 'truncated' (the head alone). The other estimators take
+    'unbiased' or 'paper' (the same term unless the estimator declares a paper form)."""
+    head: str | None = None
+    """A top-k estimator's head: 'sampler' (pi_samp's top-k, recorded at sampling), 'anchor' (the anchor's,
+    or the teacher's, own top-k) or 'union' (both sets, up to 2k ids); null = the estimator's own
+    (topk_reverse: sampler, topk_forward: anchor)."""
     eta: float = 0.9
     """EMA decay of the anchor in (0, 1]; 1.0 = frozen reference model (GRPO)."""
     ema_every: int = 1
@@ -530,6 +538,7 @@ def _within(low: float, high: float, low_open: bool = False, high_open: bool = F
 RULES: dict[str, Rule] = {
     "algo.kl": _one_of(ESTIMATORS, "expected an estimator of emapg.kl.ESTIMATORS:"),
     "algo.form": _one_of(FORMS),
+    "algo.head": ((lambda v: v is None or v in HEAD_CHOICES), f"expected null or one of {', '.join(HEAD_CHOICES)}"),
     "algo.k": _at_least(0),
     "algo.eta": _within(0, 1, low_open=True),
     "algo.ema_every": _at_least(1),
@@ -624,6 +633,11 @@ def _mini(cfg: TrainConfig) -> int:
 
 # Rules across fields: (field named in the error, whether the config is valid, the message).
 CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfig], str]]] = [
+    ("algo.form", lambda c: c.algo.form in ESTIMATORS[c.algo.kl].forms(),
+     lambda c: f"{c.algo.form} is a top-k estimator's tail; {c.algo.kl} is defined in "
+               f"{', '.join(ESTIMATORS[c.algo.kl].forms())}"),
+    ("algo.head", lambda c: c.algo.head is None or ESTIMATORS[c.algo.kl].topk,
+     lambda c: f"{c.algo.head} chooses a top-k estimator's head; {c.algo.kl} has none (topk_reverse, topk_forward)"),
     # vLLM refuses T > 2 and silently raises T < 0.01 to 0.01 (the loss would then use another T)
     ("rollout.temperature", lambda c: c.rollout.backend != "vllm" or 0.01 <= c.rollout.temperature <= 2.0,
      lambda c: f"the vllm backend samples at 0.01 <= T <= 2, got {c.rollout.temperature}"),

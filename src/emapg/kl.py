@@ -16,9 +16,23 @@ its sampled term in both forms); both forms of the code, the trainer, the config
 sampler's top-k choice read that declaration (:func:`emapg.algo.kl_head`, once per run). Adding an
 estimator is one declaration and its tests.
 
-``form="unbiased"`` (default) is the corrected top-k estimator; ``form="paper"`` reproduces the
-reference code's formulas, whose gradient is off by ``+grad pi(q)`` (reverse) and ``-grad pi(q)``
-(forward) for ``0 < k < V``. docs/METHOD.md section 3.4 explains why.
+A top-k estimator is a **head** and a **tail**. The head is the set of ids T whose terms are summed
+exactly: the sampler's top-k, the anchor's (a distillation teacher's) top-k, or their union
+(:data:`HEAD_CHOICES`; each top-k estimator declares its default). The tail, declared once in
+:data:`TAILS` and named by ``form``, is what the estimate makes of the rest:
+
+* ``unbiased`` (default): a sampled correction at the sampled token when it falls outside T; unbiased in
+  value and gradient at every k (docs/METHOD.md section 3.3);
+* ``paper``: the reference code's sampled tail, whose gradient is off by ``+grad pi(T)`` (reverse) and
+  ``-grad pi(T)`` (forward) for ``0 < k < V`` (section 3.4);
+* ``bucket``: the K+1 "bucket" KL, the tail's mass as one more outcome; no sampling, a lower bound;
+* ``residual``: the bucket plus a sampled estimate of the tail's conditional KL; unbiased in value and
+  gradient (the chain rule);
+* ``renormalised``: the KL between both distributions renormalised over T; no tail term at all;
+* ``truncated``: the head's terms alone.
+
+Section 3.6 of docs/METHOD.md states each tail's bias as a formula; ``tests/test_kl.py`` proves it by
+enumerating the sampled token, for every head and tail, on- and off-policy.
 """
 
 from __future__ import annotations
@@ -29,9 +43,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-FORMS = ("unbiased", "paper")
 HEADS = ("none", "sampler_topk", "anchor_topk", "all")
+HEAD_CHOICES = ("sampler", "anchor", "union")
+"""The head of a top-k estimator: pi_samp's top-k ids, the anchor's (teacher's), or both sets."""
 Term = Callable[[Tensor, Tensor], Tensor]
+TailTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""A tail's sampled term at a token p outside the head:
+``(log pi(p), log anchor(p), log pi(T^c), log anchor(T^c)) -> [...]``, before the importance weight."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +77,28 @@ class Estimator:
         if self.head not in HEADS or self.direction not in ("reverse", "forward"):
             raise ValueError(f"estimator {self.name}: head must be one of {HEADS}, direction reverse or forward")
 
+    @property
+    def topk(self) -> bool:
+        """Whether this is a top-k estimator: a head of k ids and a tail (:data:`TAILS`)."""
+        return self.head in ("sampler_topk", "anchor_topk")
+
+    @property
+    def default_head(self) -> str | None:
+        """The head a top-k estimator takes unless told (``sampler`` or ``anchor``); None otherwise."""
+        return {"sampler_topk": "sampler", "anchor_topk": "anchor"}.get(self.head)
+
+    def forms(self) -> tuple[str, ...]:
+        """The forms this estimator is defined in: every tail for a top-k one, else unbiased and paper
+        (the same term unless the estimator declares a paper form)."""
+        return tuple(TAILS) if self.topk else ("unbiased", "paper")
+
     def term(self, form: str) -> Term | None:
-        """The sampled term in form ``"unbiased"`` or ``"paper"``."""
+        """The sampled term of a sampled or exact estimator in form ``"unbiased"`` or ``"paper"``."""
         if form not in FORMS:
             raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(FORMS)}")
+        if form not in self.forms():
+            raise ValueError(f"KL form {form!r} is a top-k estimator's tail; {self.name} is defined in "
+                             f"{', '.join(self.forms())}")
         return self.paper if form == "paper" and self.paper is not None else self.sample
 
 
@@ -115,27 +151,92 @@ def _k5(lp: Tensor, la: Tensor) -> Tensor:
     return torch.exp(log_w).detach() * log_w + torch.log(_ratio(lp))
 
 
-def _topk_reverse_tail(lp: Tensor, la: Tensor) -> Tensor:
+def _topk_reverse_tail(lp: Tensor, la: Tensor, lpo: Tensor, lao: Tensor) -> Tensor:
     """r sg(log pi/anchor) + (r - 1): the (r - 1) has value 0, and its expected gradient cancels the
     head weights' grad pi(q) that the paper's form leaves in (docs/METHOD.md section 3.4)."""
     r = _ratio(lp)
     return r * (lp - la).detach() + (r - 1)
 
 
-def _topk_reverse_tail_paper(lp: Tensor, la: Tensor) -> Tensor:
+def _topk_reverse_tail_paper(lp: Tensor, la: Tensor, lpo: Tensor, lao: Tensor) -> Tensor:
     r = _ratio(lp)
     return r * (lp - la).detach()
 
 
-def _topk_forward_tail(lp: Tensor, la: Tensor) -> Tensor:
+def _topk_forward_tail(lp: Tensor, la: Tensor, lpo: Tensor, lao: Tensor) -> Tensor:
     log_w = la - lp
     return torch.exp(log_w).detach() * log_w
 
 
-def _topk_forward_tail_paper(lp: Tensor, la: Tensor) -> Tensor:
+def _topk_forward_tail_paper(lp: Tensor, la: Tensor, lpo: Tensor, lao: Tensor) -> Tensor:
     """Adds log r, zero-mean only over the whole vocabulary: biased for 0 < k < V."""
     log_w = la - lp
     return torch.exp(log_w).detach() * log_w + torch.log(_ratio(lp))
+
+
+def _out(mass: Tensor) -> Tensor:
+    """1 - mass, the tail's mass, kept > 0 (a head holding all the mass in floating point)."""
+    return (1 - mass).clamp(min=torch.finfo(mass.dtype).tiny)
+
+
+def _head_only(head: Tensor, a_in: Tensor, b_in: Tensor) -> Tensor:
+    return head
+
+
+def _bucket(head: Tensor, a_in: Tensor, b_in: Tensor) -> Tensor:
+    """head + a(T^c) log(a(T^c) / b(T^c)): the tail as one outcome (the K+1 bucket)."""
+    a_out, b_out = _out(a_in), _out(b_in)
+    return head + a_out * (torch.log(a_out) - torch.log(b_out))
+
+
+def _renormalised(head: Tensor, a_in: Tensor, b_in: Tensor) -> Tensor:
+    """KL(a_T || b_T) of both renormalised over T: head / a(T) - log(a(T) / b(T)); 0 for an empty head."""
+    some = a_in > 0
+    a_safe, b_safe = torch.where(some, a_in, 1.0), torch.where(some, b_in, 1.0)
+    return torch.where(some, head / a_safe - (torch.log(a_safe) - torch.log(b_safe)), 0.0)
+
+
+def _residual_reverse(lp: Tensor, la: Tensor, lpo: Tensor, lao: Tensor) -> Tensor:
+    """r sg(log pi(p|T^c) / anchor(p|T^c)): estimates pi(T^c) KL(pi(.|T^c) || anchor(.|T^c)) in value and
+    gradient (the score is log pi(p)'s, not the conditional's: docs/METHOD.md section 3.6)."""
+    return _ratio(lp) * ((lp - lpo) - (la - lao)).detach()
+
+
+def _residual_forward(lp: Tensor, la: Tensor, lpo: Tensor, lao: Tensor) -> Tensor:
+    """sg(w) log(anchor(p|T^c) / pi(p|T^c)): estimates anchor(T^c) KL(anchor(.|T^c) || pi(.|T^c)), its
+    gradient through log pi(p) and log pi(T^c)."""
+    return torch.exp(la - lp).detach() * ((la - lao) - (lp - lpo))
+
+
+@dataclass(frozen=True)
+class Tail:
+    """What a top-k estimator makes of the ids outside its head T, declared once.
+
+    Written for a direction's pair (a, b): the reverse KL(pi || anchor) has a = pi, b = anchor; the
+    forward KL(anchor || pi) a = anchor, b = pi. ``head`` = sum over T of a log(a / b).
+
+    combine: ``(head, a(T), b(T)) -> [...]``, the estimate's deterministic part.
+    sample: per direction, the sampled term at a token outside T (:data:`TailTerm`), weighted by the
+        importance weight s; None for a tail that samples nothing.
+    unbiased: whether its expectation equals the KL and its gradient at every k.
+    """
+
+    name: str
+    combine: Callable[[Tensor, Tensor, Tensor], Tensor]
+    sample: dict[str, TailTerm] | None = None
+    unbiased: bool = False
+
+
+TAILS: dict[str, Tail] = {t.name: t for t in (
+    Tail("unbiased", _head_only, {"reverse": _topk_reverse_tail, "forward": _topk_forward_tail}, True),
+    Tail("paper", _head_only, {"reverse": _topk_reverse_tail_paper, "forward": _topk_forward_tail_paper}),
+    Tail("bucket", _bucket),
+    Tail("residual", _bucket, {"reverse": _residual_reverse, "forward": _residual_forward}, True),
+    Tail("renormalised", _renormalised),
+    Tail("truncated", _head_only),
+)}
+FORMS = tuple(TAILS)
+"""Every form a config may name: the tails (a sampled or exact estimator takes unbiased and paper)."""
 
 
 ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
@@ -148,8 +249,8 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
     Estimator("k5", "forward", "none", _k5),
     Estimator("exact_reverse", "reverse", "all", None),
     Estimator("exact_forward", "forward", "all", None),
-    Estimator("topk_reverse", "reverse", "sampler_topk", _topk_reverse_tail, _topk_reverse_tail_paper),
-    Estimator("topk_forward", "forward", "anchor_topk", _topk_forward_tail, _topk_forward_tail_paper),
+    Estimator("topk_reverse", "reverse", "sampler_topk", None),  # its tails: TAILS
+    Estimator("topk_forward", "forward", "anchor_topk", None),
 )}
 
 
@@ -174,17 +275,43 @@ def importance_weight(policy_logp_tok: Tensor, samp_logp_tok: Tensor | None, is_
     return s
 
 
-def head_term(direction: str, policy_logp_q: Tensor, anchor_logp_q: Tensor) -> Tensor:
+def head_term(direction: str, policy_logp_q: Tensor, anchor_logp_q: Tensor, mask: Tensor | None = None) -> Tensor:
     """The exact head over the gathered ids q: sum_q pi (log pi - log anchor) for the reverse KL,
-    sum_q anchor (log anchor - log pi) for the forward one. Inputs [..., k]; returns [...]."""
+    sum_q anchor (log anchor - log pi) for the forward one. Inputs [..., k]; ``mask`` [..., k] (bool or
+    0/1) leaves out ids that are not in the head (a union's repeated ids); returns [...]."""
     if direction == "reverse":
-        return (policy_logp_q.exp() * (policy_logp_q - anchor_logp_q)).sum(-1)
-    return (anchor_logp_q.exp() * (anchor_logp_q - policy_logp_q)).sum(-1)
+        terms = policy_logp_q.exp() * (policy_logp_q - anchor_logp_q)
+    else:
+        terms = anchor_logp_q.exp() * (anchor_logp_q - policy_logp_q)
+    return (terms if mask is None else terms * mask).sum(-1)
+
+
+def head_masses(policy_logp_q: Tensor, anchor_logp_q: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """pi(T) and anchor(T), the head's mass under each, from the gathered log-probs [..., k]."""
+    pi, an = policy_logp_q.exp(), anchor_logp_q.exp()
+    if mask is not None:
+        pi, an = pi * mask, an * mask
+    return pi.sum(-1), an.sum(-1)
 
 
 def in_head(head_ids: Tensor, tokens: Tensor) -> Tensor:
     """[...] bool: whether the sampled token is one of the head ids [..., k]."""
     return (head_ids == tokens.unsqueeze(-1)).any(-1)
+
+
+def topk_estimate(est: Estimator, form: str, head: Tensor, pi_in: Tensor, an_in: Tensor, logp_tok: Tensor,
+                  loga_tok: Tensor, s: Tensor, outside: Tensor) -> Tensor:
+    """A top-k estimator's value from its head sum, the head's masses and the sampled token: the tail
+    ``form`` (:data:`TAILS`) combines them. Both forms of the code end here."""
+    if form not in TAILS:
+        raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(FORMS)}")
+    tail = TAILS[form]
+    a_in, b_in = (pi_in, an_in) if est.direction == "reverse" else (an_in, pi_in)
+    value = tail.combine(head, a_in, b_in)
+    if tail.sample is None:
+        return value
+    term = tail.sample[est.direction](logp_tok, loga_tok, torch.log(_out(pi_in)), torch.log(_out(an_in)))
+    return value + s * (outside * term)
 
 
 def kl_from_logprobs(
@@ -196,6 +323,7 @@ def kl_from_logprobs(
     policy_logp_q: Tensor | None = None,
     anchor_logp_q: Tensor | None = None,
     in_q: Tensor | None = None,
+    head_mask: Tensor | None = None,
     form: str = "unbiased",
     is_clip: float | None = None,
 ) -> Tensor:
@@ -209,24 +337,27 @@ def kl_from_logprobs(
             the exact estimators pass all V ids). Normalised by each distribution's full
             log-sum-exp, so only k values per position are ever stored.
         in_q: [...] bool, sampled token in q (top-k estimators only, see :func:`in_head`).
+        head_mask: [..., k] which gathered ids are in the head (None: all; a union's repeats are not).
+        form: a tail of :data:`TAILS` for the top-k estimators; unbiased or paper for the others.
         With ``policy_logp_q=None`` a top-k estimator runs with k = 0 (no head, all tail).
     Returns:
         [...] the estimate, differentiable w.r.t. the policy's log-probs.
     """
     est = estimator(name)
+    s = importance_weight(policy_logp_tok, samp_logp_tok, is_clip)
+    if est.topk:
+        if policy_logp_q is None or policy_logp_q.shape[-1] == 0:  # k = 0: no head, every token is tail
+            zero = torch.zeros_like(policy_logp_tok)
+            head, pi_in, an_in, in_q = zero, zero, zero, torch.zeros_like(policy_logp_tok, dtype=torch.bool)
+        else:
+            head = head_term(est.direction, policy_logp_q, anchor_logp_q, head_mask)
+            pi_in, an_in = head_masses(policy_logp_q, anchor_logp_q, head_mask)
+        outside = (~in_q).to(policy_logp_tok.dtype)
+        return topk_estimate(est, form, head, pi_in, an_in, policy_logp_tok, anchor_logp_tok, s, outside)
     term = est.term(form)
     if term is None:  # exact: the head is every id
         return head_term(est.direction, policy_logp_q, anchor_logp_q)
-    s = importance_weight(policy_logp_tok, samp_logp_tok, is_clip)
-    if est.head == "none":
-        return s * term(policy_logp_tok, anchor_logp_tok)
-    if policy_logp_q is None or policy_logp_q.shape[-1] == 0:  # k = 0: no head, every token is tail
-        head = torch.zeros_like(policy_logp_tok)
-        in_q = torch.zeros_like(policy_logp_tok, dtype=torch.bool)
-    else:
-        head = head_term(est.direction, policy_logp_q, anchor_logp_q)
-    outside = (~in_q).to(policy_logp_tok.dtype)
-    return head + s * (outside * term(policy_logp_tok, anchor_logp_tok))
+    return s * term(policy_logp_tok, anchor_logp_tok)
 
 
 def head_ids(name: str, k: int, samp_logits: Tensor, anchor_logits: Tensor) -> Tensor:
@@ -238,6 +369,26 @@ def head_ids(name: str, k: int, samp_logits: Tensor, anchor_logits: Tensor) -> T
     return source.detach().topk(k, dim=-1).indices
 
 
+def union_mask(sampler_ids: Tensor, anchor_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The union of two head id sets as ``(ids, mask)``: ``ids`` [..., k1 + k2] the sampler's ids then the
+    anchor's, ``mask`` False where an anchor id repeats a sampler id (counted once)."""
+    repeat = (anchor_ids.unsqueeze(-1) == sampler_ids.unsqueeze(-2)).any(-1)
+    mask = torch.cat([torch.ones_like(sampler_ids, dtype=torch.bool), ~repeat], -1)
+    return torch.cat([sampler_ids, anchor_ids], -1), mask
+
+
+def choose_head(choice: str, k: int, samp_logits: Tensor, anchor_logits: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The head ids of a top-k estimator from full logits, by :data:`HEAD_CHOICES`: ``(ids, mask)``
+    (mask None unless a union)."""
+    if choice not in HEAD_CHOICES:
+        raise ValueError(f"unknown head {choice!r}; expected one of {', '.join(HEAD_CHOICES)}")
+    k = min(k, samp_logits.shape[-1])
+    top = lambda logits: logits.detach().topk(k, dim=-1).indices  # noqa: E731
+    if choice == "union":
+        return union_mask(top(samp_logits), top(anchor_logits))
+    return top(samp_logits if choice == "sampler" else anchor_logits), None
+
+
 def token_kl(
     policy_logits: Tensor,
     anchor_logits: Tensor,
@@ -247,6 +398,7 @@ def token_kl(
     k: int = 32,
     sampling_logits: Tensor | None = None,
     form: str = "unbiased",
+    head: str | None = None,
     is_clip: float | None = None,
 ) -> Tensor:
     """Reference form: the per-position KL estimate from full logits.
@@ -256,30 +408,31 @@ def token_kl(
             temperature. ``sampling_logits=None`` means on-policy: pi_samp = sg(pi_theta).
         tokens: [...] the sampled token at each position.
         estimator: one of :data:`ESTIMATORS`. k: head size for the top-k estimators (0..V).
-        form: ``"unbiased"`` or ``"paper"`` (top-k only). is_clip: clip s from above.
+        form: a tail of :data:`TAILS` (top-k) or unbiased/paper. head: a top-k estimator's head
+            (:data:`HEAD_CHOICES`; None: the one it declares). is_clip: clip s from above.
     Returns:
         [...] the estimate, differentiable w.r.t. ``policy_logits``.
 
-    The head is written over the whole vocabulary with a 0/1 mask (no gather), so it is an
-    independent computation from :func:`kl_from_logprobs`, which tests compare it with.
+    The head and its masses are written over the whole vocabulary with a 0/1 mask (no gather), so they
+    are an independent computation from :func:`kl_from_logprobs`, which tests compare it with.
     """
     est = _declared(estimator)
-    term = est.term(form)
     logp = torch.log_softmax(policy_logits, -1)
     loga = torch.log_softmax(anchor_logits.detach(), -1)
     mask = torch.zeros_like(logp)
     if est.head == "all":
         mask = torch.ones_like(logp)
-    elif est.head != "none" and k > 0:
+    elif est.topk and k > 0:
         samp = policy_logits if sampling_logits is None else sampling_logits
-        mask.scatter_(-1, head_ids(estimator, k, samp, anchor_logits), 1.0)
+        ids, _ = choose_head(head or est.default_head, k, samp, anchor_logits)
+        mask.scatter_(-1, ids, 1.0)  # a union's repeated id sets the same 1
+    elif head is not None and not est.topk:
+        raise ValueError(f"head={head!r}: {estimator} is not a top-k estimator")
     # the head, written over the whole vocabulary with the 0/1 mask
     if est.direction == "reverse":
-        head = (mask * logp.exp() * (logp - loga)).sum(-1)
+        head_sum = (mask * logp.exp() * (logp - loga)).sum(-1)
     else:
-        head = (mask * loga.exp() * (loga - logp)).sum(-1)
-    if term is None:
-        return head
+        head_sum = (mask * loga.exp() * (loga - logp)).sum(-1)
     tokens = tokens.unsqueeze(-1)
     logp_tok = logp.gather(-1, tokens).squeeze(-1)
     loga_tok = loga.gather(-1, tokens).squeeze(-1)
@@ -288,4 +441,10 @@ def token_kl(
         samp_logp_tok = torch.log_softmax(sampling_logits.detach(), -1).gather(-1, tokens).squeeze(-1)
     s = importance_weight(logp_tok, samp_logp_tok, is_clip)
     outside = 1.0 - mask.gather(-1, tokens).squeeze(-1)
-    return head + s * outside * term(logp_tok, loga_tok)
+    if est.topk:
+        pi_in, an_in = (mask * logp.exp()).sum(-1), (mask * loga.exp()).sum(-1)
+        return topk_estimate(est, form, head_sum, pi_in, an_in, logp_tok, loga_tok, s, outside)
+    term = est.term(form)
+    if term is None:
+        return head_sum
+    return s * term(logp_tok, loga_tok)

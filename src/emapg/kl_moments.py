@@ -3,19 +3,22 @@
 At a position with policy logits z (log-probs lp = log_softmax(z)), anchor log-probs la and the
 token p drawn from pi_samp = pi (on-policy), every estimator of :mod:`emapg.kl` is
 
-    f(p) = H(lp_q) + [p not in q] * term(lp_p, la_p)
+    f(p) = C(lp) + [p not in T] * term(lp_p, la_p, lpo)
 
-(H the exact head over the head ids q, absent for the sampled estimators; term the declared
-sampled term). Its gradient in z is then, since d lp_v / d z = e_v - pi,
+(C the deterministic part: a top-k estimator's head combined by its tail, the exact sum, or nothing for
+the sampled estimators; T the head; lpo = log pi(T^c), which only the residual tail reads). Its gradient
+in z is then, since d lp_v / d z = e_v - pi,
 
-    g(p) = sum_v d_v (e_v - pi) + c_p [p not in q] (e_p - pi),    d = dH/dlp,  c = d term / d lp_p,
+    g(p) = D + [p not in T] (c_p (e_p - pi) + gamma_p U),
 
-so the expected value, the expected gradient and the gradient's variance E||g - E g||^2 over p
-follow in closed form from the V numbers c and d (computed with autograd, so every estimator's
-stop-gradients count exactly as in training):
+with D and U the z-gradients of C and lpo (D = d - (sum d) pi for d = dC/dlp), c = d term / d lp_p and
+gamma = d term / d lpo. The expected value, the expected gradient and the gradient's variance
+E||g - E g||^2 over p follow in closed form from these V numbers (computed with autograd, so every
+estimator's stop-gradients count exactly as in training): with c~ = c [v not in T], gamma~ likewise,
 
-    E g   = D + pi * c~ - (pi . c~) pi,                     D = d - (sum d) pi,  c~ = c [v not in q]
-    Var g = sum_p pi_p c~_p^2 (1 - 2 pi_p + ||pi||^2) - ||pi * c~ - (pi . c~) pi||^2
+    E g   = D + pi * c~ - (pi . c~) pi + (pi . gamma~) U
+    Var g = sum_p pi_p ||h_p||^2 - ||E g - D||^2,   h_p = c~_p (e_p - pi) + gamma~_p U,
+    ||h_p||^2 = c~_p^2 (1 - 2 pi_p + ||pi||^2) + 2 c~_p gamma~_p (U_p - pi . U) + gamma~_p^2 ||U||^2
 
 ``tests/test_kl_moments.py`` checks these against enumerating every token with autograd.
 """
@@ -50,41 +53,70 @@ def exact_kl(policy_logits: Tensor, anchor_logits: Tensor, direction: str) -> tu
     return float(value.detach()), grad
 
 
-def head_ids(name: str, k: int, policy_logits: Tensor, anchor_logits: Tensor) -> Tensor:
-    """The estimator's head ids at this position: pi_samp's (= pi's) top-k or the anchor's."""
-    return kl.head_ids(name, k, policy_logits, anchor_logits)
-
-
-def moments(name: str, policy_logits: Tensor, anchor_logits: Tensor, *, k: int = 0, form: str = "unbiased") -> Moments:
-    """Exact moments of estimator ``name`` over p ~ pi at one position (logits [V])."""
+def head_ids(name: str, k: int, policy_logits: Tensor, anchor_logits: Tensor, head: str | None = None) -> Tensor:
+    """The estimator's head ids at this position: pi_samp's (= pi's) top-k, the anchor's, or both (a
+    union's repeats removed); every id for the exact estimators."""
     est = kl.estimator(name)
-    est.term(form)  # an unknown form is refused here
+    if not est.topk:
+        return kl.head_ids(name, k, policy_logits, anchor_logits)
+    ids, mask = kl.choose_head(head or est.default_head, k, policy_logits, anchor_logits)
+    return ids if mask is None else ids[mask]
+
+
+def moments(name: str, policy_logits: Tensor, anchor_logits: Tensor, *, k: int = 0, form: str = "unbiased",
+            head: str | None = None) -> Moments:
+    """Exact moments of estimator ``name`` (in ``form``, with ``head`` for a top-k one) over p ~ pi at one
+    position (logits [V])."""
+    est = kl.estimator(name)
+    if form not in est.forms():
+        est.term(form)  # refused, naming the forms it has
     lp0 = torch.log_softmax(policy_logits.detach().double(), -1)
     la = torch.log_softmax(anchor_logits.detach().double(), -1)
     pi = lp0.exp()
     v = lp0.shape[-1]
     outside = torch.ones(v, dtype=torch.float64)
-    head_value, d = 0.0, torch.zeros(v, dtype=torch.float64)
-    if est.head != "none" and (k > 0 or est.head == "all"):
-        q = head_ids(name, k, policy_logits, anchor_logits)
+    lp = lp0.clone().requires_grad_(True)
+    zero = lp.sum() * 0.0
+    q = None
+    if est.head == "all" or (est.topk and k > 0):
+        q = head_ids(name, k, policy_logits, anchor_logits, head)
         outside[q] = 0.0
-        lp = lp0.clone().requires_grad_(True)
-        h = kl.head_term(est.direction, lp[q], la[q])
-        (d,) = torch.autograd.grad(h, lp)
-        head_value = float(h)
-    term = est.term(form)
+    # the deterministic part C(lp) and log pi(T^c) as functions of lp
+    if est.topk:
+        h = kl.head_term(est.direction, lp[q], la[q]) if q is not None else zero
+        pi_in, an_in = kl.head_masses(lp[q], la[q]) if q is not None else (zero, zero * 0.0)
+        a_in, b_in = (pi_in, an_in) if est.direction == "reverse" else (an_in, pi_in)
+        c_part = kl.TAILS[form].combine(h, a_in, b_in)
+        lpo, lao = torch.log(kl._out(pi_in)), torch.log(kl._out(an_in.detach()))
+        tail_term = kl.TAILS[form].sample
+        term = None if tail_term is None else tail_term[est.direction]
+    else:
+        c_part = kl.head_term(est.direction, lp[q], la[q]) if q is not None else zero
+        lpo, lao = zero, zero
+        plain = est.term(form)
+        term = None if plain is None else (lambda a, b, _o, _p, f=plain: f(a, b))
+    d = torch.autograd.grad(c_part, lp, retain_graph=True, allow_unused=True)[0]
+    d = torch.zeros(v, dtype=torch.float64) if d is None else d
+    u = torch.autograd.grad(lpo, lp, allow_unused=True)[0] if lpo.requires_grad else None
+    u = torch.zeros(v, dtype=torch.float64) if u is None else u
     c = torch.zeros(v, dtype=torch.float64)
+    gamma = torch.zeros(v, dtype=torch.float64)
     f = torch.zeros(v, dtype=torch.float64)
     if term is not None:
-        lp = lp0.clone().requires_grad_(True)
-        values = term(lp, la)  # elementwise: the term as if each id were the sampled token
-        (c,) = torch.autograd.grad(values.sum(), lp)
+        lp_each = lp0.clone().requires_grad_(True)
+        lpo_each = lpo.detach().expand(v).clone().requires_grad_(True)  # one copy per sampled id: gamma_v apart
+        values = term(lp_each, la, lpo_each, lao.detach())  # elementwise: the term as if each id were sampled
+        c, gamma = torch.autograd.grad(values.sum(), (lp_each, lpo_each), allow_unused=True)
+        c = torch.zeros(v, dtype=torch.float64) if c is None else c * outside
+        gamma = torch.zeros(v, dtype=torch.float64) if gamma is None else gamma * outside
         f = values.detach() * outside
-        c = c * outside
     big_d = d - d.sum() * pi
-    m = pi * c - (pi @ c) * pi
+    big_u = u - u.sum() * pi
+    m = pi * c - (pi @ c) * pi + (pi @ gamma) * big_u
     grad = big_d + m
-    grad_var = float((pi * c**2 * (1 - 2 * pi + (pi @ pi))).sum() - m @ m)
-    value = head_value + float(pi @ f)
+    second = ((pi * c**2 * (1 - 2 * pi + (pi @ pi))).sum() + 2 * (pi * c * gamma * (big_u - pi @ big_u)).sum()
+              + (big_u @ big_u) * (pi * gamma**2).sum())
+    grad_var = float(second - m @ m)
+    value = float(c_part.detach()) + float(pi @ f)
     value_var = float(pi @ f**2 - (pi @ f) ** 2)
     return Moments(value=value, value_var=max(value_var, 0.0), grad=grad, grad_var=max(grad_var, 0.0))
