@@ -15,7 +15,14 @@ with the exact KL and its exact gradient. Reported per estimator (and k for the 
 
   value bias        sum_i (E f_i - KL_i) / sum_i KL_i over the positions
   grad bias         ||sum of per-position bias vectors|| / ||exact gradient||, both over all positions
+  grad cosine       cosine of the expected gradient with the exact one (all positions as one vector)
+  grad norm ratio   ||expected gradient|| / ||exact gradient||
   grad variance     sum_i Var g_i / sum_i ||grad KL_i||^2  (the variance of one sample per position)
+  memory, time      log-probs kept per token (k + 1; a union's 2k + 1), and microseconds per token of the
+                    estimator as training runs it (the lean form, forward and backward)
+
+Every head (the sampler's top-k, the anchor's, their union) and tail (docs/METHOD.md section 3.5) of the
+top-k estimators, at k = 1, 4, 32, 128.
 
 plus the tail mass pi (or the anchor) leaves outside its top-k, and one figure against k.
 
@@ -37,6 +44,7 @@ import json
 import os
 import random
 import statistics
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,14 +54,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = "emapg:gsm8k_test"  # the GSM8K test set shipped with the package (row for row ../shared's gsm8k.jsonl)
-KS = (1, 4, 16, 32, 128, 1024)
+KS = (1, 4, 32, 128)
 SAMPLED = ("k1", "k2", "k3", "k3pp", "k4", "k5")
 
 
-def configs() -> list[tuple[str, str, int]]:
-    out = [(name, "unbiased", 0) for name in SAMPLED]
-    out += [(name, form, k) for name in ("topk_reverse", "topk_forward") for form in ("unbiased", "paper") for k in KS]
+def configs() -> list[tuple[str, str | None, str, int]]:
+    """(estimator, head, form, k): the sampled estimators, and every head and tail of the top-k ones."""
+    from emapg import kl
+
+    out = [(name, None, "unbiased", 0) for name in SAMPLED]
+    out += [(name, head, form, k) for name in ("topk_reverse", "topk_forward") for head in kl.HEAD_CHOICES
+            for form in kl.FORMS for k in KS]
     return out
+
+
+def key(name: str, head: str | None, form: str, k: int) -> str:
+    return f"{name}|{head or '-'}|{form}|{k}"
 
 
 def load_pair(run: Path, step: int, which: str):
@@ -117,20 +133,26 @@ def lab(policy_logits: torch.Tensor, anchor_logits: torch.Tensor) -> dict:
     n = policy_logits.shape[0]
     exact = {d: [exact_kl(policy_logits[i], anchor_logits[i], d) for i in range(n)] for d in ("reverse", "forward")}
     rows = {}
-    for name, form, k in configs():
+    for name, head, form, k in configs():
         direction = kl.ESTIMATORS[name].direction
-        bias_v, bias_g2, var_g, kl_sum, g2 = 0.0, 0.0, 0.0, 0.0, 0.0
+        bias_v, bias_g2, dot, var_g, kl_sum, g2, gm2 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         for i in range(n):
             value, grad = exact[direction][i]
-            m = moments(name, policy_logits[i], anchor_logits[i], k=k, form=form)
+            m = moments(name, policy_logits[i], anchor_logits[i], k=k, form=form, head=head)
             bias_v += m.value - value
             bias_g2 += float((m.grad - grad).pow(2).sum())
+            dot += float(m.grad @ grad)
+            gm2 += float(m.grad.pow(2).sum())
             var_g += m.grad_var
             kl_sum += value
             g2 += float(grad.pow(2).sum())
-        rows[f"{name}|{form}|{k}"] = {"estimator": name, "form": form, "k": k, "direction": direction,
-                                      "value_bias": bias_v / kl_sum, "grad_bias": (bias_g2 / g2) ** 0.5,
-                                      "grad_var": var_g / g2}
+        ids = 0 if not kl.ESTIMATORS[name].topk else (2 * k if head == "union" else k)
+        rows[key(name, head, form, k)] = {
+            "estimator": name, "head": head, "form": form, "k": k, "direction": direction,
+            "value_bias": bias_v / kl_sum, "grad_bias": (bias_g2 / g2) ** 0.5,
+            "grad_cosine": dot / max((gm2 * g2) ** 0.5, 1e-300), "grad_norm_ratio": (gm2 / g2) ** 0.5,
+            "grad_var": var_g / g2, "gathered_per_token": ids + 1,
+            "us_per_token": lean_time(name, head, form, k, policy_logits, anchor_logits)}
     pi = torch.softmax(policy_logits, -1)
     anc = torch.softmax(anchor_logits, -1)
     tails = {}
@@ -141,6 +163,36 @@ def lab(policy_logits: torch.Tensor, anchor_logits: torch.Tensor) -> dict:
             tails[f"{who}|{k}"] = {"median": statistics.median(t), "p90": q[-1], "max": max(t)}
     kl_rev = [v for v, _ in exact["reverse"]]
     return {"positions": n, "kl_reverse_mean": sum(kl_rev) / n, "estimators": rows, "tails": tails}
+
+
+def _own(name: str) -> str:
+    """The head a top-k estimator takes by default (the figure's curves)."""
+    from emapg import kl
+
+    return kl.ESTIMATORS[name].default_head
+
+
+def lean_time(name: str, head: str | None, form: str, k: int, policy_logits: torch.Tensor,
+              anchor_logits: torch.Tensor, reps: int = 5) -> float:
+    """Microseconds per token of the estimator as training runs it (the lean form on gathered log-probs,
+    forward and backward), median of ``reps``; the gathers themselves are the chunked head pass's."""
+    from emapg import kl
+
+    est = kl.ESTIMATORS[name]
+    lp, la = torch.log_softmax(policy_logits.float(), -1), torch.log_softmax(anchor_logits.float(), -1)
+    tokens = torch.multinomial(lp.exp(), 1, generator=torch.Generator().manual_seed(0))
+    ids, mask = kl.choose_head(head, k, lp, la) if est.topk else (None, None)
+    times = []
+    for _ in range(reps):
+        pol_tok = lp.gather(-1, tokens)[:, 0].clone().requires_grad_(True)
+        pol_q = None if ids is None else lp.gather(-1, ids).clone().requires_grad_(True)
+        start = time.perf_counter()
+        f = kl.kl_from_logprobs(name, pol_tok, la.gather(-1, tokens)[:, 0], policy_logp_q=pol_q,
+                                anchor_logp_q=None if ids is None else la.gather(-1, ids),
+                                in_q=None if ids is None else kl.in_head(ids, tokens[:, 0]), head_mask=mask, form=form)
+        f.sum().backward()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times) / lp.shape[0]
 
 
 def figure(results: dict, path: Path) -> None:
@@ -156,11 +208,11 @@ def figure(results: dict, path: Path) -> None:
                                                ("grad_bias", "gradient bias / ||grad KL||"))):
             ax = axes[row][col]
             for name in ("topk_reverse", "topk_forward"):
-                for form, style in (("unbiased", "-"), ("paper", "--")):
-                    ys = [max(est[f"{name}|{form}|{k}"][metric], 1e-12) for k in KS]
+                for form, style in (("unbiased", "-"), ("paper", "--"), ("bucket", "-."), ("residual", ":")):
+                    ys = [max(est[key(name, _own(name), form, k)][metric], 1e-12) for k in KS]
                     ax.plot(KS, ys, style, marker="o", ms=3, label=f"{name} {form}")
             for name in ("k3", "k3pp", "k4"):
-                ax.axhline(max(est[f"{name}|unbiased|0"][metric], 1e-12), lw=0.8, ls=":", label=name,
+                ax.axhline(max(est[key(name, None, "unbiased", 0)][metric], 1e-12), lw=0.8, ls=":", label=name,
                            color={"k3": "gray", "k3pp": "brown", "k4": "black"}[name])
             ax.set_xscale("log")
             ax.set_yscale("log")
@@ -177,10 +229,14 @@ def markdown(results: dict) -> str:
     lines = []
     for pair, res in results.items():
         lines += [f"### {pair}: {res['positions']} positions, mean reverse KL {res['kl_reverse_mean']:.4f}", "",
-                  "| estimator | form | k | value bias | grad bias | grad variance |", "|---|---|---|---|---|---|"]
+                  "| estimator | head | form | k | value bias | grad bias | grad cosine | grad norm ratio | "
+                  "grad variance | log-probs kept per token | us per token |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["estimators"].values():
-            lines.append(f"| {r['estimator']} | {r['form']} | {r['k'] or '-'} | {r['value_bias']:+.3f} | "
-                         f"{r['grad_bias']:.3f} | {r['grad_var']:.3g} |")
+            lines.append(f"| {r['estimator']} | {r['head'] or '-'} | {r['form']} | {r['k'] or '-'} | "
+                         f"{r['value_bias']:+.3f} | {r['grad_bias']:.3f} | {r['grad_cosine']:.4f} | "
+                         f"{r['grad_norm_ratio']:.3f} | {r['grad_var']:.3g} | {r['gathered_per_token']} | "
+                         f"{r['us_per_token']:.2f} |")
         lines += ["", "| k | policy tail mass: median / p90 / max | anchor tail mass: median / p90 / max |",
                   "|---|---|---|"]
         for k in KS:

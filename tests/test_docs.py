@@ -15,9 +15,10 @@ after its language (```bash gpu): such a block is checked, never run:
   hours      hours of runs even scaled down (the studies)
 ``slow`` blocks run under ``-m slow``; unmarked ones in the default suite. Runs are scaled down, the same
 way for every block: ``emapg train`` trains tiny-llama for one step (a resume one step past its
-checkpoint; tiny-llama-h32 under vLLM, whose CPU attention takes heads of 32 and up), ``emapg eval`` scores 8 problems, ``emapg compare`` runs its spec's quick variant,
-``serve-retriever`` answers /health on a free port and is stopped at the end of its block, and the
-paper's model folders are their hand-written config.json (MODEL_CONFIGS: enough for ``emapg plan``).
+checkpoint; tiny-llama-h32 under vLLM, whose CPU attention takes heads of 32 and up), ``emapg eval``
+scores 8 problems, ``emapg compare`` runs its spec's quick variant, ``serve-retriever`` answers /health
+on a free port and is stopped at the end of its block, and the paper's model folders are their
+hand-written config.json (MODEL_CONFIGS: enough for ``emapg plan``).
 ``bash scripts/test.sh`` is the suite this test is part of: it is checked, not run.
 """
 

@@ -235,7 +235,7 @@ def test_topk_unbiased_property(V, k_frac, seed, off, estimator):
 
 
 # ---- the top-k family: every head and tail, by enumeration --------------------------------------------------
-# docs/METHOD.md section 3.6: with a the first distribution of the KL and b the second (reverse: a = pi,
+# docs/METHOD.md section 3.5: with a the first distribution of the KL and b the second (reverse: a = pi,
 # b = anchor; forward: a = anchor, b = pi), T the head, a_T its mass and R = sum_{v not in T} a log(a(v|T^c) /
 # b(v|T^c)) the tail's share of the KL (its mass times its conditional KL), the tails' expectations are
 #   unbiased, residual: KL                      (value and gradient)
@@ -257,7 +257,7 @@ def head_set(choice, k, theta, anchor, samp):
 
 
 def expected_by_formula(direction, form, theta, anchor, T):
-    """What the tail's expectation is by docs/METHOD.md section 3.6, as a function of theta (T fixed)."""
+    """What the tail's expectation is by docs/METHOD.md section 3.5, as a function of theta (T fixed)."""
     lp, la = torch.log_softmax(theta, -1), torch.log_softmax(anchor, -1)
     la_, lb = (lp, la) if direction == "reverse" else (la, lp)
     a = la_.exp()
@@ -289,7 +289,7 @@ FAMILY = [(e, h, f) for e in ("topk_reverse", "topk_forward") for h in kl.HEAD_C
 @pytest.mark.parametrize("k", [0, 1, 5, V - 1, V])
 @pytest.mark.parametrize("estimator,head,form", FAMILY)
 def test_every_head_and_tail_has_the_expectation_method_states(estimator, head, form, k, off_policy):
-    """Value and gradient, in expectation over the sampled token, enumerated exactly, against section 3.6's
+    """Value and gradient, in expectation over the sampled token, enumerated exactly, against section 3.5's
     formula; the unbiased tails against the KL itself; the biased ones provably biased where T is partial."""
     theta, anchor, samp = make(off_policy=off_policy, seed=k + 7)
     direction = kl.estimator(estimator).direction

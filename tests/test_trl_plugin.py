@@ -96,15 +96,28 @@ def full_logits(model, inputs, temperature):
 
 
 @pytest.mark.parametrize("estimator", ["topk_forward", "topk_reverse"])
-@pytest.mark.parametrize("form", ["unbiased", "paper"])
+@pytest.mark.parametrize("form", klmod.FORMS)
 def test_topk_term_equals_emapgs_estimator_on_full_logits(tiny, tmp_path, estimator, form):
-    """The per-token KL from TRL's passes (the reference's top-k found in its pass, the policy's
-    log-probs at those ids from its hidden states) equals emapg.kl on the models' full logits, in
-    value and gradient. topk_forward's head is the anchor's top-k, as in kl.token_kl; for
-    topk_reverse the head is the same ids, which keeps it unbiased (any head not chosen by the token)."""
-    tr = make(EMAPGTrainer, tiny, tmp_path, eta=0.5, kl=estimator, k=5, form=form, temperature=0.7)
+    _topk_term_equals(tiny, tmp_path, estimator, form, "anchor")
+
+
+@pytest.mark.parametrize("head", ["sampler", "union"])
+@pytest.mark.parametrize("form", ["unbiased", "residual", "bucket"])
+def test_every_head_equals_emapgs_estimator_on_full_logits(tiny, tmp_path, head, form):
+    """head='sampler' and 'union': the policy's own top-k at generation (before it moved), and the
+    reference's log-probs there, give emapg.kl's estimate with that head, in value and gradient."""
+    _topk_term_equals(tiny, tmp_path, "topk_reverse", form, head)
+
+
+def _topk_term_equals(tiny, tmp_path, estimator, form, head):
+    """The per-token KL from TRL's passes (the head's ids found in the reference pass, or the policy's at
+    generation; the policy's log-probs at those ids from its hidden states) equals emapg.kl on the models'
+    full logits with that head, in value and gradient (topk_reverse with the reference's top-k stays
+    unbiased: any head not chosen by the token)."""
+    tr = make(EMAPGTrainer, tiny, tmp_path, eta=0.5, kl=estimator, k=5, form=form, head=head, temperature=0.7)
     inputs = batch_of(tr)
     with torch.no_grad():
+        before = full_logits(tr.model, inputs, 0.7)  # the policy that sampled: the sampler's head is its top-k
         for p in tr.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     tr._capture = []
@@ -118,16 +131,17 @@ def test_topk_term_equals_emapgs_estimator_on_full_logits(tiny, tmp_path, estima
     with torch.no_grad():
         anchor = full_logits(tr.ref_model, inputs, 0.7)
     tokens = inputs["completion_ids"]
-    if estimator == "topk_forward":
-        want = klmod.token_kl(policy, anchor, tokens, estimator=estimator, k=5, form=form)
-    else:
+    ids, mask = klmod.choose_head(head, 5, before, anchor)
+    assert torch.equal(ids, inputs["ref_head_ids"])
+    if head == "anchor":
+        want = klmod.token_kl(policy, anchor, tokens, estimator=estimator, k=5, form=form, head="anchor")
+    else:  # the head is the policy's before the update, which token_kl would take from the moved policy
         lp, la = policy.log_softmax(-1), anchor.log_softmax(-1)
-        ids = anchor.topk(5, -1).indices
-        assert torch.equal(ids, inputs["ref_head_ids"])
         g = lambda t, i: t.gather(-1, i)  # noqa: E731
         want = klmod.kl_from_logprobs(estimator, g(lp, tokens[..., None])[..., 0], g(la, tokens[..., None])[..., 0],
-                                      policy_logp_q=g(lp, ids), anchor_logp_q=g(la, ids),
+                                      policy_logp_q=g(lp, ids), anchor_logp_q=g(la, ids), head_mask=mask,
                                       in_q=klmod.in_head(ids, tokens), form=form)
+        torch.testing.assert_close(inputs["ref_head_logps"].double(), g(la, ids), rtol=1e-4, atol=1e-6)
     mask = inputs["completion_mask"].bool()
     torch.testing.assert_close(got[mask].double(), want[mask], rtol=1e-4, atol=1e-6)
     params = [p for p in tr.model.parameters() if p.requires_grad]
@@ -261,6 +275,9 @@ def test_bad_combinations_are_refused(tiny, tmp_path):
                        (dict(k=-1), "algo.k"), (dict(form="Paper"), "algo.form")):  # refused before any model is built
         with pytest.raises(ValueError, match=f"EMAPGTrainer: {field}: "):
             make(EMAPGTrainer, tiny, tmp_path, **bad)
+    with pytest.raises(ValueError, match="EMAPGTrainer: form='bucket' is a top-k estimator's tail; k3 is defined in "
+                                         "unbiased, paper"):
+        make(EMAPGTrainer, tiny, tmp_path, kl="k3", form="bucket")
 
 
 def test_task_reward_scores_with_the_tasks_own_reward():

@@ -55,7 +55,7 @@ class AlgoConfig:
     k: int = 32
     """Head size of the top-k estimators (0 = purely sampled, vocab size = exact)."""
     form: str = "unbiased"
-    """A top-k estimator's tail (emapg.kl.TAILS; docs/METHOD.md section 3.6): 'unbiased' (ours, default),
+    """A top-k estimator's tail (emapg.kl.TAILS; docs/METHOD.md section 3.5): 'unbiased' (ours, default),
     'paper' (the reference code's, gradient-biased), 'bucket' (the tail's mass as one outcome: no sampling,
     a lower bound), 'residual' (the bucket plus a sampled estimate of the rest: unbiased), 'renormalised'
     (the KL over the head, both renormalised) or 'truncated' (the head alone). The other estimators take

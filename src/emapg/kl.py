@@ -31,7 +31,7 @@ exactly: the sampler's top-k, the anchor's (a distillation teacher's) top-k, or 
 * ``renormalised``: the KL between both distributions renormalised over T; no tail term at all;
 * ``truncated``: the head's terms alone.
 
-Section 3.6 of docs/METHOD.md states each tail's bias as a formula; ``tests/test_kl.py`` proves it by
+Section 3.5 of docs/METHOD.md states each tail's bias as a formula; ``tests/test_kl.py`` proves it by
 enumerating the sampled token, for every head and tail, on- and off-policy.
 """
 
@@ -198,7 +198,7 @@ def _renormalised(head: Tensor, a_in: Tensor, b_in: Tensor) -> Tensor:
 
 def _residual_reverse(lp: Tensor, la: Tensor, lpo: Tensor, lao: Tensor) -> Tensor:
     """r sg(log pi(p|T^c) / anchor(p|T^c)): estimates pi(T^c) KL(pi(.|T^c) || anchor(.|T^c)) in value and
-    gradient (the score is log pi(p)'s, not the conditional's: docs/METHOD.md section 3.6)."""
+    gradient (the score is log pi(p)'s, not the conditional's: docs/METHOD.md section 3.5)."""
     return _ratio(lp) * ((lp - lpo) - (la - lao)).detach()
 
 

@@ -153,7 +153,11 @@ class EMAPGTrainer(GRPOTrainer):
         ema_every: update the reference every this many optimizer steps.
         kl: an emapg estimator name (:data:`emapg.kl.ESTIMATORS`), default the unbiased top-k reverse KL.
         k: head size of the top-k estimators.
-        form: ``"unbiased"`` (default) or ``"paper"``.
+        form: the top-k estimator's tail (:data:`emapg.kl.TAILS`: ``"unbiased"``, the default, ``"paper"``,
+            ``"bucket"``, ``"residual"``, ``"renormalised"``, ``"truncated"``).
+        head: the top-k estimator's head: ``"anchor"`` (default: the reference's or the teacher's own top-k,
+            found in the reference pass at no extra cost), ``"sampler"`` (the policy's own top-k at generation,
+            from one more no-grad forward of the policy per generation batch) or ``"union"`` (both).
         teacher: on-policy distillation: the fixed reference of the KL term instead of the EMA (a model
             folder, an emapg built-in name, or a loaded causal LM with the policy's tokenizer).
         teacher_dtype: the teacher's dtype (default the policy's); ``pg_coef``: weight of TRL's own loss.
@@ -161,20 +165,25 @@ class EMAPGTrainer(GRPOTrainer):
     """
 
     def __init__(self, model, reward_funcs, args=None, *pos, eta: float | None = None, ema_every: int = 1,
-                 kl: str = "topk_reverse", k: int = 32, form: str = "unbiased", teacher: str | nn.Module | None = None,
-                 teacher_dtype: str | None = None, pg_coef: float = 1.0, teacher_tokenizer=None, **kwargs):
+                 kl: str = "topk_reverse", k: int = 32, form: str = "unbiased", head: str = "anchor",
+                 teacher: str | nn.Module | None = None, teacher_dtype: str | None = None, pg_coef: float = 1.0,
+                 teacher_tokenizer=None, **kwargs):
         if teacher is not None and eta is not None:
             raise ValueError("EMAPGTrainer: with a teacher the KL's reference is the teacher, and no EMA is kept; "
                              "drop eta")
         eta = 0.9 if eta is None else eta
         try:  # the config's own table: the same ranges and names as `emapg train` accepts
             check_fields({"algo.kl": kl, "algo.form": form, "algo.k": k, "algo.eta": eta, "algo.ema_every": ema_every,
-                          "algo.pg_coef": pg_coef})
+                          "algo.pg_coef": pg_coef, "algo.head": head})
         except ConfigError as e:
             raise ConfigError(f"EMAPGTrainer: {e}") from None
         est = klmod.estimator(kl)
+        if form not in est.forms():
+            raise ConfigError(f"EMAPGTrainer: form={form!r} is a top-k estimator's tail; {kl} is defined in "
+                              f"{', '.join(est.forms())}")
         _refuse_unsupported(kl, est, args)
         self.kl_name, self.kl_k, self.kl_form = kl, (k if est.head != "none" else 0), form
+        self.kl_head = head if est.topk else None
         self.pg_coef, self.teacher_name = float(pg_coef), (teacher if isinstance(teacher, str) else None)
         self._capture: list[tuple[Tensor, Tensor]] | None = None
         self._ref_head: dict[str, Tensor] | None = None
@@ -195,6 +204,11 @@ class EMAPGTrainer(GRPOTrainer):
         if self.kl_k > (vocab := policy.get_output_embeddings().weight.shape[0]):  # as emapg train refuses it
             raise ConfigError(f"EMAPGTrainer: k={k} is more than the model's vocabulary of {vocab} tokens")
         self.peft = hasattr(policy, "peft_config")
+        if self.peft and self.kl_head not in (None, "anchor") and any(
+                "lora" in n for n, _ in policy.get_output_embeddings().named_parameters()):
+            raise ValueError(f"EMAPGTrainer: head={head!r} reads the reference's output layer at the policy's ids, "
+                             "and LoRA adapts the output layer here; use head='anchor', or leave lm_head out of "
+                             "target_modules")
         self.teacher_sha256 = None
         if teacher is not None:
             self.ref_model, self.teacher_sha256 = prepare_teacher(self, teacher, teacher_dtype, teacher_tokenizer)
@@ -238,7 +252,7 @@ class EMAPGTrainer(GRPOTrainer):
         if self.args.should_save and self.anchor is None:
             write_json_atomic(os.path.join(folder, TEACHER_FILE),
                               {"teacher": self.teacher_name, "teacher_sha256": self.teacher_sha256, "kl": self.kl_name,
-                               "k": self.kl_k, "form": self.kl_form, "pg_coef": self.pg_coef})
+                               "k": self.kl_k, "form": self.kl_form, "head": self.kl_head, "pg_coef": self.pg_coef})
         elif self.args.should_save:
             state = {k: v.detach().contiguous().cpu() for k, v in self.anchor.state_dict().items()}
             tmp = os.path.join(folder, f".{EMA_FILE}.tmp-{os.getpid()}")
@@ -246,7 +260,8 @@ class EMAPGTrainer(GRPOTrainer):
             os.replace(tmp, os.path.join(folder, EMA_FILE))
             write_json_atomic(os.path.join(folder, "emapg_ema.json"),
                               {"eta": self.anchor.eta, "every": self.anchor.every, "kl": self.kl_name,
-                               "k": self.kl_k, "form": self.kl_form, "mode": self.anchor.mode})
+                               "k": self.kl_k, "form": self.kl_form, "head": self.kl_head,
+                               "mode": self.anchor.mode})
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -316,6 +331,8 @@ class EMAPGTrainer(GRPOTrainer):
         if ref_call:
             if self.kl_k > 0:
                 self._ref_head = self._ref_topk(model, hidden, input_ids[:, -logits_to_keep:])
+                if self.kl_head != "anchor":  # the reference at the policy's ids, once they are known
+                    self._ref_head["hidden"], self._ref_head["model"] = hidden, model
         else:
             self._capture.append((out[0], hidden))
         return out
@@ -352,11 +369,42 @@ class EMAPGTrainer(GRPOTrainer):
 
     # ---- generation adds the head; the loss adds emapg's KL --------------------------------------
 
+    @torch.no_grad()
+    def _policy_head(self, output: dict[str, Any]) -> None:
+        """``head="sampler"`` or ``"union"``: the policy's own top-k ids at each completion position (one no-grad
+        forward), and the reference's log-probs at them from the hidden states its pass left; the output's
+        head becomes those ids (sampler) or both sets (union, a repeated id counted once)."""
+        ref = self._ref_head
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+        att = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+        c = output["completion_ids"].shape[1]
+        tokens = output["completion_ids"]
+        with self._hidden(self.model) as seen:
+            super()._get_per_token_logps_and_entropies(self.model, ids, att, c)
+        hidden = torch.cat(seen, 0)[:, -c - 1 : -1]
+        mine = self._ref_topk(self.model, hidden, tokens)["ref_head_ids"]  # the policy's own top-k
+        w, b = self._head(ref["model"])
+        h = ref["hidden"]
+        tf = head_transform(_unwrap_peft(self.accelerator.unwrap_model(ref["model"])))
+        with self.accelerator.autocast():
+            st = token_logprobs(h.reshape(-1, h.shape[-1]), w, tokens.reshape(-1), bias=b,
+                                ids=mine.reshape(-1, mine.shape[-1]), temperature=self.temperature, transform=tf)
+        at_mine = st.logp_ids.view(mine.shape)
+        if self.kl_head == "sampler":
+            output.update(ref_head_ids=mine, ref_head_logps=at_mine)
+            return
+        both, mask = klmod.union_mask(mine, ref["ref_head_ids"])
+        output.update(ref_head_ids=both, ref_head_logps=torch.cat([at_mine, ref["ref_head_logps"]], -1),
+                      ref_head_mask=mask)
+
     def _generate_and_score_completions(self, inputs):
         self._ref_head = None
         output = super()._generate_and_score_completions(inputs)
         if self._ref_head is not None:
-            output.update(self._ref_head)
+            if self.kl_head == "anchor":
+                output.update(self._ref_head)
+            else:
+                self._policy_head(output)
             self._ref_head = None
         return output
 
@@ -395,7 +443,8 @@ class EMAPGTrainer(GRPOTrainer):
             anc_q = inputs["ref_head_logps"]
             in_q = klmod.in_head(ids, tokens)
         return klmod.kl_from_logprobs(self.kl_name, logp, inputs["ref_per_token_logps"], samp_logp_tok=samp,
-                                      policy_logp_q=pol_q, anchor_logp_q=anc_q, in_q=in_q, form=self.kl_form)
+                                      policy_logp_q=pol_q, anchor_logp_q=anc_q, in_q=in_q,
+                                      head_mask=inputs.get("ref_head_mask"), form=self.kl_form)
 
     def _aggregate(self, values: Tensor, mask: Tensor, inputs: dict[str, Any], mode: str) -> Tensor:
         """TRL 1.16's reduction of a per-token loss for ``self.loss_type`` (GRPOTrainer._compute_loss)."""
