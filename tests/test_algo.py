@@ -140,3 +140,23 @@ def test_what_the_passes_gather_follows_the_estimators_declaration():
     assert algo.rollout_sampling(RolloutConfig(), heads[1]).k == 0
     assert not algo.needs_old_pass(AlgoConfig(), 1.0)
     assert algo.needs_old_pass(AlgoConfig(), 0.9) and algo.needs_old_pass(AlgoConfig(ppo_epochs=2), 1.0)
+
+
+def test_the_head_and_clamp_telemetry_counts_what_it_names():
+    """head_mass / head_mass_anchor: the head's mass under each (sums over tokens), tail_token_frac: sampled
+    tokens outside the head, kl_clamp_frac: tokens whose importance weight is_clip cut."""
+    policy, anchor, samp, batch = make_case(3, "topk_reverse")
+    a = AlgoConfig(kl="topk_reverse", k=K, head="union", beta=0.3, is_clip=1.05)
+    counts = {"num_tokens": float(batch.response_mask.sum()), "num_seqs": float(B), "max_len": L}
+    _, stats = algo.loss(*passes(policy, anchor, batch, a), batch, a, counts)
+    valid = batch.response_mask.bool()
+    lp, la, sp = (t[valid].detach().log_softmax(-1) for t in (policy, anchor, samp))
+    tok = batch.response_ids[valid]
+    head = torch.zeros_like(lp, dtype=torch.bool)
+    head.scatter_(-1, sp.topk(K, -1).indices, True)
+    head.scatter_(-1, la.topk(K, -1).indices, True)
+    assert stats["head_mass"] == pytest.approx(float((lp.exp() * head).sum()), rel=1e-9)
+    assert stats["head_mass_anchor"] == pytest.approx(float((la.exp() * head).sum()), rel=1e-9)
+    assert stats["tail_token_frac"] == float((~head.gather(-1, tok[:, None])[:, 0]).sum())
+    s = torch.exp(lp.gather(-1, tok[:, None])[:, 0] - sp.gather(-1, tok[:, None])[:, 0])
+    assert stats["kl_clamp_frac"] == float((s > 1.05).sum()) > 0

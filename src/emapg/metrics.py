@@ -42,7 +42,8 @@ def update_row(stats: dict[str, float], applied: int, grad_norms: list[float]) -
            "dual_clip_frac": stats.get("dual_clip_frac", 0.0) / tokens,
            "ratio_max": stats.get("ratio_max", math.nan),
            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan}
-    for key in ("kl_to_init", "tis_weight", "tis_capped_frac", "head_mass", "head_mass_anchor", "tail_token_frac"):
+    for key in ("kl_to_init", "tis_weight", "tis_capped_frac", "head_mass", "head_mass_anchor", "tail_token_frac",
+                "kl_clamp_frac"):
         if key in stats:  # per token (both sides summed over the epochs)
             row[key] = stats[key] / tokens
     if "kl_tok_sq" in stats:  # the per-token KL estimate's variance over this step's tokens
