@@ -187,9 +187,12 @@ def test_lora_student_distils(tmp_path):
     tr = Trainer(cfg("steps=2", "eval.size=0", "save_every=0", f"algo.teacher={teacher}", "algo.pg_coef=0",
                      "algo.beta=1", "lora.r=4", "lora.target_modules=[q_proj,v_proj]", "lr=1e-2"),
                  tmp_path / "run", progress=False)
+    lora = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_B" in n}
     tr.train()
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 2 and all(r["kl"] > 0 and r["grad_norm"] > 0 for r in rows)
+    moved = [n for n, p in tr.model.named_parameters() if n in lora and not torch.equal(p, lora[n])]
+    assert lora and len(moved) == len(lora)  # every adapter learned (B starts at 0: the KL's gradient moved it)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):

@@ -131,6 +131,21 @@ class _EMAStep(TrainerCallback):
         self.trainer.ema_step()
 
 
+def _checked(kl: str, k: int, form: str, head: str, eta: float, ema_every: int, pg_coef: float):
+    """The KL's arguments by the config's own table (the same ranges and names as `emapg train` accepts);
+    returns the estimator's declaration."""
+    try:
+        check_fields({"algo.kl": kl, "algo.form": form, "algo.k": k, "algo.eta": eta, "algo.ema_every": ema_every,
+                      "algo.pg_coef": pg_coef, "algo.head": head})
+    except ConfigError as e:
+        raise ConfigError(f"EMAPGTrainer: {e}") from None
+    est = klmod.estimator(kl)
+    if form not in est.forms():
+        raise ConfigError(f"EMAPGTrainer: form={form!r} is a top-k estimator's tail; {kl} is defined in "
+                          f"{', '.join(est.forms())}")
+    return est
+
+
 def _refuse_unsupported(kl: str, est, args) -> None:
     """What EMAPGTrainer cannot do, refused before TRL builds anything."""
     if est.head == "all":
@@ -172,15 +187,7 @@ class EMAPGTrainer(GRPOTrainer):
             raise ValueError("EMAPGTrainer: with a teacher the KL's reference is the teacher, and no EMA is kept; "
                              "drop eta")
         eta = 0.9 if eta is None else eta
-        try:  # the config's own table: the same ranges and names as `emapg train` accepts
-            check_fields({"algo.kl": kl, "algo.form": form, "algo.k": k, "algo.eta": eta, "algo.ema_every": ema_every,
-                          "algo.pg_coef": pg_coef, "algo.head": head})
-        except ConfigError as e:
-            raise ConfigError(f"EMAPGTrainer: {e}") from None
-        est = klmod.estimator(kl)
-        if form not in est.forms():
-            raise ConfigError(f"EMAPGTrainer: form={form!r} is a top-k estimator's tail; {kl} is defined in "
-                              f"{', '.join(est.forms())}")
+        est = _checked(kl, k, form, head, eta, ema_every, pg_coef)
         _refuse_unsupported(kl, est, args)
         self.kl_name, self.kl_k, self.kl_form = kl, (k if est.head != "none" else 0), form
         self.kl_head = head if est.topk else None
