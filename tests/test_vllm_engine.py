@@ -291,6 +291,15 @@ def test_cli_trains_with_the_vllm_backend(tmp_path):
     assert (out / "eval.json").exists() and (out / "checkpoints").exists()
     rows = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in line]
     assert len(rows) == 2
+    from safetensors.torch import load_file
+
+    from emapg.models import load_model
+
+    trained = load_file(out / "checkpoints" / "step_000002" / "policy.safetensors")
+    init = load_model(TINY, seed=0)[0].state_dict()  # the run's initial model (smoke's seed 0)
+    shared = [n for n in trained if n in init]
+    assert len(shared) == len(trained)
+    assert any(not torch.equal(trained[n], init[n]) for n in shared)  # the policy trained: its weights moved
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU engine's KV cache sizing")
