@@ -28,6 +28,8 @@ from emapg.kl import ESTIMATORS, FORMS, HEAD_CHOICES
 from emapg.objective import ADVANTAGES, AGGREGATIONS
 
 SHIPPED_RECIPES = Path(__file__).resolve().parent / "recipes"
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""The weight dtypes a config, the TRL plug-in and ``emapg eval`` name (emapg.models.DTYPES maps them)."""
 
 
 class ConfigError(ValueError):
@@ -546,8 +548,8 @@ RULES: dict[str, Rule] = {
     "algo.pg_coef": _at_least(0, finite=True),
     "algo.teacher": ((lambda v: v is None or (isinstance(v, str) and v.strip() != "")),
                      "expected a model folder or built-in name, or null"),
-    "algo.teacher_dtype": ((lambda v: v is None or v in ("float32", "bfloat16", "float16")),
-                           "expected float32, bfloat16, float16 or null (the policy's dtype)"),
+    "algo.teacher_dtype": ((lambda v: v is None or v in DTYPE_NAMES),
+                           f"expected {', '.join(DTYPE_NAMES)} or null (the policy's dtype)"),
     "algo.is_clip": _above(0, null=True),
     "algo.tis_cap": _above(0, null=True),
     "algo.kl_weight": _one_of(("sampler", "old", "none")),
@@ -581,7 +583,7 @@ RULES: dict[str, Rule] = {
     "long_prompts": _one_of(("error", "truncate")),
     "report_to": ((lambda v: set(v) <= {"tensorboard", "wandb"}), "expected a list of tensorboard, wandb"),
     "threads": _at_least(1, null=True),
-    "dtype": _one_of(("float32", "bfloat16", "float16")),
+    "dtype": _one_of(DTYPE_NAMES),
     "mixed_precision": ((lambda v: v in (None, "bf16")), "expected bf16 or null"),
     "device": ((lambda v: v == "auto" or v.split(":")[0] in ("cpu", "cuda")), "expected auto, cpu, cuda or cuda:N"),
     "save_every": ((lambda v: v >= 0), "must be >= 0 (0 = no checkpoints)"),

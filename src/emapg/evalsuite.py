@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from emapg.config import ConfigError
+from emapg.config import DTYPE_NAMES, ConfigError
 from emapg.rollout.sampling import SamplingSpec
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", *DTYPE_NAMES)
 
 
 @dataclass(frozen=True)

