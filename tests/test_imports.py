@@ -77,7 +77,7 @@ def test_emapg_has_no_import_cycle():
 
 # The layers of docs/ARCHITECTURE.md, bottom first: a module imports only from its own layer or below.
 LAYERS = [
-    ("foundations", ["emapg", "emapg.atomic", "emapg.data", "emapg.tags", "emapg.kl", "emapg.objective",
+    ("foundations", ["emapg", "emapg.errors", "emapg.atomic", "emapg.data", "emapg.tags", "emapg.kl", "emapg.objective",
                      "emapg.logprobs", "emapg.rollout.batch", "emapg.rollout.sampling", "emapg.rewards",
                      "emapg.rewards.math", "emapg.rewards.qa", "emapg.tasks.base", "emapg.tasks.multihop_kb",
                      "emapg.retrieval.client", "emapg.integrations", "emapg.stats"]),
@@ -124,3 +124,13 @@ def test_rollout_code_knows_tasks_only_through_their_protocol():
             for name in names:
                 assert not name.startswith("emapg.tasks") or name == "emapg.tasks.base", f"{path.name}: {name}"
 
+
+
+def test_the_retrieval_server_starts_without_torch():
+    """The server raises ConfigError from emapg.errors, not through the config (which imports torch)."""
+    import subprocess
+    import sys
+
+    code = "import sys, emapg.retrieval.server; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

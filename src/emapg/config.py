@@ -24,22 +24,13 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from emapg.atomic import write_text_atomic
+from emapg.errors import ConfigError  # noqa: F401 - re-exported: emapg.config.ConfigError
 from emapg.kl import ESTIMATORS, FORMS, HEAD_CHOICES
 from emapg.objective import ADVANTAGES, AGGREGATIONS
 
 SHIPPED_RECIPES = Path(__file__).resolve().parent / "recipes"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """The weight dtypes a config, the TRL plug-in and ``emapg eval`` name (emapg.models.DTYPES maps them)."""
-
-
-class ConfigError(ValueError):
-    """A user-fixable problem in a config file or an override; ``problems`` lists each one (a config with
-    several wrong fields is reported once, all of them in one message)."""
-
-    def __init__(self, message: str, problems: list[str] | None = None, partial: Any = None):
-        super().__init__(message)
-        self.problems = problems or [message]
-        self.partial = partial  # what was built from the valid fields (the rest at their defaults), or None
 
 
 def _all_of(problems: list[str]) -> ConfigError:

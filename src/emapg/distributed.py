@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from emapg.config import ConfigError
+from emapg.errors import ConfigError
 from emapg.lm import decoder_and_head
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from emapg.config import ConfigError
+from emapg.errors import ConfigError
 from emapg.logprobs import HeadTransform, head_logits
 
 

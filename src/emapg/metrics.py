@@ -145,7 +145,7 @@ def _wandb_run(run_dir: Path, config: dict[str, Any], project: str):
     try:
         import wandb
     except ImportError:
-        from emapg.config import ConfigError
+        from emapg.errors import ConfigError
 
         raise ConfigError("report_to: wandb needs Weights & Biases: pip install -e '.[wandb]' in emapg's clone "
                           "(or pip install wandb)") from None

@@ -9,7 +9,7 @@ import math
 import random
 import sys
 
-from emapg.config import ConfigError
+from emapg.errors import ConfigError
 from emapg.rollout.sampling import format_prompt
 from emapg.tasks.base import Example, Task
 

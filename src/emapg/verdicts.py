@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from emapg.config import ConfigError
+from emapg.errors import ConfigError
 from emapg.stats import holm, interval95, sign_flip_p, t_pvalue
 
 

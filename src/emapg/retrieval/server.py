@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from emapg.config import ConfigError
+from emapg.errors import ConfigError
 from emapg.retrieval import SERVER_LIMITS as DEFAULT_LIMITS
 from emapg.retrieval import Retriever
 

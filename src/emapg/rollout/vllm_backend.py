@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from emapg.config import ConfigError
 from emapg.distributed import whole
+from emapg.errors import ConfigError
 from emapg.prompts import context_length, engine_model_len
 from emapg.rollout import response_budget
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
