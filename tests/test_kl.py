@@ -404,3 +404,31 @@ def test_bad_arguments_raise_clear_errors():
         kl.token_kl(x, x, t, estimator="k9")
     with pytest.raises(ValueError, match="unknown KL form"):
         kl.token_kl(x, x, t, form="Paper")
+
+
+def test_a_tail_registered_from_a_users_module_is_taken_by_the_config_and_both_forms():
+    """An open registry: a tail declared outside emapg (here: the head's terms doubled, no sampling) is a
+    valid algo.form at once and both code forms compute it; a name that exists is refused."""
+    from emapg.config import load_config
+
+    tail = kl.Tail("doubled_head", lambda head, a_in, b_in: 2 * head)
+    kl.register_tail(tail)
+    try:
+        cfg = load_config(None, ["algo.form=doubled_head", "algo.k=4"])
+        assert cfg.algo.form == "doubled_head"
+        theta, anchor, samp = make(off_policy=True)
+        value, _ = expectation("topk_reverse", theta, anchor, samp, k=4, form="doubled_head")
+        truncated, _ = expectation("topk_reverse", theta, anchor, samp, k=4, form="truncated")
+        torch.testing.assert_close(value, 2 * truncated, **CLOSE)
+        N, Vn = 6, 30
+        policy = torch.randn(N, Vn, dtype=torch.float64, requires_grad=True)
+        anc = torch.randn(N, Vn, dtype=torch.float64)
+        tokens = torch.randint(0, Vn, (N,))
+        torch.testing.assert_close(lean_from_logits(policy, anc, tokens, "topk_reverse", 4, None, "doubled_head"),
+                                   kl.token_kl(policy, anc, tokens, k=4, form="doubled_head"), **CLOSE)
+        with pytest.raises(ValueError, match="exists already"):
+            kl.register_tail(tail)
+    finally:
+        del kl.TAILS["doubled_head"]
+    with pytest.raises(Exception, match="algo.form: expected one of unbiased, paper, bucket"):
+        load_config(None, ["algo.form=doubled_head"])

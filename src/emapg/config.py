@@ -25,7 +25,7 @@ import yaml
 
 from emapg.atomic import write_text_atomic
 from emapg.errors import ConfigError  # noqa: F401 - re-exported: emapg.config.ConfigError
-from emapg.kl import ESTIMATORS, FORMS, HEAD_CHOICES
+from emapg.kl import ESTIMATORS, HEAD_CHOICES, TAILS
 from emapg.objective import ADVANTAGES, AGGREGATIONS
 
 SHIPPED_RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -500,12 +500,24 @@ def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[
 
 # ---- the validation table -------------------------------------------------------------------------
 # A rule: (whether a value is valid, what is expected). Fields without a rule take any value of their type.
-Rule = tuple[Callable[[Any], bool], str]
+Rule = tuple[Callable[[Any], bool], Any]  # (whether a value is valid, what is expected: shown with str())
+
+
+class _Names:
+    """The message of a rule over a registry, read when it is shown: a name registered later (a user's own
+    estimator, tail, advantage or aggregation) is listed and accepted."""
+
+    def __init__(self, names: Iterable[str], what: str):
+        self.names, self.what = names, what
+
+    def __str__(self) -> str:
+        return f"{self.what or 'expected one of'} {', '.join(self.names)}"
 
 
 def _one_of(names: Iterable[str], what: str = "") -> Rule:
-    names = tuple(names)
-    return (lambda v: v in names), f"{what or 'expected one of'} {', '.join(names)}"
+    """A value among ``names``: a registry (a dict, read at each check) or a fixed list."""
+    names = names if isinstance(names, dict) else tuple(names)
+    return (lambda v: isinstance(v, str) and v in names), _Names(names, what)
 
 
 def _at_least(low: float, null: bool = False, finite: bool = False) -> Rule:
@@ -530,7 +542,7 @@ def _within(low: float, high: float, low_open: bool = False, high_open: bool = F
 
 RULES: dict[str, Rule] = {
     "algo.kl": _one_of(ESTIMATORS, "expected an estimator of emapg.kl.ESTIMATORS:"),
-    "algo.form": _one_of(FORMS),
+    "algo.form": _one_of(TAILS),
     "algo.head": ((lambda v: v is None or v in HEAD_CHOICES), f"expected null or one of {', '.join(HEAD_CHOICES)}"),
     "algo.k": _at_least(0),
     "algo.eta": _within(0, 1, low_open=True),

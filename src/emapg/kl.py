@@ -94,8 +94,8 @@ class Estimator:
 
     def term(self, form: str) -> Term | None:
         """The sampled term of a sampled or exact estimator in form ``"unbiased"`` or ``"paper"``."""
-        if form not in FORMS:
-            raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(FORMS)}")
+        if form not in TAILS:
+            raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(TAILS)}")
         if form not in self.forms():
             raise ValueError(f"KL form {form!r} is a top-k estimator's tail; {self.name} is defined in "
                              f"{', '.join(self.forms())}")
@@ -236,7 +236,8 @@ TAILS: dict[str, Tail] = {t.name: t for t in (
     Tail("truncated", _head_only),
 )}
 FORMS = tuple(TAILS)
-"""Every form a config may name: the tails (a sampled or exact estimator takes unbiased and paper)."""
+"""The forms emapg ships: its tails (a sampled or exact estimator takes unbiased and paper). A tail
+registered later is in :data:`TAILS`, not here."""
 
 
 ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
@@ -252,6 +253,25 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
     Estimator("topk_reverse", "reverse", "sampler_topk", None),  # its tails: TAILS
     Estimator("topk_forward", "forward", "anchor_topk", None),
 )}
+
+
+def register_estimator(est: Estimator) -> Estimator:
+    """Add an estimator from your own module (before a config names it): ``algo.kl``, both code forms, the
+    trainer and the TRL plug-in take it at once. Its proofs are yours: ``tests/test_kl.py`` shows how."""
+    if est.name in ESTIMATORS:
+        raise ValueError(f"a KL estimator named {est.name!r} exists already")
+    ESTIMATORS[est.name] = est
+    return est
+
+
+def register_tail(tail: Tail) -> Tail:
+    """Add a top-k estimator's tail from your own module: ``algo.form`` and both code forms take it at once."""
+    if tail.name in TAILS:
+        raise ValueError(f"a tail named {tail.name!r} exists already")
+    if tail.sample is not None and set(tail.sample) != {"reverse", "forward"}:
+        raise ValueError(f"tail {tail.name!r}: its sampled term needs both directions, reverse and forward")
+    TAILS[tail.name] = tail
+    return tail
 
 
 def estimator(name: str) -> Estimator:
@@ -304,7 +324,7 @@ def topk_estimate(est: Estimator, form: str, head: Tensor, pi_in: Tensor, an_in:
     """A top-k estimator's value from its head sum, the head's masses and the sampled token: the tail
     ``form`` (:data:`TAILS`) combines them. Both forms of the code end here."""
     if form not in TAILS:
-        raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(FORMS)}")
+        raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(TAILS)}")
     tail = TAILS[form]
     a_in, b_in = (pi_in, an_in) if est.direction == "reverse" else (an_in, pi_in)
     value = tail.combine(head, a_in, b_in)
