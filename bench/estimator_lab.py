@@ -291,6 +291,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     figure(results, args.out / "estimator_lab.png")
+    (args.out / "results.md").write_text(markdown(results) + "\n")
     print(markdown(results))
 
 
