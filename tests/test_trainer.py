@@ -682,3 +682,21 @@ def test_the_table_takes_infinity_where_it_switches_a_clip_off_and_names_a_wrong
             load_config(SMOKE, [bad])
     with pytest.raises(ConfigError, match=r"algo.eta: must be in \(0, 1\], got '0.9'"):  # a string, given directly
         check_fields({"algo.eta": "0.9"})
+
+
+@pytest.mark.parametrize("kl,head,form", [("topk_reverse", "union", "residual"), ("topk_forward", "sampler", "bucket"),
+                                          ("topk_reverse", "anchor", "renormalised"),
+                                          ("topk_forward", "union", "truncated")])
+def test_a_run_trains_with_each_kind_of_head_and_tail(tmp_path, kl, head, form):
+    """The trainer's passes gather what the head needs (a union: the sampler's ids and the anchor's own) and
+    the step is finite, its telemetry in the row, in float32 as trained."""
+    tr = Trainer(cfg("steps=2", "eval.size=0", "save_every=0", "export=false", f"algo.kl={kl}", f"algo.head={head}",
+                     f"algo.form={form}", "algo.k=8", "algo.beta=0.5"), tmp_path / "run", progress=False)
+    w = next(tr.model.parameters()).detach().clone()
+    tr.train()
+    rows = read_metrics(tmp_path / "run")
+    for row in rows:
+        assert all(math.isfinite(row[key]) for key in ("kl", "grad_norm", "head_mass", "head_mass_anchor",
+                                                        "tail_token_frac", "kl_tok_var"))
+        assert 0 < row["head_mass"] < 1 and 0 <= row["tail_token_frac"] <= 1
+    assert not torch.equal(next(tr.model.parameters()), w)
