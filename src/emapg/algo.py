@@ -127,20 +127,6 @@ def anchor_stats(head: KLHead, st: TokenLogprobs, ids: Tensor | None, mb: Rollou
                        head_mask=head_mask)
 
 
-def kl_clamped(a: AlgoConfig, logp_tok: Tensor, anchor_logp_tok: Tensor, samp_logp_tok: Tensor | None) -> Tensor | None:
-    """[N] bool: where a clamp of the KL term binds (the importance weight s above ``is_clip``; low_var_kl's
-    log w beyond +-20 or value beyond 10); None when the configuration has no clamp."""
-    out = None
-    if a.is_clip is not None and samp_logp_tok is not None:
-        out = torch.exp(logp_tok - samp_logp_tok) > a.is_clip
-    if a.kl == "low_var_kl":
-        log_w = anchor_logp_tok - logp_tok
-        k3 = torch.exp(log_w.clamp(-20.0, 20.0)) - 1 - log_w.clamp(-20.0, 20.0)
-        bound = (log_w.abs() > 20.0) | (k3 > 10.0)
-        out = bound if out is None else out | bound
-    return out
-
-
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:
     """[N] values of the valid positions back into a zero [B, L] tensor (differentiable)."""
     return values.new_zeros(mask.shape).index_put(mask.nonzero(as_tuple=True), values)
@@ -177,7 +163,8 @@ def loss(pol: TokenLogprobs, anc: AnchorStats, mb: RolloutBatch, a: AlgoConfig,
     if anc.tis is not None:  # how far the sampler is from the trainer: sums over tokens
         stats["tis_weight"] = float(anc.tis.sum())
         stats["tis_capped_frac"] = float((anc.tis >= a.tis_cap).sum())
-    clamped = kl_clamped(a, pol.logp_tok.detach(), anc.logp_tok, None if a.kl_weight == "none" else samp)
+    clamped = kl.clamp_binds(a.kl, pol.logp_tok.detach(), anc.logp_tok, None if a.kl_weight == "none" else samp,
+                             a.is_clip)
     if clamped is not None:  # tokens where a clamp of the KL's binds (is_clip on s, low_var_kl's bounds)
         stats["kl_clamp_frac"] = float(clamped.sum())
     if has_tail:  # the head's telemetry, sums over tokens: its mass under each, the sampled token outside it

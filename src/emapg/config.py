@@ -33,9 +33,10 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """The weight dtypes a config, the TRL plug-in and ``emapg eval`` name (emapg.models.DTYPES maps them)."""
 
 
-def _all_of(problems: list[str]) -> ConfigError:
-    """One error for every problem found: ``a: ...; b: ...`` (one line)."""
-    return ConfigError("; ".join(problems), problems)
+def _all_of(problems: list[str], partial: Any = None) -> ConfigError:
+    """One error for every problem found: ``a: ...; b: ...`` (one line); ``partial``: what was built from
+    the valid fields."""
+    return ConfigError("; ".join(problems), problems, partial)
 
 
 @dataclass
@@ -359,7 +360,7 @@ def _build(cls, data: dict[str, Any], where: str):
                 if e.partial is not None:  # a section with wrong fields: its valid ones are still checked
                     kwargs[k] = e.partial
     if problems:
-        raise ConfigError("; ".join(problems), problems, partial=cls(**kwargs))
+        raise _all_of(problems, cls(**kwargs))
     return cls(**kwargs)
 
 
@@ -638,9 +639,8 @@ def _mini(cfg: TrainConfig) -> int:
 
 # Rules across fields: (field named in the error, whether the config is valid, the message).
 CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfig], str]]] = [
-    ("algo.form", lambda c: c.algo.form in ESTIMATORS[c.algo.kl].forms(),
-     lambda c: f"{c.algo.form} is a top-k estimator's tail; {c.algo.kl} is defined in "
-               f"{', '.join(ESTIMATORS[c.algo.kl].forms())}"),
+    ("algo.form", lambda c: ESTIMATORS[c.algo.kl].form_error(c.algo.form) is None,
+     lambda c: ESTIMATORS[c.algo.kl].form_error(c.algo.form)),
     ("algo.head", lambda c: c.algo.head is None or ESTIMATORS[c.algo.kl].topk,
      lambda c: f"{c.algo.head} chooses a top-k estimator's head; {c.algo.kl} has none (topk_reverse, topk_forward)"),
     # vLLM refuses T > 2 and silently raises T < 0.01 to 0.01 (the loss would then use another T)

@@ -92,13 +92,19 @@ class Estimator:
         (the same term unless the estimator declares a paper form)."""
         return tuple(TAILS) if self.topk else ("unbiased", "paper")
 
+    def form_error(self, form: str) -> str | None:
+        """Why ``form`` is not one of this estimator's forms (None when it is): the message the config, the
+        TRL plug-in and both code forms give."""
+        if form not in TAILS:
+            return f"unknown KL form {form!r}; expected one of {', '.join(TAILS)}"
+        if form not in self.forms():
+            return f"{form!r} is a top-k estimator's tail; {self.name} is defined in {', '.join(self.forms())}"
+        return None
+
     def term(self, form: str) -> Term | None:
         """The sampled term of a sampled or exact estimator in form ``"unbiased"`` or ``"paper"``."""
-        if form not in TAILS:
-            raise ValueError(f"unknown KL form {form!r}; expected one of {', '.join(TAILS)}")
-        if form not in self.forms():
-            raise ValueError(f"KL form {form!r} is a top-k estimator's tail; {self.name} is defined in "
-                             f"{', '.join(self.forms())}")
+        if (error := self.form_error(form)) is not None:
+            raise ValueError(error)
         return self.paper if form == "paper" and self.paper is not None else self.sample
 
 
@@ -125,12 +131,16 @@ def _k3(lp: Tensor, la: Tensor) -> Tensor:
     return torch.exp(log_w) - 1 - log_w
 
 
+LOW_VAR_LOG_W, LOW_VAR_VALUE = 20.0, 10.0
+"""verl's low_var_kl bounds: log w to [-20, 20], the value to [-10, 10]."""
+
+
 def _low_var_kl(lp: Tensor, la: Tensor) -> Tensor:
     """verl's ``low_var_kl``: k3 with log w clamped to [-20, 20] and the value to [-10, 10]; k3 itself
     wherever w - 1 - log w <= 10 (|log w| up to about 2.4 below, 11 above), there the gradient is the
     forward KL's; beyond it the clamp holds the value and zeroes the gradient."""
-    log_w = (la - lp).clamp(-20.0, 20.0)
-    return (torch.exp(log_w) - 1 - log_w).clamp(-10.0, 10.0)
+    log_w = (la - lp).clamp(-LOW_VAR_LOG_W, LOW_VAR_LOG_W)
+    return (torch.exp(log_w) - 1 - log_w).clamp(-LOW_VAR_VALUE, LOW_VAR_VALUE)
 
 
 def _k3pp(lp: Tensor, la: Tensor) -> Tensor:
@@ -285,6 +295,20 @@ def _declared(name: str) -> Estimator:
     return ESTIMATORS[name]
 
 
+def clamp_binds(name: str, policy_logp_tok: Tensor, anchor_logp_tok: Tensor, samp_logp_tok: Tensor | None,
+                is_clip: float | None) -> Tensor | None:
+    """[...] bool: where a clamp of the estimate binds (:func:`importance_weight`'s ``is_clip`` on s,
+    ``low_var_kl``'s bounds); None when there is no clamp."""
+    out = None
+    if is_clip is not None and samp_logp_tok is not None:
+        out = torch.exp(policy_logp_tok - samp_logp_tok) > is_clip
+    if name == "low_var_kl":
+        log_w = anchor_logp_tok - policy_logp_tok
+        bound = (log_w.abs() > LOW_VAR_LOG_W) | (_low_var_kl(policy_logp_tok, anchor_logp_tok) >= LOW_VAR_VALUE)
+        out = bound if out is None else out | bound
+    return out
+
+
 def importance_weight(policy_logp_tok: Tensor, samp_logp_tok: Tensor | None, is_clip: float | None) -> Tensor:
     """s = sg(pi(p) / pi_samp(p)), clipped from above at ``is_clip`` when given. Shape of the inputs."""
     if samp_logp_tok is None:
@@ -384,9 +408,10 @@ def head_ids(name: str, k: int, samp_logits: Tensor, anchor_logits: Tensor) -> T
     """The head ids q from full logits: top-k of pi_samp or of the anchor, as the estimator declares
     (every id for the exact ones). Returns [..., k] long."""
     est = estimator(name)
-    source = anchor_logits if est.head == "anchor_topk" else samp_logits
-    k = source.shape[-1] if est.head == "all" else min(k, source.shape[-1])
-    return source.detach().topk(k, dim=-1).indices
+    if est.topk:
+        return choose_head(est.default_head, k, samp_logits, anchor_logits)[0]
+    k = samp_logits.shape[-1] if est.head == "all" else min(k, samp_logits.shape[-1])
+    return samp_logits.detach().topk(k, dim=-1).indices
 
 
 def union_mask(sampler_ids: Tensor, anchor_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -439,6 +464,8 @@ def token_kl(
     est = _declared(estimator)
     logp = torch.log_softmax(policy_logits, -1)
     loga = torch.log_softmax(anchor_logits.detach(), -1)
+    if head is not None and not est.topk:
+        raise ValueError(f"head={head!r}: {estimator} is not a top-k estimator")
     mask = torch.zeros_like(logp)
     if est.head == "all":
         mask = torch.ones_like(logp)
@@ -446,8 +473,6 @@ def token_kl(
         samp = policy_logits if sampling_logits is None else sampling_logits
         ids, _ = choose_head(head or est.default_head, k, samp, anchor_logits)
         mask.scatter_(-1, ids, 1.0)  # a union's repeated id sets the same 1
-    elif head is not None and not est.topk:
-        raise ValueError(f"head={head!r}: {estimator} is not a top-k estimator")
     # the head, written over the whole vocabulary with the 0/1 mask
     if est.direction == "reverse":
         head_sum = (mask * logp.exp() * (logp - loga)).sum(-1)

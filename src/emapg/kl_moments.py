@@ -68,8 +68,8 @@ def moments(name: str, policy_logits: Tensor, anchor_logits: Tensor, *, k: int =
     """Exact moments of estimator ``name`` (in ``form``, with ``head`` for a top-k one) over p ~ pi at one
     position (logits [V])."""
     est = kl.estimator(name)
-    if form not in est.forms():
-        est.term(form)  # refused, naming the forms it has
+    if (error := est.form_error(form)) is not None:
+        raise ValueError(error)
     lp0 = torch.log_softmax(policy_logits.detach().double(), -1)
     la = torch.log_softmax(anchor_logits.detach().double(), -1)
     pi = lp0.exp()
@@ -84,7 +84,7 @@ def moments(name: str, policy_logits: Tensor, anchor_logits: Tensor, *, k: int =
     # the deterministic part C(lp) and log pi(T^c) as functions of lp
     if est.topk:
         h = kl.head_term(est.direction, lp[q], la[q]) if q is not None else zero
-        pi_in, an_in = kl.head_masses(lp[q], la[q]) if q is not None else (zero, zero * 0.0)
+        pi_in, an_in = kl.head_masses(lp[q], la[q]) if q is not None else (zero, zero)
         a_in, b_in = (pi_in, an_in) if est.direction == "reverse" else (an_in, pi_in)
         c_part = kl.TAILS[form].combine(h, a_in, b_in)
         lpo, lao = torch.log(kl._out(pi_in)), torch.log(kl._out(an_in.detach()))

@@ -142,9 +142,8 @@ def _checked(kl: str, k: int, form: str, head: str, eta: float, ema_every: int, 
     except ConfigError as e:
         raise ConfigError(f"EMAPGTrainer: {e}") from None
     est = klmod.estimator(kl)
-    if form not in est.forms():
-        raise ConfigError(f"EMAPGTrainer: form={form!r} is a top-k estimator's tail; {kl} is defined in "
-                          f"{', '.join(est.forms())}")
+    if (error := est.form_error(form)) is not None:
+        raise ConfigError(f"EMAPGTrainer: form={error}")
     return est
 
 
@@ -338,10 +337,10 @@ class EMAPGTrainer(GRPOTrainer):
                                                              *args, **kwargs)
         hidden = torch.cat(seen, 0)[:, -logits_to_keep - 1 : -1]  # position t predicts token t + 1
         if ref_call:
-            if self.kl_k > 0:
+            if self.kl_k > 0 and self.kl_head == "anchor":
                 self._ref_head = self._ref_topk(model, hidden, input_ids[:, -logits_to_keep:])
-                if self.kl_head != "anchor":  # the reference at the policy's ids, once they are known
-                    self._ref_head["hidden"], self._ref_head["model"] = hidden, model
+            elif self.kl_k > 0:  # the reference's head pass waits for the policy's ids (_policy_head)
+                self._ref_head = {"hidden": hidden, "model": model}
         else:
             self._capture.append((out[0], hidden))
         return out
@@ -395,15 +394,17 @@ class EMAPGTrainer(GRPOTrainer):
         w, b = self._head(ref["model"])
         h = ref["hidden"]
         tf = head_transform(_unwrap_peft(self.accelerator.unwrap_model(ref["model"])))
-        with self.accelerator.autocast():
+        union = self.kl_head == "union"
+        with self.accelerator.autocast():  # one head pass: the reference at the policy's ids, and its own top-k
             st = token_logprobs(h.reshape(-1, h.shape[-1]), w, tokens.reshape(-1), bias=b,
-                                ids=mine.reshape(-1, mine.shape[-1]), temperature=self.temperature, transform=tf)
+                                ids=mine.reshape(-1, mine.shape[-1]), temperature=self.temperature,
+                                k_self=self.kl_k if union else 0, transform=tf)
         at_mine = st.logp_ids.view(mine.shape)
-        if self.kl_head == "sampler":
+        if not union:
             output.update(ref_head_ids=mine, ref_head_logps=at_mine)
             return
-        both, mask = klmod.union_mask(mine, ref["ref_head_ids"])
-        output.update(ref_head_ids=both, ref_head_logps=torch.cat([at_mine, ref["ref_head_logps"]], -1),
+        both, mask = klmod.union_mask(mine, st.topk_ids.view(mine.shape))
+        output.update(ref_head_ids=both, ref_head_logps=torch.cat([at_mine, st.topk_logp.view(mine.shape)], -1),
                       ref_head_mask=mask)
 
     def _generate_and_score_completions(self, inputs):
