@@ -76,7 +76,7 @@ def load_pair(run: Path, step: int, which: str):
     """(policy, anchor) models: the step's policy against the initial model (``early``) or its anchor."""
     from safetensors.torch import load_file
 
-    from emapg.models import load_model
+    from emapg.models.zoo import load_model
 
     policy, tok = load_model("smollm2-135m", "float32")
     anchor, _ = load_model("smollm2-135m", "float32")
@@ -93,7 +93,7 @@ def load_pair(run: Path, step: int, which: str):
 
 def load_distill_pair(teacher: str):
     """(student, teacher): the initial SmolLM2-135M-Instruct and a teacher with its tokenizer."""
-    from emapg.models import load_model, vocab_difference
+    from emapg.models.zoo import load_model, vocab_difference
 
     student, tok = load_model("smollm2-135m", "float32")
     teach, teacher_tok = load_model(teacher, "float32")
@@ -107,7 +107,7 @@ def load_distill_pair(teacher: str):
 
 def positions(policy, anchor, tok, examples, max_new: int, seed: int, cap: int):
     """Policy and anchor logits [N, V] (float64) at up to ``cap`` positions of sampled responses."""
-    from emapg.lm import positions as position_ids
+    from emapg.models.lm import positions as position_ids
     from emapg.rollout.hf import generate
     from emapg.rollout.sampling import SamplingSpec
 
@@ -265,7 +265,7 @@ def main() -> None:
         if run is not None and not (run / "checkpoints" / f"step_{step:06d}").is_dir():
             p.error(f"{run} has no step-{step} checkpoint: make it with `emapg train --out runs/demo "
                     "keep_checkpoints=3` (or a 10-step run for --early-run, as this script's help shows)")
-    from emapg.models import BUILTIN
+    from emapg.models.zoo import BUILTIN
 
     if args.teacher is not None and args.teacher not in BUILTIN and not (Path(args.teacher) / "config.json").is_file():
         p.error(f"--teacher {args.teacher}: not a model folder (the demo's is made by emapg train --out runs/demo)")

@@ -182,7 +182,7 @@ def main() -> None:
 
 
 def _measure(model_name: str, args) -> list[tuple]:
-    from emapg.models import load_model
+    from emapg.models.zoo import load_model
     from emapg.rollout.sampling import format_prompt, pad_left
     from emapg.tasks import make_task
 

@@ -46,7 +46,7 @@ def make_folder(name: str, root: Path) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from emapg.models import byte_tokenizer
+    from emapg.models.zoo import byte_tokenizer
 
     hidden, layers, inter, heads, kv, vocab, _ = SHAPES[name]
     torch.manual_seed(0)
@@ -71,10 +71,10 @@ def measure(folder: str, overrides: list[str]) -> dict:
     """Run 2 steps; the peak above the level before the run was built, and the plan's prediction."""
     import torch
 
-    from emapg import plan as P
     from emapg.config import load_config
-    from emapg.prompts import longest_prompt
-    from emapg.trainer import Trainer
+    from emapg.models import plan as P
+    from emapg.rollout.prompts import longest_prompt
+    from emapg.run.trainer import Trainer
 
     torch.set_num_threads(2)
     cfg = load_config(None, [f"model={folder}", *BASE, *overrides])

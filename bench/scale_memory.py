@@ -106,7 +106,7 @@ def rollout(side: str, tokens: int, rows: int = 2) -> dict:
 def train(side: str, tokens: int, chunk: int) -> dict:
     import torch
 
-    import emapg.forward as fwd
+    import emapg.models.forward as fwd
     from emapg.rollout.batch import RolloutBatch
 
     if side == "before":

@@ -42,11 +42,11 @@ def measure(name: str, overrides: list[str], prompts: int, n: int, held_out: int
     import torch
 
     from emapg.config import load_config
-    from emapg.evaluate import evaluate
     from emapg.rollout.sampling import SamplingSpec
-    from emapg.scoring import score_completions
+    from emapg.run.evaluate import evaluate
+    from emapg.run.trainer import Trainer, step_seed
     from emapg.tasks import make_task
-    from emapg.trainer import Trainer, step_seed
+    from emapg.tasks.scoring import score_completions
 
     cfg = load_config(RECIPE, ["steps=1", "eval.size=0", "save_every=0", "export=false", f"prompts_per_step={prompts}",
                                f"micro_batch_prompts={prompts}", f"rollout.n={n}", *overrides])

@@ -28,7 +28,7 @@ VARIANTS = {"re-read": ("re-read every turn", False), "cache": ("cache across tu
 
 def run(steps: int, cache: bool | None, overrides: list[str]) -> list[dict]:
     from emapg.config import load_config
-    from emapg.trainer import Trainer
+    from emapg.run.trainer import Trainer
 
     choice = [] if cache is None else [f"rollout.agent_cache={str(cache).lower()}"]
     cfg = load_config(RECIPE, [f"steps={steps}", "eval.size=0", "save_every=0", "export=false", *choice, *overrides])

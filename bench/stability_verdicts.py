@@ -1,7 +1,7 @@
 """Judge a study's pre-stated hypotheses from its finished runs: raw and corrected verdicts side by side.
 
 The hypotheses, their families and alpha are declared in the study's spec (``studies/NAME/spec.yaml``);
-`emapg.verdicts` computes, per claim, the mean seed-by-seed difference with its 95% t-interval, the
+`emapg.lab.verdicts` computes, per claim, the mean seed-by-seed difference with its 95% t-interval, the
 one-sided t-test and exact sign-flip permutation p-values, both Holm-adjusted within the claim's family,
 and the raw (interval) and corrected (Holm) verdicts. With fewer seeds than the study's, a verdict is
 marked provisional. For the 2026-11 stability study, last, one cut made after seeing the runs: EMA-PG's
@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from emapg.compare import load_spec, summarize
 from emapg.config import ConfigError
-from emapg.verdicts import anchor_minus_policy, judge, load_hypotheses, table
+from emapg.lab.report import summarize
+from emapg.lab.study import load_spec
+from emapg.lab.verdicts import anchor_minus_policy, judge, load_hypotheses, table
 
 STUDIES = Path(__file__).resolve().parents[1] / "studies"
 EMA_PG = ("ema-0.001", "ema-0.05", "ema-0.2", "ema-0.05-hi")  # the 2026-11 study's configs with the EMA in the loss

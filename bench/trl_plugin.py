@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternating runs of each trainer")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    from emapg.models import smollm2_folder
+    from emapg.models.zoo import smollm2_folder
     from emapg.tasks import make_task
 
     model_dir = str(smollm2_folder())

@@ -12,16 +12,25 @@ Step 1 is a warm-up (allocator, lazy optimizer state) and is left out of the med
 TRL is a bench-only dependency: pip install -e ".[bench]".
 
     python bench/vs_trl.py --steps 4
+    python bench/vs_trl.py --steps 4 --repeat 3 --out docs/results/vs_trl.json   # what the README quotes
+
+With ``--repeat R`` every side runs R times, one round after another (TRL, then each emapg side); each
+round's ratio to TRL compares sides measured minutes apart on the same machine, and the median over rounds
+is what the docs quote, with the machine's CPU (the ratio depends on it).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -33,7 +42,7 @@ PROMPTS, SAMPLES, MAX_NEW, BETA, LR = 8, 4, 32, 0.001, 1e-5
 
 def step_examples(task, seed: int, steps: int):
     """The prompts emapg's trainer draws at steps 1..steps."""
-    from emapg.trainer import step_seed
+    from emapg.run.trainer import step_seed
 
     out = []
     for step in range(1, steps + 1):
@@ -90,7 +99,7 @@ def run_trl(model_dir: str, examples, steps: int, threads: int, make=None) -> tu
 
 def run_emapg(steps: int, threads: int, overrides: list[str]) -> tuple[list[dict], float]:
     from emapg.config import load_config
-    from emapg.trainer import Trainer
+    from emapg.run.trainer import Trainer
 
     cfg = load_config(None, [
         "model=smollm2-135m", "task=arithmetic", f"steps={steps}", "seed=0", f"prompts_per_step={PROMPTS}",
@@ -105,43 +114,89 @@ def run_emapg(steps: int, threads: int, overrides: list[str]) -> tuple[list[dict
     return rows, ema_seconds
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--skip-trl", action="store_true")
-    args = p.parse_args()
-    from emapg.models import smollm2_folder
-    from emapg.tasks import make_task
+VARIANTS = {"emapg-grpo": ["algo.eta=1.0", "algo.kl=k3"],
+            "emapg-ema-topk": ["algo.eta=0.9", "algo.ema_every=1", "algo.kl=topk_reverse", "algo.k=32"]}
 
-    model_dir = str(smollm2_folder())
-    examples = step_examples(make_task("arithmetic"), 0, args.steps)
+
+def one_round(model_dir: str, examples, args) -> dict[str, dict]:
+    """Every side once, on the same prompts: each side's step times, lengths and phases."""
     results = {}
     if not args.skip_trl:
         times, lengths = run_trl(model_dir, examples, args.steps, args.threads)
         results["trl"] = {"times": times, "lengths": lengths, "gen": None, "anchor": None, "ema": None}
-    variants = {"emapg-grpo": ["algo.eta=1.0", "algo.kl=k3"],
-                "emapg-ema-topk": ["algo.eta=0.9", "algo.ema_every=1", "algo.kl=topk_reverse", "algo.k=32"]}
-    for name, ov in variants.items():
+    for name, ov in VARIANTS.items():
         rows, ema = run_emapg(args.steps, args.threads, ov)
         results[name] = {"times": [r["step_seconds"] for r in rows], "lengths": [r["response_length"] for r in rows],
                          "gen": [r["gen_seconds"] for r in rows], "anchor": [r["anchor_seconds"] for r in rows],
                          "ema": ema}
-    med = lambda xs: statistics.median(xs[1:]) if xs and len(xs) > 1 else float("nan")  # noqa: E731
-    trl = med(results["trl"]["times"]) if "trl" in results else None
+    return results
+
+
+def _med(xs):
+    """The median over steps 2.. (step 1 is the warm-up)."""
+    return statistics.median(xs[1:]) if xs and len(xs) > 1 else float("nan")
+
+
+def print_round(results: dict[str, dict], args) -> None:
+    trl = _med(results["trl"]["times"]) if "trl" in results else None
     print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {MAX_NEW} new tokens, beta {BETA}, {args.threads} threads, "
           f"median over steps 2..{args.steps}\n")
     print("| side | s/step (median) | vs TRL | generation s | anchor pass s | mean response tokens | all steps s |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        m = med(r["times"])
+        m = _med(r["times"])
         ratio = f"{m / trl:.2f}x" if trl else ""
-        gen = f"{med(r['gen']):.1f}" if r["gen"] else "-"
-        anc = f"{med(r['anchor']):.1f}" if r["anchor"] else "-"
+        gen = f"{_med(r['gen']):.1f}" if r["gen"] else "-"
+        anc = f"{_med(r['anchor']):.1f}" if r["anchor"] else "-"
         lens = f"{statistics.mean(r['lengths']):.1f}" if r["lengths"] else "-"
         print(f"| {name} | {m:.1f} | {ratio} | {gen} | {anc} | {lens} | {', '.join(f'{t:.1f}' for t in r['times'])} |")
-    ema = results["emapg-ema-topk"]["ema"]
-    print(f"\nOne EMA update of all 135M parameters (fp32): {ema:.3f} s")
+    print(f"\nOne EMA update of all 135M parameters (fp32): {results['emapg-ema-topk']['ema']:.3f} s")
+
+
+def summary(rounds: list[dict[str, dict]], args) -> dict:
+    """Every round's per-side medians, their median over rounds, and each emapg side's ratio to TRL round by
+    round (the side by side measurement) with its median: what ``--out`` writes and the docs quote."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from publish_run import commit, machine
+
+    sides = {name: [_med(r[name]["times"]) for r in rounds] for name in rounds[0]}
+    out = {"date": dt.date.today().isoformat(), "machine": machine(), "commit": commit(),
+           "command": f"python bench/vs_trl.py --steps {args.steps} --repeat {args.repeat}",
+           "threads": args.threads, "steps": args.steps, "rounds": len(rounds),
+           "s_per_step": {name: {"rounds": [round(x, 2) for x in xs], "median": round(statistics.median(xs), 2)}
+                          for name, xs in sides.items()}}
+    if "trl" in sides:
+        out["vs_trl"] = {}
+        for name in VARIANTS:
+            ratios = [a / b for a, b in zip(sides[name], sides["trl"], strict=True)]
+            out["vs_trl"][name] = {"rounds": [round(x, 3) for x in ratios],
+                                   "median": round(statistics.median(ratios), 2),
+                                   "min": round(min(ratios), 2), "max": round(max(ratios), 2)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of every side, one after the other")
+    p.add_argument("--out", help="write the rounds and their medians as JSON (docs/results/vs_trl.json)")
+    args = p.parse_args()
+    from emapg.models.zoo import smollm2_folder
+    from emapg.tasks import make_task
+
+    model_dir = str(smollm2_folder())
+    examples = step_examples(make_task("arithmetic"), 0, args.steps)
+    rounds = []
+    for k in range(args.repeat):
+        rounds.append(one_round(model_dir, examples, args))
+        print(f"\nround {k + 1} of {args.repeat}")
+        print_round(rounds[-1], args)
+    result = summary(rounds, args)
+    print("\n" + json.dumps({k: result[k] for k in ("s_per_step", "vs_trl") if k in result}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

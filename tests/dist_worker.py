@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from emapg import distributed
 from emapg.config import load_config
+from emapg.models import distributed
 from emapg.objective import group_advantages
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.vllm_backend import policy_weights
-from emapg.trainer import Trainer, rank_prompts
+from emapg.run.trainer import Trainer, rank_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["model=tiny-llama", "export=false", "eval.size=0", "prompts_per_step=4", "micro_batch_prompts=1",

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from emapg.config import load_config
-from emapg.models import byte_tokenizer
+from emapg.models.zoo import byte_tokenizer
 from emapg.retrieval import Passage
 from emapg.rollout.agent import agent_rollout
 from emapg.rollout.sampling import Sampled, SamplingSpec
 from emapg.tags import extract_answer, format_information
+from emapg.tasks import make_task
 from emapg.tasks.base import AgentConfig, Example
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ def test_retrieved_text_cannot_answer_for_the_model():
 
 
 def _tiny_trainer(tmp_path):
-    from emapg.trainer import Trainer
+    from emapg.run.trainer import Trainer
 
     cfg = load_config(ROOT / "recipes" / "smoke.yaml",
                       ["export=false", "eval.size=0", "algo.kl=topk_reverse", "algo.k=3", "algo.beta=0.5",
@@ -200,8 +201,8 @@ def test_search_qa_task_errors(tmp_path):
         SearchQATask(eval_file=str(bad), index="x")
     with pytest.raises(ValueError, match="exactly one of"):
         SearchQATask(eval_file=str(bad))
-    with pytest.raises(ValueError, match="template"):
-        SearchQATask(eval_file=str(bad), index="x", template="nope")
+    with pytest.raises(ValueError, match="task_args.template: expected one of search_r1, fewshot, got 'nope'"):
+        make_task("search_qa", eval_file=str(bad), index="x", template="nope")
 
 
 def test_multihop_kb_needs_two_searches():
@@ -227,9 +228,9 @@ def test_tiny_search_agent_trains_end_to_end(tmp_path, monkeypatch):
     text (the training reward follows it), so the three models score differently and a table that
     took one's number for another's, or the first evaluation's for the last, is caught; the
     exact-match reward scores 0 for all three of these random models and could tell none apart."""
-    from emapg.metrics import read_metrics
+    from emapg.run.metrics import read_metrics
+    from emapg.run.trainer import Trainer
     from emapg.tasks.search_qa import SearchQATask
-    from emapg.trainer import Trainer
 
     monkeypatch.setattr(SearchQATask, "eval_reward", lambda self, completion, ex: sum(completion.encode()) % 101 / 100)
     cfg = load_config(ROOT / "recipes" / "smoke.yaml", [
@@ -352,8 +353,8 @@ def test_one_hop_and_mixed_questions_from_the_knowledge_base(tmp_path, monkeypat
     one = sum(len(e.meta["support"]) == 1 for e in drawn)
     assert 70 < one < 130  # about half
     assert all(len(e.meta["support"]) == 1 for e in mix.eval_examples(100))
-    with pytest.raises(ValueError, match="hops"):
-        SearchQATask(synthetic=opts, hops="three")
+    with pytest.raises(ValueError, match="task_args.hops: expected one of two, one, mix, got 'three'"):
+        make_task("search_qa", synthetic=opts, hops="three")
     with pytest.raises(ValueError, match="only the synthetic"):
         SearchQATask(eval_file=str(tmp_path / "x.jsonl"), index="x", hops="one")
 
@@ -362,7 +363,7 @@ def test_seq_mean_token_sum_norm_divides_an_episode_by_its_whole_budget(tmp_path
     """An agent's response is bounded by max_total_tokens (turns and information), not by the
     single-turn rollout.max_new_tokens."""
     import emapg.algo as algo_mod
-    import emapg.trainer as trainer_mod
+    import emapg.run.trainer as trainer_mod
 
     cfg = load_config(ROOT / "recipes" / "smoke.yaml", [
         "task=search_qa", "export=false", "eval.size=0", "algo.agg=seq-mean-token-sum-norm",

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from emapg.compare import STOP_FILE, load_spec, markdown, plot, report, run_all, summarize
 from emapg.config import ConfigError
-from emapg.metrics import read_metrics
+from emapg.lab.report import markdown, plot, report, summarize
+from emapg.lab.study import STOP_FILE, load_spec, run_all
+from emapg.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,7 +167,7 @@ def test_one_compare_at_a_time_per_output_folder(tmp_path):
 
 
 def test_a_compare_refuses_a_training_runs_folder(tmp_path):
-    from emapg.runs import claim_run_folder
+    from emapg.run.folder import claim_run_folder
 
     run = tmp_path / "run"
     claim_run_folder(run, has_checkpoint=False)
@@ -270,7 +271,7 @@ def test_the_stability_verdicts_raw_and_corrected(bench_module):
     = the 95% interval excludes 0 in the stated direction (fails in the other, undecided otherwise);
     corrected = Holm over the family's directional claims, so an interval that barely excludes 0 no
     longer suffices; provisional with fewer seeds than the study's."""
-    from emapg import verdicts as vd
+    from emapg.lab import verdicts as vd
 
     v = bench_module("stability_verdicts")
     spec_path = v.STUDIES / "stability" / "spec.yaml"
@@ -333,7 +334,7 @@ def test_the_stability_verdicts_raw_and_corrected(bench_module):
 def test_smoothed_endpoints_and_problem_by_problem_tests_from_the_kept_records(tmp_path):
     """The mean of the last three evaluations (policy, anchor, transfer set) joins each seed's summary,
     and two configs' final policies are compared on the same problems from RUN/outcomes (exact McNemar)."""
-    from emapg.compare import endpoints, per_problem
+    from emapg.lab.report import endpoints, per_problem
 
     rows = [{"step": 0, "eval/policy_accuracy": 0.1, "eval/transfer_policy_accuracy": 0.0}]
     for step, (p, a, t) in zip((10, 20, 30, 40), ((0.3, 0.2, 0.1), (0.5, 0.4, 0.2), (0.6, 0.5, 0.2), (0.4, 0.6, 0.3)),
@@ -368,7 +369,7 @@ def test_every_claim_of_the_stability_re_test_reads_what_compare_summarises(tmp_
     """studies/stability2's claims name configs and per-seed metrics that compare's summary of runs shaped
     like the study's (evaluations every 10 steps, anchor and transfer set) really holds: a misspelt metric
     would leave a claim with no seeds, found only after the hours of runs."""
-    from emapg import verdicts as vd
+    from emapg.lab import verdicts as vd
 
     spec_path = ROOT / "studies" / "stability2" / "spec.yaml"
     spec = load_spec(spec_path)

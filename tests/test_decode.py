@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import emapg.rollout.decode as decode_mod
-from emapg.forward import response_logprobs
-from emapg.models import load_model
+from emapg.models.forward import response_logprobs
+from emapg.models.zoo import load_model
 from emapg.retrieval import Passage
 from emapg.rollout.agent import rollout_model
 from emapg.rollout.hf import HFSampler, generate
@@ -275,7 +275,7 @@ def test_the_prefix_sharing_field_reaches_generation(sharing, tmp_path, monkeypa
 
     import emapg.rollout.hf as hf_mod
     from emapg.config import load_config
-    from emapg.trainer import Trainer
+    from emapg.run.trainer import Trainer
 
     calls = []
     real = hf_mod.prefill

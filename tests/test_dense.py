@@ -24,6 +24,7 @@ from emapg.retrieval.embed import Embedder, Prefixes, default_prefixes, model_fo
 from emapg.retrieval.hybrid import HybridRetriever, rrf  # noqa: E402
 from emapg.retrieval.passages import read_passages  # noqa: E402
 from emapg.retrieval.server import make_server  # noqa: E402
+from emapg.tasks import make_task  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -287,8 +288,8 @@ def test_the_search_task_retrieves_with_each_kind(tmp_path, monkeypatch):
     assert n >= 8 and found["bm25"] == found["hybrid"] == n and found["dense"] >= n - 2, found
     (folder,) = tmp_path.glob("kb-*")
     assert (folder / "index" / "dense" / "dense.json").is_file()  # built once, beside the BM25 index
-    with pytest.raises(ValueError, match="task_args.retriever: expected one of"):
-        SearchQATask(synthetic=opts, retriever="colbert")
+    with pytest.raises(ValueError, match="task_args.retriever: expected one of bm25, dense, hybrid, got 'colbert'"):
+        make_task("search_qa", synthetic=opts, retriever="colbert")
     with pytest.raises(ValueError, match="searches as it was started"):
         SearchQATask(retriever_url="http://127.0.0.1:1/retrieve", eval_file="x.jsonl", retriever="dense")
 
@@ -330,7 +331,7 @@ def test_hybrid_shares_one_copy_of_the_passages_and_the_task_checks_its_index(ti
     with pytest.raises(ValueError, match=f"needs a dense index in {bare}; build it with: emapg index dense"):
         SearchQATask(index=str(bare), eval_file=str(write_jsonl(tmp_path / "q.jsonl", [
             {"id": "1", "question": "q", "answers": ["a"]}])), retriever="dense")
-    with pytest.raises(ValueError, match="task_args.search_params: .* for a dense or hybrid retriever"):
+    with pytest.raises(ValueError, match="task_args.search_params: .* for a local dense or hybrid retriever"):
         SearchQATask(index=str(tiny), eval_file=str(tmp_path / "q.jsonl"), search_params={"nprobe": 8})
 
 
@@ -372,7 +373,7 @@ def test_search_params_that_do_not_apply_fail_early_and_say_why(tmp_path, tiny, 
         DenseIndex.load(tiny, search_params={"nprobe": 8})  # an exact Flat index
     with pytest.raises(ValueError, match="must be a positive number, got 'x'"):
         DenseIndex.load(tiny, search_params={"efSearch": "x"})
-    with pytest.raises(ValueError, match="not to bm25"):
+    with pytest.raises(ValueError, match="for a local dense or hybrid retriever, got {'nprobe': 8} with bm25"):
         open_retriever(index=str(tiny), kind="bm25", search_params={"nprobe": 8})
     build_index(write_jsonl(tmp_path / "corpus.jsonl", CORPUS), tmp_path / "i")
     monkeypatch.setattr(Embedder, "encode", lambda *a, **k: pytest.fail("encoded before checking the parameters"))
@@ -383,7 +384,9 @@ def test_search_params_that_do_not_apply_fail_early_and_say_why(tmp_path, tiny, 
     assert cli.main(["index", "dense", "--index", str(tmp_path / "i"), "--search-param", "nprobe"]) == 2
     assert "--search-param 'nprobe': expected NAME=NUMBER" in capsys.readouterr().err
     assert cli.main(["serve-retriever", "--index", str(tiny), "--search-param", "nprobe=4", "--port", "0"]) == 2
-    assert "not to bm25" in capsys.readouterr().err
+    assert "--search-param: a mapping of faiss search parameters" in capsys.readouterr().err
+    assert cli.main(["serve-retriever", "--index", str(tiny), "--retriever", "colbert", "--port", "0"]) == 2
+    assert "--retriever: expected one of bm25, dense, hybrid, got 'colbert'" in capsys.readouterr().err
 
 
 def test_a_load_reads_the_passages_once(tiny, monkeypatch):

@@ -126,7 +126,7 @@ def test_a_batch_that_does_not_split_is_refused():
 
 
 def test_each_rank_holds_its_share_of_every_mini_batch():
-    from emapg.trainer import rank_prompts
+    from emapg.run.trainer import rank_prompts
 
     assert rank_prompts(8, 8, 2, 0) == [0, 1, 2, 3] and rank_prompts(8, 8, 2, 1) == [4, 5, 6, 7]
     assert rank_prompts(8, 4, 2, 0) == [0, 1, 4, 5] and rank_prompts(8, 4, 2, 1) == [2, 3, 6, 7]

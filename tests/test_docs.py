@@ -56,7 +56,7 @@ USER_FILES = {  # the files the runnable blocks name as the user's own
     ])),
 }
 NEVER_RUN = {("bash", "scripts/test.sh"): "the suite this test is part of (CI runs it)"}
-SCRIPT_DIRS = ("recipes", "bench", "studies", "scripts")
+SCRIPT_DIRS = ("recipes", "bench", "studies", "scripts", "examples")
 
 
 @dataclass
@@ -145,8 +145,8 @@ def _repo_file(name: str) -> Path | None:
 
 def check_emapg(args: list[str]) -> None:
     from emapg.cli import build_parser, recipe_path
-    from emapg.compare import load_spec
     from emapg.config import apply_override, load_config
+    from emapg.lab.study import load_spec
     from emapg.tasks import TASKS
 
     parser = build_parser()
@@ -336,7 +336,7 @@ TRL_SCALE = {  # the TRL snippet's run: what it says -> what the run takes (each
 def run_python(block: Block, cwd: Path) -> None:
     code = block.text
     if "EMAPGTrainer(" in code:
-        from emapg.models import load_model, save_hf_folder
+        from emapg.models.zoo import load_model, save_hf_folder
 
         save_hf_folder(*load_model("tiny-llama"), cwd / "tiny")
         for said, run in TRL_SCALE.items():

@@ -95,7 +95,7 @@ def test_a_prompt_longer_than_the_context_is_refused_or_cut_before_the_first_ste
     import time
 
     from emapg.config import ConfigError, load_config
-    from emapg.trainer import Trainer
+    from emapg.run.trainer import Trainer
 
     data = tmp_path / "train.jsonl"
     rows = [{"problem": "What is 1 + 1?", "answer": "2"}, {"problem": "x " * 100_000, "answer": "3"}]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from emapg.data import DataError
-from emapg.evalsuite import markdown, parse_sets, sets_of
+from emapg.run.evalsuite import markdown, parse_sets, sets_of
 from emapg.tasks import make_task
 from emapg.tasks.math import gold_answers, math_rows
 from emapg.tasks.search_qa import SEARCH_R1, qa_rows
@@ -118,7 +118,7 @@ def test_search_r1_merged_parquet_reads_as_one_set_per_source(tmp_path):
 
 
 def test_two_models_of_one_folder_name_write_apart():
-    from emapg.evalsuite import model_labels
+    from emapg.run.evalsuite import model_labels
 
     assert model_labels(["runs/a/export/policy"]) == {"runs/a/export/policy": None}
     assert model_labels(["runs/a/export/policy", "runs/a/export/anchor"]) == {
@@ -175,8 +175,15 @@ def test_eval_of_a_merged_search_r1_file_prints_a_row_per_source(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--model", "tiny-llama", "--task", "math", "--device", "cuda:0"], "--device cuda:0: no CUDA device"),
-    (["--model", "tiny-llama", "--task", "math", "--device", "tpu"], "--device tpu: expected auto, cpu"),
-    (["--model", "tiny-llama", "--task", "math", "--dtype", "int8"], "--dtype int8: expected one of"),
+    (["--model", "tiny-llama", "--task", "math", "--device", "tpu"],
+     "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["--model", "tiny-llama", "--task", "math", "--dtype", "int8"], "--dtype: expected one of float32, bfloat16"),
+    (["--model", "tiny-llama", "--task", "math", "--samples", "0", "--top-p", "2", "--backend", "nope"],
+     "--samples: must be >= 1, got 0; --top-p: must be in (0, 1], got 2.0; --backend: expected a "
+     "backend of emapg.backends.BACKENDS: hf, vllm, got 'nope'"),
+    (["--model", "tiny-llama", "--task", "math", "--temperature", "-1"], "--temperature: must be > 0, got -1.0"),
+    (["--model", "tiny-llama", "--task", "math", "--plugins", "no_such_plugin_module"],
+     "plugins: no_such_plugin_module: No module named 'no_such_plugin_module'"),
     (["--task", "math"], "--model and --task: needed unless --run"),
     (["--run", "nowhere"], "--run nowhere: no config.yaml there"),
     (["--model", "tiny-llama", "--task", "arithmetic", "--task-args", "{digits: 2}"], "--task-args: not JSON"),

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from emapg.forward import response_logprobs
-from emapg.models import load_model
+from emapg.models.forward import response_logprobs
+from emapg.models.zoo import load_model
 from emapg.rollout.hf import generate
 from emapg.rollout.sampling import SamplingSpec
 from emapg.tasks import make_task
@@ -66,7 +66,7 @@ def test_generate_with_shared_prompt_cache_equals_plain_generate():
 def test_rows_grouped_by_length_equal_the_full_sequence_pass(kind):
     """Rows of very different lengths run in length groups, each trimmed to its own longest: the same
     log-probs and gradients as the plain pass, where every row runs the longest length."""
-    from emapg.forward import _length_groups
+    from emapg.models.forward import _length_groups
 
     model, tok = load_model(kind, seed=2)
     model.generation_config.eos_token_id = list(range(1, 30))  # rows end at many different lengths
@@ -90,7 +90,7 @@ def test_rows_grouped_by_length_equal_the_full_sequence_pass(kind):
 
 @pytest.mark.parametrize("kind", ["tiny-llama", "tiny-qwen2"])
 def test_checkpointing_with_prefix_sharing_gives_the_plain_passes_values_and_gradients(kind):
-    from emapg.lm import set_pass_mode
+    from emapg.models.lm import set_pass_mode
 
     model, tok = load_model(kind, seed=2)
     examples = make_task("arithmetic", digits=2, terms=3, ops="+-").train_examples(random.Random(1), 4)

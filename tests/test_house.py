@@ -40,7 +40,28 @@ def test_no_function_is_longer_than_sixty_lines():
 
 
 def test_the_trainer_class_only_trains():
-    assert lengths(SRC / "trainer.py")["Trainer"][1] < MAX_TRAINER_LINES
+    assert lengths(SRC / "run" / "trainer.py")["Trainer"][1] < MAX_TRAINER_LINES
+
+
+BUILDERS = ("training_policy", "teacher_model", "make_task", "EMAAnchor", "AdamW", "builder",
+            "restore_training", "MetricsWriter", "intact_checkpoint", "starting_checkpoint", "fit_prompts", "shard")
+
+
+def called_names(path: Path) -> set[str]:
+    """Every name a file calls (``f(...)`` or ``x.f(...)``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            out.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
+    return out
+
+
+def test_the_step_module_builds_nothing():
+    """run/trainer.py steps a run that run/assembly.py built: none of the builders is called in it (they
+    are in the assembly, which the test checks too, so a renamed builder cannot pass unnoticed)."""
+    assert called_names(SRC / "run" / "trainer.py") & set(BUILDERS) == set()
+    assert set(BUILDERS) - {"shard"} <= called_names(SRC / "run" / "assembly.py")
 
 
 def test_the_gpu_acceptance_run_fits_eight_minutes_on_one_gpu():

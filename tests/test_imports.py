@@ -80,19 +80,21 @@ LAYERS = [
     ("foundations", ["emapg", "emapg.errors", "emapg.atomic", "emapg.data", "emapg.tags", "emapg.kl", "emapg.objective",
                      "emapg.logprobs", "emapg.rollout.batch", "emapg.rollout.sampling", "emapg.rewards",
                      "emapg.rewards.math", "emapg.rewards.qa", "emapg.tasks.base", "emapg.tasks.multihop_kb",
-                     "emapg.retrieval.client", "emapg.integrations", "emapg.stats"]),
+                     "emapg.retrieval.client", "emapg.integrations", "emapg.stats", "emapg.backends", "emapg.models",
+                     "emapg.run", "emapg.lab"]),
     ("config", ["emapg.config", "emapg.kl_moments"]),
-    ("models and state", ["emapg.lm", "emapg.distributed", "emapg.models", "emapg.anchor", "emapg.checkpoint",
-                          "emapg.metrics", "emapg.outcomes", "emapg.runs"]),
+    ("models and state", ["emapg.models.lm", "emapg.models.distributed", "emapg.models.zoo", "emapg.anchor",
+                          "emapg.run.checkpoint", "emapg.run.metrics", "emapg.run.outcomes", "emapg.run.folder"]),
     ("tasks and retrieval", ["emapg.retrieval", "emapg.retrieval.passages", "emapg.retrieval.bm25",
                              "emapg.retrieval.embed", "emapg.retrieval.dense", "emapg.retrieval.hybrid",
-                             "emapg.retrieval.server", "emapg.tasks",
-                             "emapg.tasks.arithmetic", "emapg.tasks.math", "emapg.tasks.search_qa", "emapg.scoring"]),
+                             "emapg.retrieval.server", "emapg.tasks", "emapg.tasks.arithmetic", "emapg.tasks.math",
+                             "emapg.tasks.search_qa", "emapg.tasks.scoring"]),
     ("rollout", ["emapg.rollout", "emapg.rollout.decode", "emapg.rollout.pool", "emapg.rollout.hf",
-                 "emapg.rollout.agent", "emapg.prompts", "emapg.rollout.vllm_backend"]),
-    ("the step", ["emapg.algo", "emapg.forward", "emapg.evaluate", "emapg.plan"]),
-    ("orchestration", ["emapg.trainer", "emapg.compare", "emapg.verdicts", "emapg.evalsuite",
-                       "emapg.integrations.trl"]),
+                 "emapg.rollout.agent", "emapg.rollout.prompts", "emapg.rollout.vllm_backend"]),
+    ("the step", ["emapg.algo", "emapg.models.forward", "emapg.run.evaluate", "emapg.models.plan"]),
+    ("run assembly", ["emapg.run.assembly"]),
+    ("orchestration", ["emapg.run.trainer", "emapg.lab.study", "emapg.lab.report", "emapg.lab.verdicts",
+                       "emapg.run.evalsuite", "emapg.integrations.trl"]),
     ("command line", ["emapg.cli", "emapg.__main__"]),
 ]
 
@@ -114,6 +116,31 @@ def test_the_checker_finds_an_arrow_running_up():
 
 def test_no_import_arrow_runs_up_a_layer():
     assert arrows_up(import_graph(SRC, "emapg"), LAYERS) == []
+
+
+def reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for d in graph[todo.pop()] - seen:
+            seen.add(d)
+            todo.append(d)
+    return seen
+
+
+STEP = {"emapg.run.trainer", "emapg.run.assembly", "emapg.algo", "emapg.models.forward", "emapg.rollout"}
+
+
+def test_the_study_lab_and_the_training_step_do_not_import_each_other():
+    """The lab reads finished run folders (metrics, outcomes, checkpoints present) and starts runs as
+    processes; the RL library never imports the lab (only the command line does)."""
+    graph = import_graph(SRC, "emapg")
+    lab = [m for m in graph if m.startswith("emapg.lab.")]
+    assert len(lab) >= 3
+    for m in lab:
+        assert reach(graph, m) & STEP == set(), m
+    importers = {m for m, deps in graph.items() if any(d.startswith("emapg.lab") for d in deps)}
+    assert {m for m in importers if not m.startswith("emapg.lab")} == {"emapg.cli"}
 
 
 def test_rollout_code_knows_tasks_only_through_their_protocol():

@@ -120,8 +120,8 @@ def _tiny(kind, **extra):
                                         ("granite", {"logits_scaling": 4.0}),
                                         ("llama", {})])
 def test_the_lean_path_applies_what_the_models_forward_does_to_its_logits(kind, extra):
-    from emapg.forward import response_logprobs
-    from emapg.lm import check_lean_head
+    from emapg.models.forward import response_logprobs
+    from emapg.models.lm import check_lean_head
     from emapg.rollout.batch import RolloutBatch
 
     model = _tiny(kind, **extra)
@@ -149,7 +149,7 @@ def test_the_lean_path_applies_what_the_models_forward_does_to_its_logits(kind, 
 
 def test_a_model_whose_logits_the_lean_path_cannot_reproduce_is_refused():
     from emapg.config import ConfigError
-    from emapg.lm import check_lean_head
+    from emapg.models.lm import check_lean_head
 
     model = _tiny("llama")
     forward = model.forward

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from emapg.data import DataError, load_rows
-from emapg.evaluate import pass_at_k
 from emapg.rewards import last_boxed, math_reward
+from emapg.run.evaluate import pass_at_k
 
 # (completion, gold answer, equivalent?)
 PAIRS = [

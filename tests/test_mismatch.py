@@ -12,7 +12,7 @@ import torch
 from emapg import algo, kl
 from emapg.config import ConfigError, load_config, recomputes_old
 from emapg.objective import aggregate, clipped_surrogate
-from emapg.trainer import Trainer
+from emapg.run.trainer import Trainer
 
 SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
 
@@ -107,7 +107,7 @@ def test_the_default_recomputes_for_another_engine_only():
 
 def test_a_run_with_recompute_and_tis_trains_and_logs_the_weights(tmp_path):
     Trainer(cfg("steps=2", "algo.recompute_old=true", "algo.tis_cap=2.0"), tmp_path, progress=False).train()
-    from emapg.metrics import read_metrics
+    from emapg.run.metrics import read_metrics
 
     rows = [r for r in read_metrics(tmp_path) if "reward_mean" in r]
     # one sampler and trainer (the same fp32 model): the weights are 1, up to the rounding of two passes

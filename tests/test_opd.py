@@ -11,14 +11,14 @@ import torch
 from test_trainer import SMOKE, full_logits, strip_timing  # noqa: E402
 
 from emapg import algo
-from emapg.checkpoint import latest_checkpoint, load_checkpoint
 from emapg.config import AlgoConfig, ConfigError, load_config
 from emapg.kl import token_kl
 from emapg.logprobs import TokenLogprobs
-from emapg.metrics import read_metrics
-from emapg.models import byte_tokenizer, load_model, save_hf_folder, tiny_model, weights_digest
+from emapg.models.zoo import byte_tokenizer, load_model, save_hf_folder, tiny_model, weights_digest
 from emapg.rollout.batch import RolloutBatch
-from emapg.trainer import Trainer
+from emapg.run.checkpoint import latest_checkpoint, load_checkpoint
+from emapg.run.metrics import read_metrics
+from emapg.run.trainer import Trainer
 
 V = 7
 
@@ -167,7 +167,7 @@ def test_the_trainers_kl_is_to_the_teacher(tmp_path, teacher_dtype):
 def test_a_teacher_equal_to_the_frozen_anchor_gives_the_same_run(tmp_path):
     """GRPO's frozen reference (eta = 1) and a teacher that is the same initial model are one loss."""
     init = tmp_path / "init"
-    from emapg.models import load_model
+    from emapg.models.zoo import load_model
 
     model, tok = load_model("tiny-llama", seed=0)
     save_hf_folder(model, tok, init)
@@ -215,7 +215,7 @@ def test_an_untied_padded_teacher_is_cut_to_the_policys_rows(tmp_path):
     """Untied head (as Qwen2.5-7B/72B): after the cut, the teacher's logits are its first 259 original ones."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from emapg.models import load_model
+    from emapg.models.zoo import load_model
 
     torch.manual_seed(3)
     untied = LlamaForCausalLM(LlamaConfig(vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

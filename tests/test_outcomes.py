@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from emapg.outcomes import anchor_against_policy, final_outcomes
+from emapg.run.outcomes import anchor_against_policy, final_outcomes
 
 
 def write_outcomes(run, lines, ids=None):

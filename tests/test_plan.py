@@ -1,4 +1,4 @@
-"""The memory plan (emapg.plan, `emapg plan`): its counts equal a real model's, its measured activation cost
+"""The memory plan (emapg.models.plan, `emapg plan`): its counts equal a real model's, its measured activation cost
 extrapolates to a longer row, it agrees with a measured training peak on this CPU, the paper's recipes get a
 plan from their hand-written configs, and a run the plan says cannot fit is refused before it starts."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from emapg import plan as P
 from emapg.config import ConfigError, load_config
-from emapg.models import load_model
+from emapg.models import plan as P
+from emapg.models.zoo import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "model_configs"
@@ -89,9 +89,9 @@ def test_a_plan_that_does_not_fit_names_the_fixes():
 
 
 def test_training_refuses_a_run_the_plan_says_cannot_fit(tmp_path, monkeypatch):
-    from emapg import trainer
+    from emapg.run import assembly, trainer
 
-    monkeypatch.setattr(trainer, "device_capacity", lambda device: 2**20)  # a 1 MiB device
+    monkeypatch.setattr(assembly, "device_capacity", lambda device: 2**20)  # a 1 MiB device
     smoke = ROOT / "recipes" / "smoke.yaml"
     with pytest.raises(ConfigError, match="the memory plan needs .* more than the device's 0.0 GiB"):
         trainer.Trainer(load_config(smoke, ["eval.size=0"]), tmp_path / "a", progress=False)

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from emapg.forward import response_logprobs
-from emapg.models import load_model
+from emapg.models.forward import response_logprobs
+from emapg.models.zoo import load_model
 from emapg.rollout.hf import generate
 from emapg.rollout.pool import _right_aligned
 from emapg.rollout.sampling import SamplingSpec
@@ -106,7 +106,7 @@ def test_the_max_rows_field_reaches_training_rollouts_and_evaluation(tmp_path, m
 
     from emapg.config import load_config
     from emapg.rollout import hf
-    from emapg.trainer import Trainer
+    from emapg.run.trainer import Trainer
 
     calls = []
     real = hf.decode_pool

@@ -1,4 +1,4 @@
-"""Run folders and provenance (emapg.runs, through the CLI in-process): a run starts only in a new or
+"""Run folders and provenance (emapg.run.folder, through the CLI in-process): a run starts only in a new or
 empty folder (or one of its own that never checkpointed), and a resume records what it changes and
 refuses changes to the replay without --force."""
 
@@ -29,7 +29,7 @@ def test_a_folder_of_the_users_files_is_never_written_into(tmp_path, capsys):
 
 
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_in_its_folder(tmp_path, monkeypatch, capsys):
-    import emapg.trainer as trainer_mod
+    import emapg.run.trainer as trainer_mod
 
     out = tmp_path / "run"
 
@@ -66,7 +66,7 @@ def test_resume_records_its_changes_and_refuses_a_changed_replay_without_force(t
 
 def test_evaluations_show_their_progress(tmp_path, capsys):
     from emapg.config import load_config
-    from emapg.trainer import Trainer
+    from emapg.run.trainer import Trainer
 
     tr = Trainer(load_config(SMOKE, ["export=false", "eval.size=16"]), tmp_path, progress=True)
     tr.evaluate("anchor")
@@ -109,7 +109,7 @@ def test_a_regular_install_runs_a_shipped_recipe_by_name_from_another_folder(tmp
 
 
 def test_ctrl_c_stops_with_one_line_that_says_how_to_resume(tmp_path, monkeypatch, capsys):
-    import emapg.trainer as trainer_mod
+    import emapg.run.trainer as trainer_mod
 
     out = tmp_path / "run"
     real = trainer_mod.Trainer.train_step
@@ -178,7 +178,7 @@ def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(tmp_path):
     debris = [run / ".config.yaml.tmp-999999", run / "checkpoints" / ".latest.tmp-999999"]  # a kill mid-write
     for path in debris:
         path.write_text("half")
-    from emapg.checkpoint import resume_step
+    from emapg.run.checkpoint import resume_step
 
     third = _emapg("train", "--resume", str(run), f"steps={resume_step(run) + 1}")  # one step more
     _, err = third.communicate(timeout=300)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from emapg.config import load_config
-from emapg.metrics import read_metrics
-from emapg.trainer import Trainer
+from emapg.run.metrics import read_metrics
+from emapg.run.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_two_real_steps_of_smollm2(tmp_path):
 
 
 def test_smollm2_loads_with_im_end_as_eos():
-    from emapg.models import load_model
+    from emapg.models.zoo import load_model
 
     model, tok = load_model("smollm2-135m")
     end = tok.convert_tokens_to_ids("<|im_end|>")

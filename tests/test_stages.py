@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from emapg.checkpoint import latest_checkpoint, load_checkpoint
 from emapg.config import ConfigError, TrainConfig, load_config
-from emapg.metrics import read_metrics
-from emapg.trainer import Trainer, lr_factor
+from emapg.run.assembly import lr_factor
+from emapg.run.checkpoint import latest_checkpoint, load_checkpoint
+from emapg.run.metrics import read_metrics
+from emapg.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "recipes" / "smoke.yaml"
@@ -60,7 +61,7 @@ def test_a_grpo_stage_evaluates_its_frozen_anchor_and_takes_the_configs_optimize
 
 
 def test_init_from_a_folder_without_a_checkpoint_is_one_line(tmp_path):
-    from emapg.checkpoint import CheckpointError
+    from emapg.run.checkpoint import CheckpointError
 
     Trainer(cfg("steps=2", "save_every=2"), tmp_path / "done", progress=False).train()
     with pytest.raises(CheckpointError, match=r"steps: 2 is not past step 2 of init_from .*done.*nothing to train"):
@@ -90,7 +91,7 @@ def test_a_run_trains_at_the_schedules_rate_and_with_its_betas(tmp_path):
 
 
 def test_eval_samples_and_at_start(tmp_path, monkeypatch):
-    import emapg.evaluate as ev
+    import emapg.run.evaluate as ev
 
     seen = []
     real = ev.evaluate

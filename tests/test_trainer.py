@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from emapg.checkpoint import has_checkpoint, latest_checkpoint, load_checkpoint
 from emapg.config import load_config
 from emapg.kl import token_kl
-from emapg.lm import positions
-from emapg.metrics import read_metrics
-from emapg.trainer import Trainer
+from emapg.models.lm import positions
+from emapg.run.checkpoint import has_checkpoint, latest_checkpoint, load_checkpoint
+from emapg.run.metrics import read_metrics
+from emapg.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "recipes" / "smoke.yaml"
@@ -229,7 +229,7 @@ def test_kill_during_save_never_breaks_latest(tmp_path):
 import sys, torch
 from pathlib import Path
 sys.path.insert(0, {str(ROOT / 'src')!r})
-from emapg.checkpoint import save_checkpoint
+from emapg.run.checkpoint import save_checkpoint
 model = torch.nn.Linear(256, 256)
 opt = torch.optim.AdamW(model.parameters())
 model(torch.randn(2, 256)).sum().backward(); opt.step()
@@ -464,7 +464,7 @@ def test_lora_training_with_ema_of_adapters(tmp_path):
 
 
 def test_pruning_never_removes_latest_and_drops_an_abandoned_future(tmp_path):
-    from emapg.checkpoint import save_checkpoint
+    from emapg.run.checkpoint import save_checkpoint
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
@@ -516,7 +516,7 @@ def test_gradient_checkpointing_saves_activation_memory_and_keeps_the_gradients(
 
 
 def test_lora_dropout_is_on_in_the_policy_pass_only(tmp_path):
-    from emapg.lm import set_pass_mode
+    from emapg.models.lm import set_pass_mode
 
     tr = Trainer(cfg("lora.r=4", "lora.dropout=0.5", "eval.size=0"), tmp_path, progress=False)
     drops = [m for n, m in tr.model.named_modules() if ".lora_dropout." in f".{n}."]
@@ -597,7 +597,7 @@ def test_latest_naming_a_deleted_checkpoint_is_named_and_the_newest_complete_one
 def test_when_no_checkpoint_is_intact_resume_says_which_files_are_damaged(finished_run, tmp_path):
     import shutil
 
-    from emapg.checkpoint import CheckpointError
+    from emapg.run.checkpoint import CheckpointError
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -612,8 +612,8 @@ def test_when_no_checkpoint_is_intact_resume_says_which_files_are_damaged(finish
 
 
 def test_evaluation_samples_as_the_eval_section_says_and_else_as_the_rollout():
-    from emapg.evaluate import eval_sampling
     from emapg.rollout.sampling import SamplingSpec
+    from emapg.run.evaluate import eval_sampling
 
     base = ["rollout.temperature=0.9", "rollout.top_p=0.8", "rollout.max_new_tokens=20"]
     assert eval_sampling(cfg(*base)) == SamplingSpec(n=1, temperature=0.9, top_p=0.8, max_new_tokens=20, greedy=True)

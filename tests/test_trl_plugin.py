@@ -16,7 +16,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from emapg import kl as klmod  # noqa: E402
 from emapg.integrations.trl import EMA_FILE, EMAPGTrainer  # noqa: E402
-from emapg.models import load_model, save_hf_folder  # noqa: E402
+from emapg.models.zoo import load_model, save_hf_folder  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from emapg.config import load_config
-from emapg.models import load_model
+from emapg.models.zoo import load_model
 from emapg.rollout import vllm_backend as vb
 from emapg.rollout.sampling import SamplingSpec, eos_ids
-from emapg.trainer import Trainer
+from emapg.run.trainer import Trainer
 
 SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
 
@@ -143,7 +143,7 @@ def test_trainer_turns_an_engine_that_cannot_start_into_a_config_error(tmp_path,
 
 
 def test_cpu_kv_cache_is_sized_from_the_recipe_and_refused_when_memory_is_short():
-    from emapg.models import tiny_model
+    from emapg.models.zoo import tiny_model
 
     config = tiny_model("llama", head_dim=32).config  # 2 layers x 2 kv heads x 32 x (K, V) x 4 bytes
     assert vb.kv_bytes_per_token(config, "float32") == 2 * 2 * 2 * 32 * 4
@@ -163,7 +163,7 @@ def test_cpu_kv_cache_is_sized_from_the_recipe_and_refused_when_memory_is_short(
 
 
 def test_engine_model_len_covers_the_longest_prompt_and_the_budget():
-    from emapg.prompts import engine_model_len
+    from emapg.rollout.prompts import engine_model_len
     from emapg.tasks import make_task
 
     model, tok = load_model("tiny-llama", "float32")
@@ -358,7 +358,7 @@ def test_trainer_with_engine_trains_and_logs_no_top_p_cut(tmp_path):
     tr = Trainer(cfg, tmp_path, progress=False)
     with_engine(tr)
     tr.train()
-    from emapg.metrics import read_metrics
+    from emapg.run.metrics import read_metrics
 
     rows = [r for r in read_metrics(tmp_path) if "reward_mean" in r]
     assert len(rows) == 2 and all("top_p_cut" not in r and r["entropy"] > 0 for r in rows)

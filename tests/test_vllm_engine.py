@@ -29,13 +29,13 @@ import torch
 pytestmark = pytest.mark.vllm
 
 from emapg.config import ConfigError, load_config  # noqa: E402
-from emapg.forward import response_logprobs  # noqa: E402
-from emapg.models import load_model  # noqa: E402
+from emapg.models.forward import response_logprobs  # noqa: E402
+from emapg.models.zoo import load_model  # noqa: E402
 from emapg.rollout import vllm_backend as vb  # noqa: E402
 from emapg.rollout.hf import generate as hf_generate  # noqa: E402
 from emapg.rollout.sampling import SamplingSpec, eos_ids  # noqa: E402
+from emapg.run.trainer import Trainer  # noqa: E402
 from emapg.tasks import make_task  # noqa: E402
-from emapg.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "recipes" / "smoke.yaml"
@@ -82,7 +82,7 @@ def check_against_reference(model, engine, examples, k, *, n=4, temperature=1.0,
     ref = reference_logprobs(model, batch, temperature)
     valid = batch.response_mask.bool()
     assert valid.sum() > n * len(examples)  # more than one token a row on average
-    # the trainer's recomputation (emapg.forward, padded batch) against the engine's sampled log-probs
+    # the trainer's recomputation (emapg.models.forward, padded batch) against the engine's sampled log-probs
     pol = response_logprobs(model, batch, k_self=k, temperature=temperature)
     assert (pol.logp_tok - batch.samp_logp[valid]).abs().max() < LOGP_TOL
     # the engine's raw top-k: each id's log-prob, and the set is a top-k of the reference
@@ -251,7 +251,7 @@ def test_search_agent_episodes_through_the_engine(tmp_path):
 def test_close_frees_the_engine_and_leaves_no_process(tmp_path):
     script = textwrap.dedent(f"""
         import os, psutil, torch
-        from emapg.models import load_model
+        from emapg.models.zoo import load_model
         from emapg.rollout.sampling import SamplingSpec, eos_ids
         from emapg.tasks import make_task
         import emapg.rollout.vllm_backend as vb
@@ -293,7 +293,7 @@ def test_cli_trains_with_the_vllm_backend(tmp_path):
     assert len(rows) == 2
     from safetensors.torch import load_file
 
-    from emapg.models import load_model
+    from emapg.models.zoo import load_model
 
     trained = load_file(out / "checkpoints" / "step_000002" / "policy.safetensors")
     init = load_model(TINY, seed=0)[0].state_dict()  # the run's initial model (smoke's seed 0)

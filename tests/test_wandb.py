@@ -13,8 +13,8 @@ wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 from emapg.config import ConfigError, load_config  # noqa: E402
-from emapg.metrics import read_metrics  # noqa: E402
-from emapg.trainer import Trainer  # noqa: E402
+from emapg.run.metrics import read_metrics  # noqa: E402
+from emapg.run.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

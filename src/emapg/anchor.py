@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from emapg import distributed
+from emapg.models import distributed
 
 
 def _averaged_tensors(model: nn.Module, lora: bool) -> dict[str, Tensor]:

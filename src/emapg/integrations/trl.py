@@ -53,9 +53,9 @@ from emapg import kl as klmod
 from emapg.anchor import EMAAnchor
 from emapg.atomic import write_json_atomic
 from emapg.config import ConfigError, check_fields
-from emapg.lm import head_transform
 from emapg.logprobs import token_logprobs, transform_logits
-from emapg.models import fit_teacher, load_teacher, weights_digest
+from emapg.models.lm import head_transform
+from emapg.models.zoo import fit_teacher, load_teacher, weights_digest
 from emapg.tasks.base import Example
 
 EMA_FILE, TEACHER_FILE = "emapg_ema.safetensors", "emapg_teacher.json"

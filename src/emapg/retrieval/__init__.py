@@ -9,15 +9,14 @@ Search-R1's ``POST /retrieve`` protocol (``emapg.retrieval.server`` or Search-R1
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Passage", "Retriever", "RetrieverError", "open_retriever", "KINDS",
+__all__ = ["Passage", "Retriever", "RetrieverError", "open_retriever", "RETRIEVERS", "register_retriever",
            "BM25Index", "build_index", "DenseIndex", "build_dense", "HybridRetriever", "HTTPRetriever",
            "make_server", "serve"]
-
-KINDS = ("bm25", "dense", "hybrid")
-"""The retrievers an index folder can serve."""
 
 SERVER_LIMITS = {"max_queries": 4096, "max_query_chars": 2048, "max_topk": 50, "max_body_bytes": 16 << 20}
 """What one request to ``emapg serve-retriever`` may carry, by default (each a flag of the command): the
@@ -50,36 +49,81 @@ class Retriever(Protocol):
     def search(self, queries: list[str], topk: int = 3) -> list[list[Passage]]: ...
 
 
-def open_retriever(index: str | None = None, url: str | None = None, kind: str = "bm25",
-                   search_params: dict | None = None) -> Retriever:
-    """A retriever on a local index folder (``index``, as ``kind``: bm25, dense or hybrid) or a retrieval
-    server (``url``, which chose its own kind); give exactly one of index and url. ``search_params``: the
-    dense index's faiss search parameters (``{"nprobe": 64}``) over the ones it was built with."""
-    if (index is None) == (url is None):
-        raise ValueError("open_retriever needs exactly one of index= (an index folder) "
-                         "or url= (a retrieval server)")
-    if kind not in KINDS:
-        raise ValueError(f"retriever: expected one of {', '.join(KINDS)}, got {kind!r}")
-    if search_params and (index is None or kind == "bm25"):
-        raise ValueError("search_params: faiss search parameters apply to a local dense or hybrid retriever, "
-                         f"not to {'a retrieval server' if index is None else 'bm25'}")
-    if index is None:
-        from emapg.retrieval.client import HTTPRetriever
-
-        return HTTPRetriever(url)
+def _bm25(index: str, search_params: dict | None) -> Retriever:
     from emapg.retrieval.bm25 import BM25Index
 
-    if kind == "bm25":
-        return BM25Index.load(index)
+    return BM25Index.load(index)
+
+
+def _dense(index: str, search_params: dict | None) -> Retriever:
     from emapg.retrieval.dense import DenseIndex  # only for the kinds that need it
 
-    if kind == "dense":
-        return DenseIndex.load(index, search_params=search_params)
+    return DenseIndex.load(index, search_params=search_params)
+
+
+def _hybrid(index: str, search_params: dict | None) -> Retriever:
+    from emapg.retrieval.bm25 import BM25Index
+    from emapg.retrieval.dense import DenseIndex
     from emapg.retrieval.hybrid import HybridRetriever
 
     sparse = BM25Index.load(index)
     # one copy of the text, read and hashed once
     return HybridRetriever(sparse, DenseIndex.load(index, passages=sparse.passages, search_params=search_params))
+
+
+RETRIEVERS: dict[str, Callable[[str, dict | None], Retriever]] = {"bm25": _bm25, "dense": _dense, "hybrid": _hybrid}
+"""The retrievers an index folder can serve, by kind: ``open(index_folder, search_params) -> Retriever``. The
+search task's ``task_args.retriever``, ``emapg serve-retriever --retriever`` and :func:`open_retriever` take
+these; add one with :func:`register_retriever`."""
+
+DENSE_KINDS = ("dense", "hybrid")
+"""The kinds that read the dense index (and take faiss search parameters)."""
+
+
+def register_retriever(kind: str, open_index: Callable[[str, dict | None], Retriever]) -> None:
+    """Add a retriever kind (from a user's module): ``open_index(index_folder, search_params)`` returns anything
+    with ``search(queries, topk) -> [[Passage, ...], ...]``. A kind already taken is refused."""
+    if kind in RETRIEVERS:
+        raise ValueError(f"retriever {kind!r} is already registered")
+    RETRIEVERS[kind] = open_index
+
+
+def retriever_problem(kind: str, index: str | None, url: str | None, search_params: Any) -> str | None:
+    """What is wrong with asking for retriever ``kind`` on an index folder or a server (``url``), with faiss
+    ``search_params``: a message naming the setting (``retriever: ...``, ``search_params: ...``), or None.
+    Checked before anything loads, by :func:`open_retriever` and the search task alike."""
+    if kind not in RETRIEVERS:
+        return f"retriever: expected one of {', '.join(RETRIEVERS)}, got {kind!r}"
+    if url and kind != "bm25":
+        return ("retriever: a retrieval server searches as it was started (emapg serve-retriever --retriever ...); "
+                "leave the retriever kind out with a server")
+    if search_params is not None and (not isinstance(search_params, dict) or url or kind not in DENSE_KINDS):
+        return ("search_params: a mapping of faiss search parameters (e.g. {nprobe: 64}) for a local dense or "
+                f"hybrid retriever, got {search_params!r} with {'a retrieval server' if url else kind}")
+    if index and kind in DENSE_KINDS:
+        from emapg.retrieval.passages import has_dense
+
+        if not has_dense(Path(index)):
+            return f"retriever: {kind} needs a dense index in {index}; build it with: emapg index dense --index {index}"
+    return None
+
+
+def open_retriever(index: str | None = None, url: str | None = None, kind: str = "bm25",
+                   search_params: dict | None = None) -> Retriever:
+    """A retriever on a local index folder (``index``, as ``kind``: one of :data:`RETRIEVERS`) or a retrieval
+    server (``url``, which chose its own kind); give exactly one of index and url. ``search_params``: the
+    dense index's faiss search parameters (``{"nprobe": 64}``) over the ones it was built with."""
+    if (index is None) == (url is None):
+        raise ValueError("open_retriever needs exactly one of index= (an index folder) "
+                         "or url= (a retrieval server)")
+    problem = retriever_problem(kind, index, url, search_params)
+    if problem:
+        raise ValueError(problem)
+    if index is None:
+        from emapg.retrieval.client import HTTPRetriever
+
+        return HTTPRetriever(url)
+    return RETRIEVERS[kind](index, search_params)
 
 
 _LAZY = {"BM25Index": "bm25", "build_index": "bm25", "DenseIndex": "dense", "build_dense": "dense",

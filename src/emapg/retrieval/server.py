@@ -341,10 +341,14 @@ def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, v
     """Serve an index folder until interrupted (Ctrl-C) as ``retriever`` (bm25, dense or hybrid; see
     ``emapg.retrieval.open_retriever``, which also takes ``search_params``); loopback only unless
     ``allow_remote``."""
-    from emapg.retrieval import open_retriever
+    from emapg.retrieval import open_retriever, retriever_problem
 
     check_address(host, port, allow_remote)
     check_limits(limits)
+    problem = retriever_problem(retriever, str(index_dir), None, search_params)
+    if problem:
+        field, _, why = problem.partition(": ")  # named as the command's options
+        raise ConfigError(f"{ {'search_params': '--search-param', 'retriever': '--retriever'}[field]}: {why}")
     index = open_retriever(index=str(index_dir), kind=retriever, search_params=search_params)
     try:
         server = make_server(index, host, port, verbose=verbose, **limits)

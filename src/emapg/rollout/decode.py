@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from emapg.lm import cache_kwarg, decoder_and_head, positions
+from emapg.models.lm import cache_kwarg, decoder_and_head, positions
 from emapg.rollout.sampling import Sampled, SamplingSpec, draw, step_stats, warp
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from emapg.lm import eval_mode
+from emapg.models.lm import eval_mode
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
 from emapg.rollout.decode import KVState, decode, full_attention, prefill
 from emapg.rollout.pool import decode_chunks, decode_pool

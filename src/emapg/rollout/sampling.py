@@ -61,7 +61,7 @@ def eos_ids(model: nn.Module, tokenizer) -> list[int]:
 class SamplingSpec:
     """How responses are drawn and what each token records, built once per run and passed whole to
     every backend (HF decode loop, vLLM, agent episodes) and to evaluation:
-    :func:`emapg.algo.rollout_sampling` for training rollouts, :func:`emapg.evaluate.eval_sampling`
+    :func:`emapg.algo.rollout_sampling` for training rollouts, :func:`emapg.run.evaluate.eval_sampling`
     for held-out evaluation.
 
     n: responses per prompt. temperature, top_p: the sampling distribution pi_samp (top_p = 1: no

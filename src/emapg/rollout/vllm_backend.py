@@ -42,11 +42,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from emapg.distributed import whole
 from emapg.errors import ConfigError
-from emapg.prompts import context_length, engine_model_len
+from emapg.models.distributed import whole
 from emapg.rollout import response_budget
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
+from emapg.rollout.prompts import context_length, engine_model_len
 from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left, stream_seed
 from emapg.tasks.base import Example
 

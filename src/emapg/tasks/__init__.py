@@ -1,44 +1,69 @@
-"""Built-in tasks, by name."""
+"""Tasks, by name: the built-in ones and any a user's module registers (:func:`register_task`)."""
 
 from __future__ import annotations
 
+import inspect
 import typing
 from typing import Any
 
+from emapg.config import rule_problems
+from emapg.errors import ConfigError
 from emapg.tasks.arithmetic import ArithmeticTask
 from emapg.tasks.base import Example, Task
 from emapg.tasks.math import MathTask
 from emapg.tasks.search_qa import SearchQATask
 
-TASKS = {"arithmetic": ArithmeticTask, "math": MathTask, "search_qa": SearchQATask}
+TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "math": MathTask, "search_qa": SearchQATask}
+"""Every task, by name; the config's ``task`` and ``emapg eval --task`` take these."""
+
+
+def register_task(name: str, cls: type[Task]) -> type[Task]:
+    """Add a task from your own module (list the module in a config's ``plugins``): a subclass of
+    :class:`~emapg.tasks.base.Task` whose keyword arguments are the config's ``task_args``."""
+    if name in TASKS:
+        raise ValueError(f"a task named {name!r} exists already")
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TypeError(f"register_task({name!r}, ...): expected a subclass of emapg.tasks.base.Task, got {cls!r}")
+    TASKS[name] = cls
+    return cls
 
 
 _SIMPLE = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
-def _check_types(cls: type, kwargs: dict[str, Any]) -> None:
-    """task_args whose declared type is int, float, str or bool must have it (digits=two names the field)."""
+def task_args_problems(name: str, kwargs: dict[str, Any]) -> list[str]:
+    """Every wrong entry of task ``name``'s ``task_args``: an unknown key (the known ones listed), a value of
+    the wrong type where the task's signature declares int, float, str or bool, and a value its ``ARGS``
+    rules refuse (checked like the config's own fields)."""
+    cls = TASKS[name]
+    params = inspect.signature(cls.__init__).parameters
+    known = [p for p in params if p != "self"]
     hints = typing.get_type_hints(cls.__init__)
+    problems, typed = [], {}
     for key, value in kwargs.items():
-        want = hints.get(key)
-        if want not in _SIMPLE:
+        if key not in params:
+            problems.append(f"task_args.{key}: unknown for the {name} task; it takes {', '.join(known)}")
             continue
-        ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            raise ValueError(f"task_args.{key}: expected {_SIMPLE[want]}, got {value!r}")
+        want = hints.get(key)
+        if want in _SIMPLE and value is not None:
+            ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+            ok = ok or (want is float and isinstance(value, int) and not isinstance(value, bool))
+            if not ok:
+                problems.append(f"task_args.{key}: expected {_SIMPLE[want]}, got {value!r}")
+                continue
+        if key in cls.ARGS:
+            typed[key] = value
+    return problems + rule_problems(cls.ARGS, typed, prefix="task_args.")
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
-    """Build a task by name with its ``task_args``; raise naming the bad field."""
+    """Build a task by name with its ``task_args``, checked first (every wrong entry in one message naming it)."""
     if name not in TASKS:
-        raise ValueError(f"task: unknown task {name!r}; available: {', '.join(TASKS)}")
-    _check_types(TASKS[name], kwargs)
-    try:
-        return TASKS[name](**kwargs)
-    except TypeError as e:
-        raise ValueError(f"task_args for {name!r}: {e}") from e
+        raise ConfigError(f"task: unknown task {name!r}; available: {', '.join(TASKS)}")
+    problems = task_args_problems(name, kwargs)
+    if problems:
+        raise ConfigError("; ".join(problems), problems)
+    return TASKS[name](**kwargs)
 
 
-__all__ = ["Example", "Task", "TASKS", "make_task"]
+__all__ = ["Example", "Task", "TASKS", "make_task", "register_task", "task_args_problems"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import re
 
+from emapg.config import at_least
 from emapg.tasks.base import Example, Task
 
 _INT = re.compile(r"-?\d[\d,]*")
@@ -28,16 +29,15 @@ def parse_last_integer(text: str) -> int | None:
 
 
 class ArithmeticTask(Task):
+    """Args: digits (operand size), ops (a subset of ``+-*``), terms (operands per problem), eval_size (the
+    held-out problems, at most a fifth of the distinct ones), instruction (the text after the question)."""
+
     name = "arithmetic"
+    ARGS = {"digits": at_least(1), "terms": at_least(2), "eval_size": at_least(1),
+            "ops": ((lambda v: bool(v) and not set(v) - set("+-*")), "expected a non-empty subset of '+-*'")}
 
     def __init__(self, digits: int = 2, ops: str = "+", terms: int = 2, eval_size: int = 500,
                  instruction: str = "Reply with just the number."):
-        if digits < 1:
-            raise ValueError(f"task_args.digits: must be >= 1, got {digits}")
-        if terms < 2:
-            raise ValueError(f"task_args.terms: must be >= 2, got {terms}")
-        if not ops or set(ops) - set("+-*"):
-            raise ValueError(f"task_args.ops: expected a non-empty subset of '+-*', got {ops!r}")
         self.digits, self.ops, self.terms, self.instruction = digits, ops, terms, instruction
         lo = 10 ** (digits - 1) if digits > 1 else 0
         space = (10**digits - lo) ** terms * len(set(ops)) ** (terms - 1)

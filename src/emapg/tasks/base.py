@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -51,6 +52,11 @@ class Task:
     name: str = "task"
     agent: AgentConfig | None = None
     """The budgets of a multi-turn tool episode; None = one model turn per response."""
+    ARGS: ClassVar[dict[str, tuple[Callable[[Any], bool], Any]]] = {}
+    """The rules of the task's keyword arguments (its ``task_args``), written with the config's rule builders
+    (``emapg.config.at_least``, ``one_of``, ``within``): :func:`emapg.tasks.make_task` checks them, with
+    the types ``__init__`` declares, before the task is built, every wrong entry in one message. Rules
+    across arguments stay in ``__init__``."""
 
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
         """``n`` training examples drawn with ``rng`` (deterministic given its state)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+from emapg.config import at_least, one_of
 from emapg.data import DataError, load_rows
 from emapg.rewards.math import boxed_format_reward, math_reward
 from emapg.tasks.base import Example, Task
@@ -83,13 +84,13 @@ class MathTask(Task):
     """
 
     name = "math"
+    ARGS = {"template": one_of(TEMPLATES), "format_weight": at_least(0, finite=True), "eval_size": at_least(1)}
 
     def __init__(self, train_file: str | None = None, eval_file: str | None = None, problem_field: str = "problem",
                  answer_field: str = "answer", template: str = "r1", format_weight: float = 0.0,
                  eval_size: int = 500):
         if train_file is None and eval_file is None:
             raise ValueError("task_args: the math task needs train_file and/or eval_file")
-        format_messages("", template)
         self.template, self.format_weight = template, format_weight
         train = math_rows(train_file, problem_field, answer_field) if train_file else []
         held = math_rows(eval_file, problem_field, answer_field) if eval_file else []

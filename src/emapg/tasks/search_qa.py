@@ -18,9 +18,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+from emapg.config import at_least, one_of, within
 from emapg.data import DataError, load_rows
-from emapg.models import cache_dir
-from emapg.retrieval import KINDS, open_retriever
+from emapg.models.zoo import cache_dir
+from emapg.retrieval import DENSE_KINDS, RETRIEVERS, open_retriever, retriever_problem
 from emapg.retrieval.passages import has_dense
 from emapg.rewards.qa import qa_em, qa_f1
 from emapg.tags import extract_answer
@@ -99,7 +100,7 @@ def synthetic_index(options: dict[str, Any], retriever: str = "bm25") -> tuple[P
     key = hashlib.sha256(json.dumps(kb["corpus"], sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir() / f"kb-{key}"
     index = folder / "index"
-    if (index / "emapg_index.json").exists() and (retriever == "bm25" or has_dense(index)):
+    if (index / "emapg_index.json").exists() and (retriever not in DENSE_KINDS or has_dense(index)):
         return index, kb  # built: no lock needed (a read-only cache works)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".build.lock", "w") as lock:
@@ -108,7 +109,7 @@ def synthetic_index(options: dict[str, Any], retriever: str = "bm25") -> tuple[P
             corpus = folder / "corpus.jsonl"
             corpus.write_text("".join(json.dumps(d) + "\n" for d in kb["corpus"]))
             build_index(corpus, index)
-        if retriever != "bm25" and not has_dense(index):
+        if retriever in DENSE_KINDS and not has_dense(index):
             from emapg.retrieval.dense import build_dense  # faiss, sentence-transformers: emapg[dense]
 
             build_dense(index, progress=False)
@@ -138,6 +139,11 @@ class SearchQATask(Task):
     """
 
     name = "search_qa"
+    ARGS = {"template": one_of(TEMPLATES), "reward": one_of(("em", "f1")), "retriever": one_of(RETRIEVERS),
+            "hops": one_of(("two", "one", "mix")), "eval_hops": one_of(("two", "one")),
+            "one_hop_frac": within(0, 1), "format_weight": at_least(0, finite=True), "eval_size": at_least(1),
+            "max_turns": at_least(1), "passages": at_least(1), "max_turn_tokens": at_least(1),
+            "max_total_tokens": at_least(1), "max_info_tokens": at_least(0)}
 
     def __init__(self, train_file: str | list[str] | None = None, eval_file: str | None = None,
                  index: str | None = None, retriever_url: str | None = None, synthetic: bool | dict | None = None,
@@ -147,36 +153,19 @@ class SearchQATask(Task):
                  response_prefix: str = "", format_weight: float = 0.0, force_answer: bool = False,
                  turn_prefix: str = "", hops: str = "two", one_hop_frac: float = 0.5, eval_hops: str = "two",
                  retriever: str = "bm25", search_params: dict | None = None):
-        if template not in TEMPLATES:
-            raise ValueError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
-        if reward not in ("em", "f1"):
-            raise ValueError(f"task_args.reward: expected em or f1, got {reward!r}")
         sources = [x for x in (index, retriever_url, synthetic) if x]
         if len(sources) != 1:
             raise ValueError("task_args: the search_qa task needs exactly one of index, retriever_url, synthetic")
-        if retriever not in KINDS:
-            raise ValueError(f"task_args.retriever: expected one of {', '.join(KINDS)}, got {retriever!r}")
-        if retriever_url and retriever != "bm25":
-            raise ValueError("task_args.retriever: a retrieval server (retriever_url) searches as it was started "
-                             "(emapg serve-retriever --retriever ...); drop task_args.retriever")
-        if search_params is not None and (not isinstance(search_params, dict) or retriever == "bm25"):
-            raise ValueError("task_args.search_params: a mapping of faiss search parameters (e.g. {nprobe: 64}) "
-                             f"for a dense or hybrid retriever, got {search_params!r} with retriever {retriever}")
+        problem = retriever_problem(retriever, index, retriever_url, search_params)
+        if problem:
+            raise ValueError(f"task_args.{problem}")
         self.retriever_kind, self.search_params = retriever, search_params
-        if index and retriever != "bm25" and not has_dense(Path(index)):
-            raise ValueError(f"task_args.retriever: {retriever} needs a dense index in {index}; build it with: "
-                             f"emapg index dense --index {index}")
         self.template, self.reward_kind, self.response_prefix = template, reward, response_prefix
         self.format_weight = format_weight
         self.agent = AgentConfig(max_turns=max_turns, passages=passages, max_turn_tokens=max_turn_tokens,
                                  max_total_tokens=max_total_tokens, max_info_tokens=max_info_tokens,
                                  force_answer=force_answer, turn_prefix=turn_prefix)
         self._index, self._url, self._retriever = index, retriever_url, None
-        if hops not in ("two", "one", "mix") or eval_hops not in ("two", "one"):
-            raise ValueError(f"task_args.hops / eval_hops: expected two, one or mix / two or one, got {hops!r}, "
-                             f"{eval_hops!r}")
-        if not 0.0 <= one_hop_frac <= 1.0:
-            raise ValueError(f"task_args.one_hop_frac: must be in [0, 1], got {one_hop_frac}")
         if not synthetic and (hops, eval_hops) != ("two", "two"):
             raise ValueError("task_args.hops, eval_hops: only the synthetic knowledge base has one-hop questions")
         self.hops, self.one_hop_frac = hops, one_hop_frac

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from emapg.config import ConfigError, TrainConfig, load_config, save_config, to_dict
-from emapg.metrics import PLOTS
+from emapg.run.metrics import PLOTS
 
 MARKER = ".emapg-run"
 LOCK = ".emapg.lock"  # the one writer's OS lock (and its PID, for the message a second writer gets)

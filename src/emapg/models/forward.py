@@ -13,7 +13,7 @@ Logits are never formed for prompt positions, nor for padding: hidden states of 
 positions go to :func:`emapg.logprobs.token_logprobs`, which works chunk by chunk.
 
 :func:`model_logprobs` is the pass the trainer calls: the same, through FSDP's hooks when the model
-is sharded (:data:`SHARD_METHODS` is what :func:`emapg.distributed.shard` registers for it).
+is sharded (:data:`SHARD_METHODS` is what :func:`emapg.models.distributed.shard` registers for it).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache, DynamicLayer
 
-from emapg import distributed
-from emapg.lm import cache_kwarg, decoder_and_head, head_transform, positions
 from emapg.logprobs import TokenLogprobs, token_logprobs
+from emapg.models import distributed
+from emapg.models.lm import cache_kwarg, decoder_and_head, head_transform, positions
 from emapg.rollout.batch import RolloutBatch
 
 
@@ -55,7 +55,7 @@ def _prefix_cache(cache, rows: Tensor | None = None) -> Cache:
 
 
 def _checkpointing(decoder: nn.Module) -> list[nn.Module]:
-    """The layers transformers checkpoints in this pass (:func:`emapg.lm.set_pass_mode` turns them on)."""
+    """The layers transformers checkpoints in this pass (:func:`emapg.models.lm.set_pass_mode` turns them on)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     if not torch.is_grad_enabled():

@@ -56,7 +56,7 @@ class ModelShape:
 
 def model_config(name: str, trust_remote_code: bool = False):
     """The transformers config of a built-in name or a model folder (its config.json; no weights)."""
-    from emapg import models
+    from emapg.models import zoo as models
 
     if name in models.BUILTIN and name != "smollm2-135m":
         with torch.device("meta"):
@@ -74,7 +74,7 @@ def shape_of(config) -> ModelShape:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    from emapg.lm import decoder_and_head
+    from emapg.models.lm import decoder_and_head
 
     decoder, head = decoder_and_head(model)
     layer = decoder.layers[0]
@@ -108,8 +108,8 @@ def _layers_model(config, layers: int, dtype: str, checkpointing: bool) -> nn.Mo
 
     from transformers import AutoModelForCausalLM
 
-    from emapg.lm import set_pass_mode
-    from emapg.models import DTYPES
+    from emapg.models.lm import set_pass_mode
+    from emapg.models.zoo import DTYPES
 
     cfg = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": layers, "vocab_size": 256,
                                       "layer_types": None, "use_cache": False, "bos_token_id": None,
@@ -302,10 +302,10 @@ def _lora_params(shape: ModelShape, cfg: Any) -> int:
 def run_plan(cfg: Any, config, task, tokenizer, *, world: int = 1, device: str = "cuda",
              gpu_memory: float | None = None) -> Plan:
     """The plan of a run as ``emapg train`` checks it: the model's ``config``, prompts as long as the task's
-    longest (:func:`emapg.prompts.longest_prompt`), responses as long as its budget (an agent episode's whole
+    longest (:func:`emapg.rollout.prompts.longest_prompt`), responses as long as its budget (an agent episode's whole
     budget), a teacher's config read from ``algo.teacher``."""
-    from emapg.prompts import longest_prompt
     from emapg.rollout import response_budget
+    from emapg.rollout.prompts import longest_prompt
 
     teacher = shape_of(model_config(cfg.algo.teacher)) if cfg.algo.teacher else None
     return plan(cfg, shape_of(config), world=world, prompt_tokens=longest_prompt(task, tokenizer),

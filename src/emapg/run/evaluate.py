@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from emapg import distributed
 from emapg.atomic import write_json_atomic, write_text_atomic
+from emapg.models import distributed
 from emapg.rollout import rollout_for_task
 from emapg.rollout.sampling import SamplingSpec
-from emapg.scoring import score_completions
 from emapg.tasks.base import Example, Task
+from emapg.tasks.scoring import score_completions
 
 RANK_SEED_STRIDE = 7919  # rank r samples with seed + r * stride; rank 0 (and a single process) with seed
 

