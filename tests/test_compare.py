@@ -344,7 +344,11 @@ def test_smoothed_endpoints_and_problem_by_problem_tests_from_the_kept_records(t
     end = endpoints(rows)
     assert end["policy_last3"] == pytest.approx(0.5) and end["anchor_last3"] == pytest.approx(0.5)
     assert end["transfer_policy"] == 0.3 and end["transfer_policy_last3"] == pytest.approx(0.7 / 3)
-    assert "transfer_anchor_last3" not in end  # never evaluated
+    assert "transfer_anchor_last3" not in end and "teacher_kl" not in end  # never evaluated
+    for row, kl in zip(rows[1:], (0.9, 0.5, 0.3, 0.4), strict=True):
+        row["eval/policy_teacher_kl"] = kl
+    end = endpoints(rows)
+    assert end["teacher_kl"] == 0.4 and end["teacher_kl_last3"] == pytest.approx(0.4)
     spec = load_spec(write_spec(tmp_path, SPEC))
     out = tmp_path / "out"
     solved = {"a": ["1100", "1110"], "b": ["0000", "1101"]}  # per seed, the last evaluation's
@@ -393,3 +397,34 @@ def test_every_claim_of_the_stability_re_test_reads_what_compare_summarises(tmp_
     assert [j.claim.text for j in judged if j.seeds != 2] == []
     p3 = next(j for j in judged if j.hypothesis == "P3")  # anchor minus its own policy: +2 points, every seed
     assert round(100 * p3.mean, 6) == 2.0
+
+
+def test_the_opd_tails_study_judges_what_its_runs_log_and_its_pilot_is_the_study_on_other_seeds(tmp_path):
+    """studies/opd_tails: each claim reads teacher_kl_last3 from compare's summary of runs shaped like the
+    study's (eval/policy_teacher_kl every 5 steps), lower is better; its pilot runs the same configurations
+    with the same overrides on seeds the study does not use."""
+    import yaml
+
+    from emapg.lab import verdicts as vd
+
+    folder = ROOT / "studies" / "opd_tails"
+    spec, pilot = load_spec(folder / "spec.yaml"), load_spec(folder / "pilot.yaml")
+    assert (pilot.base, pilot.overrides, pilot.configs) == (spec.base, spec.overrides, spec.configs)
+    assert set(pilot.seeds).isdisjoint(spec.seeds) and len(spec.seeds) >= 5
+    raw = yaml.safe_load((folder / "spec.yaml").read_text())
+    assert {c["config"] for h in raw["hypotheses"].values() for c in h["claims"]} == {"residual", "bucket"}
+    alpha, hyps = vd.load_hypotheses(folder / "spec.yaml")
+    out = tmp_path / "out"
+    for i, name in enumerate(spec.configs):  # unbiased 0.30, bucket 0.29, residual 0.28 (+ a seed shift)
+        for seed in spec.seeds:
+            run = out / name / f"seed{seed}"
+            run.mkdir(parents=True)
+            rows = [{"step": 0, "eval/policy_accuracy": 0.3, "eval/policy_teacher_kl": 0.5}]
+            rows += [{"step": s, "reward_mean": 0.5, "eval/policy_accuracy": 0.5,
+                      "eval/policy_teacher_kl": 0.3 - 0.01 * i + 0.001 * seed + 0.01 * (20 - s) / 5}
+                     for s in (5, 10, 15, 20)]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (run / "eval.json").write_text(json.dumps({"policy": {"accuracy": 0.5}}))
+    judged = {j.hypothesis: j for j in vd.judge(summarize(spec, out), hyps, alpha)}
+    assert set(judged) == {"R1", "B1"} and all(j.seeds == len(spec.seeds) for j in judged.values())
+    assert round(judged["R1"].mean, 9) == -0.02 and round(judged["B1"].mean, 9) == -0.01

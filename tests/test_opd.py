@@ -277,3 +277,48 @@ def test_the_weights_digest_sees_one_changed_value():
         next(model.parameters()).view(-1)[0] += 1e-3
     assert weights_digest(model) != a
     assert weights_digest(model.to(torch.bfloat16)) != weights_digest(model.to(torch.float32))
+
+
+def test_the_teacher_kl_endpoint_is_the_exact_reverse_kl_on_the_teachers_own_responses(tmp_path):
+    """eval.teacher_kl: at each held-out evaluation, the mean over the teacher's greedy responses' tokens of
+    KL(model || teacher) over the whole vocabulary equals a plain forward's full logits; the responses are
+    the teacher's greedy ones, made once and the same at every evaluation; a model equal to the teacher
+    scores exactly 0."""
+    from emapg.rollout.sampling import SamplingSpec
+    from emapg.run.teacher_kl import TeacherKL, reverse_kl_sum
+
+    teacher_dir = teacher_folder(tmp_path / "teacher")
+    tr = Trainer(cfg("steps=2", "eval.size=6", "eval.every=1", "save_every=0", f"algo.teacher={teacher_dir}",
+                     "algo.pg_coef=0", "algo.beta=1", "algo.k=4", "rollout.temperature=0.7"), tmp_path / "run",
+                 progress=False)
+    tkl = tr.evaluator.teacher_kl
+    assert isinstance(tkl, TeacherKL) and len(tkl.examples) == 6 and tkl.temperature == 0.7
+    value = tkl(tr.model)
+    responses = [b.response_ids.clone() for b in tkl.batches]
+    from emapg.rollout import rollout_for_task
+
+    greedy = rollout_for_task(tr.teacher, tr.tokenizer, tr.task, tkl.examples,
+                              SamplingSpec(n=1, greedy=True, max_new_tokens=tkl.max_new_tokens))
+    assert torch.equal(torch.cat(responses), greedy.response_ids)  # the teacher's own greedy answers
+    total, count = 0.0, 0
+    for b in tkl.batches:
+        s, t = full_logits(tr.model, b, 0.7).log_softmax(-1), full_logits(tr.teacher, b, 0.7).log_softmax(-1)
+        per_pos = (s.exp() * (s - t)).sum(-1)
+        total, count = total + float((per_pos * b.response_mask).sum()), count + int(b.response_mask.sum())
+    assert value > 0.01 and value == pytest.approx(total / count, rel=1e-6)  # float32 passes, two paths
+    assert reverse_kl_sum(tr.teacher, tr.teacher, tkl.batches[0], 0.7)[0] == 0.0
+    tr.train()
+    rows = read_metrics(tmp_path / "run")
+    kls = [r["eval/policy_teacher_kl"] for r in rows if "eval/policy_teacher_kl" in r]
+    assert len(kls) == 3 and kls[0] == pytest.approx(value, rel=1e-12) and kls[-1] != kls[0]
+    assert [torch.equal(a, b.response_ids) for a, b in zip(responses, tkl.batches, strict=True)] == [True]
+    assert "eval/anchor_teacher_kl" in rows[-1]
+
+
+def test_teacher_kl_is_off_without_a_teacher_or_when_asked(tmp_path):
+    tr = Trainer(cfg("steps=1", "eval.size=4", "save_every=0"), tmp_path / "a", progress=False)
+    assert tr.evaluator.teacher_kl is None
+    teacher_dir = teacher_folder(tmp_path / "teacher")
+    tr = Trainer(cfg("steps=1", "eval.size=4", "save_every=0", f"algo.teacher={teacher_dir}", "algo.beta=1",
+                     "eval.teacher_kl=false"), tmp_path / "b", progress=False)
+    assert tr.evaluator.teacher_kl is None

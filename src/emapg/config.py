@@ -186,6 +186,11 @@ class EvalConfig:
     set, for the policy and the anchor; its metrics are eval/transfer_policy_* and eval/transfer_anchor_*."""
     transfer_size: int | None = None
     """Problems in the transfer set; None = eval.size."""
+    teacher_kl: bool = True
+    """With algo.teacher (distillation): each held-out evaluation also measures the model's exact reverse KL
+    to the teacher, over the whole vocabulary, on the teacher's own greedy responses to the held-out
+    prompts (the same positions at every evaluation and in every run with that teacher), logged as
+    eval/policy_teacher_kl and eval/anchor_teacher_kl."""
     outcomes: bool = True
     """Keep every evaluation's per-problem outcomes (RUN/outcomes/: a line of 0/1 per evaluation), so
     that two runs can be compared problem by problem."""

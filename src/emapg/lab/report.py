@@ -62,17 +62,19 @@ SMOOTH = 3  # a smoothed endpoint: the mean of a curve's last this many evaluati
 def endpoints(rows: list[dict[str, Any]]) -> dict[str, float]:
     """A run's per-seed endpoints besides the final evaluation: for the policy and the anchor on the
     held-out set (``policy_last3``, ``anchor_last3``) and on the transfer set (``transfer_policy``,
-    ``transfer_policy_last3``, ...), the mean of the last three evaluations and the last one. The
+    ``transfer_policy_last3``, ...), the mean of the last three evaluations and the last one; for a
+    distillation run the policy's exact reverse KL to its teacher (``teacher_kl``, ``teacher_kl_last3``). The
     anchor's curve counts only where it was evaluated (step 0 excluded: there it is the policy)."""
     out = {}
     for name, key in (("policy", "eval/policy_accuracy"), ("anchor", "eval/anchor_accuracy"),
                       ("transfer_policy", "eval/transfer_policy_accuracy"),
-                      ("transfer_anchor", "eval/transfer_anchor_accuracy")):
+                      ("transfer_anchor", "eval/transfer_anchor_accuracy"),
+                      ("teacher_kl", "eval/policy_teacher_kl")):
         curve = _curve(rows, key)
         values = [curve[s] for s in sorted(curve)]
         if len(values) >= SMOOTH:
             out[f"{name}_last{SMOOTH}"] = statistics.fmean(values[-SMOOTH:])
-        if name.startswith("transfer") and values:
+        if name.startswith(("transfer", "teacher")) and values:
             out[name] = values[-1]
     return out
 

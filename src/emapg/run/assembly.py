@@ -63,6 +63,8 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
     since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
     run.teacher, run.teacher_sha256 = build_teacher(run.model, run.tokenizer, cfg, run.dist, run.run_dir,
                                                       ckpt, force)  # None: the KL is to the anchor
+    if run.teacher is not None:
+        run.evaluator.use_teacher(run.teacher, cfg.rollout.temperature)
     run.anchor, run.init_anchor, run.anchor_is_initial = build_anchors(run.model, cfg, run.dist, since_start)
     run.params = [p for p in run.model.parameters() if p.requires_grad]
     run.step, run.skipped_steps = 0, 0

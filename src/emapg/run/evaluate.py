@@ -55,6 +55,8 @@ def evaluate_shared(model: nn.Module, tokenizer, task: Task, examples: list[Exam
 def eval_row(which: str, res: dict[str, Any]) -> dict[str, Any]:
     """Metrics-row entries of an evaluation: accuracy, response length, rollout diagnostics."""
     row = {f"eval/{which}_accuracy": res["accuracy"], f"eval/{which}_length": res["mean_length"]}
+    if "teacher_kl" in res:  # a distillation run: the exact reverse KL to the teacher on its own responses
+        row[f"eval/{which}_teacher_kl"] = res["teacher_kl"]
     row.update({f"eval/{which}_{k[: -len('_mean')]}": v for k, v in res.items() if k.endswith("_mean")})
     return row
 
@@ -165,11 +167,22 @@ class RunEvaluator:
             if fit is not None:
                 fit(other)
             self.sets["transfer"] = (other, other.eval_examples(cfg.eval.transfer_size or cfg.eval.size))
+        self.teacher_kl = None  # a distillation run's TeacherKL (use_teacher)
         self.folder = Path(run_dir) / "outcomes"
         if self.main and self.sets:
             self.folder.mkdir(parents=True, exist_ok=True)
             for name, (_, examples) in self.sets.items():
                 write_json_atomic(self.folder / f"{name}.ids.json", [ex.id for ex in examples])
+
+    def use_teacher(self, teacher: nn.Module, temperature: float) -> None:
+        """Measure, with every held-out evaluation, the model's exact reverse KL to a distillation teacher
+        on the teacher's own greedy responses to the held-out prompts (:mod:`emapg.run.teacher_kl`)."""
+        from emapg.run.teacher_kl import TeacherKL
+
+        if "heldout" in self.sets and self.cfg.eval.teacher_kl:
+            task, examples = self.sets["heldout"]
+            self.teacher_kl = TeacherKL(teacher, self.tokenizer, task, examples, self.spec.max_new_tokens,
+                                        temperature, rank=self.rank, world=self.world)
 
     @property
     def examples(self) -> list[Example]:
@@ -199,6 +212,8 @@ class RunEvaluator:
                 res = evaluate_shared(model, self.tokenizer, task, examples, self.spec, rank=self.rank,
                                       world=self.world, seed=self.cfg.seed, progress=label,
                                       max_rows=self.cfg.rollout.max_rows)
+                if name == "heldout" and self.teacher_kl is not None:
+                    res["teacher_kl"] = self.teacher_kl(model)
             self._record(name, which, step, res)
             out[name] = res
         return out
