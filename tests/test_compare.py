@@ -428,3 +428,15 @@ def test_the_opd_tails_study_judges_what_its_runs_log_and_its_pilot_is_the_study
     judged = {j.hypothesis: j for j in vd.judge(summarize(spec, out), hyps, alpha)}
     assert set(judged) == {"R1", "B1"} and all(j.seeds == len(spec.seeds) for j in judged.values())
     assert round(judged["R1"].mean, 9) == -0.02 and round(judged["B1"].mean, 9) == -0.01
+
+
+def test_the_pilot_rule_fixes_the_number_of_seeds(bench_module):
+    """bench/pilot_seeds.py: Student's t quantiles (tables: t(0.975, 9) = 2.262, t(0.8, 9) = 0.883) and the
+    smallest number of seeds whose one-sided paired t-test reaches the power asked, capped."""
+    ps = bench_module("pilot_seeds")
+    assert round(ps.t_quantile(0.975, 9), 3) == 2.262 and round(ps.t_quantile(0.8, 9), 3) == 0.883
+    assert round(ps.t_quantile(0.975, 1000), 2) == 1.96
+    # sigma = delta at one-sided 0.0125, 80%: (t(.9875, 12) + t(.8, 12))^2 = 11.8 <= 13, at 12 it is 12.03 > 12
+    assert ps.seeds_needed(1.0, 1.0, 0.0125, high=20) == (13, True)
+    assert ps.seeds_needed(1.0, 1.0, 0.0125) == (10, False)  # over the cap: the maximum, underpowered
+    assert ps.seeds_needed(0.3, 1.0, 0.0125) == (5, True)  # never fewer than the minimum
