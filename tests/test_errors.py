@@ -13,7 +13,7 @@ SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
 
 
 @pytest.mark.parametrize("args,message", [
-    (["train", "--config", str(SMOKE), "device=cuda", "eval.size=0"], "device: cuda asked, but torch"),
+    (["train", "--config", str(SMOKE), "device=cuda", "eval.size=0"], "device cuda: no CUDA device is visible"),
     (["train", "--config", str(SMOKE), "task_args.digits=two"], "task_args.digits: expected an integer, got 'two'"),
     (["train", "--config", "no-such-recipe"], "no such file, and no recipe of that name (recipes: cpu_demo"),
     (["serve-retriever", "--index", "x", "--host", "0.0.0.0"], "--host 0.0.0.0: reachable from the network"),

@@ -154,7 +154,8 @@ def test_the_task_args_of_a_registered_task_are_checked_like_the_built_in_ones(t
 
 
 def test_eval_and_the_retriever_server_take_plugins_too(tmp_path, plugin):
-    res = run("eval", "--plugins", "my_plugin.py", "--model", "tiny-llama", "--task", "echo", "--size", "2",
+    # refused before any model loads: a model that does not exist is never reached
+    res = run("eval", "--plugins", "my_plugin.py", "--model", "no-such/model", "--task", "echo", "--size", "2",
               "--max-new-tokens", "4", "--device", "cpu", "--backend", "loop", cwd=tmp_path)
     assert res.returncode == 2 and "--backend loop: the backend samples for training only" in res.stderr
     res = run("eval", "--plugins", "my_plugin.py", "--model", "tiny-llama", "--task", "echo", "--size", "2",

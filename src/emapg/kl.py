@@ -286,13 +286,12 @@ def register_tail(tail: Tail) -> Tail:
 
 def estimator(name: str) -> Estimator:
     """The declaration of estimator ``name``; a ValueError lists the known ones."""
-    return _declared(name)
-
-
-def _declared(name: str) -> Estimator:
     if name not in ESTIMATORS:
         raise ValueError(f"unknown KL estimator {name!r}; expected one of {', '.join(ESTIMATORS)}")
     return ESTIMATORS[name]
+
+
+_declared = estimator  # the same function, for token_kl, whose argument ``estimator`` hides this name
 
 
 def clamp_binds(name: str, policy_logp_tok: Tensor, anchor_logp_tok: Tensor, samp_logp_tok: Tensor | None,

@@ -50,15 +50,17 @@ class DistInfo:
         return self.rank == 0
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` = CUDA when available, else CPU."""
+def resolve_device(device: str, field: str = "device") -> torch.device:
+    """``auto`` = CUDA when available, else CPU; a CUDA device asked where none is visible is a one-line
+    error naming ``field`` (``device`` in a config, ``--device`` on the command line)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU visible"
-        raise ConfigError(f"device: {device} asked, but torch {torch.__version__} has no CUDA device ({build}); "
-                          "use device=cpu or auto")
+        use = "--device cpu" if field.startswith("--") else "device=cpu or auto"
+        raise ConfigError(f"{field} {device}: no CUDA device is visible to torch {torch.__version__} ({build}); "
+                          f"use {use}")
     return dev
 
 

@@ -58,14 +58,10 @@ def parse_sets(items: list[str] | None) -> list[tuple[str, str | None]]:
 
 def resolve_device(device: str) -> str:
     """auto = cuda when a GPU is visible, else cpu; an unavailable cuda is a one-line error (the name itself is
-    checked by the config's ``device`` rule)."""
-    import torch
+    checked by the config's ``device`` rule). The training's rule, with the command line's option name."""
+    from emapg.models.distributed import resolve_device as resolve
 
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: no CUDA device is visible here (use --device cpu)")
-    return device
+    return str(resolve(device, "--device"))
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -102,13 +98,16 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
         if path is not None and plan.task == "arithmetic":
             raise ConfigError("--data: the arithmetic task generates its problems (leave --data out)")
         tasks.append((name, make_task(plan.task, **targs)))
+    open_engine = eval_engine_builder(plan.backend)  # a backend that cannot evaluate is refused before loading
     rows: list[dict[str, Any]] = []
     labels = model_labels(plan.models)
     for model_name in plan.models:
         torch.manual_seed(plan.seed)
         model, tok = load_model(model_name, plan.dtype)
         model.to(plan.device).eval()
-        engine = _engine(plan, model, tok, tasks)
+        engine = None if open_engine is None else open_engine(
+            model, tok, [t for _, t in tasks], plan.spec, device=plan.device, dtype=plan.dtype, seed=plan.seed,
+            rows=plan.batch_size * plan.spec.n)
         try:
             for set_name, task in tasks:
                 fit_prompts(task, tok, context_length(model), plan.spec.max_new_tokens, "error")
@@ -137,16 +136,14 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
     return rows
 
 
-def _engine(plan: EvalPlan, model, tok, tasks):
-    """The backend's evaluation engine holding ``model``'s weights; None: emapg's decode loop (hf)."""
-    backend = BACKENDS[plan.backend]
+def eval_engine_builder(name: str):
+    """Backend ``name``'s builder of an evaluation engine (it holds a model's weights and samples); None:
+    emapg's decode loop (hf). A backend that samples for training only is a one-line error."""
+    backend = BACKENDS[name]
     open_engine = backend.builder("for_eval")
-    if open_engine is None:
-        if backend.for_run is not None:
-            raise ConfigError(f"--backend {plan.backend}: the backend samples for training only (no for_eval)")
-        return None
-    return open_engine(model, tok, [t for _, t in tasks], plan.spec, device=plan.device, dtype=plan.dtype,
-                       seed=plan.seed, rows=plan.batch_size * plan.spec.n)
+    if open_engine is None and backend.for_run is not None:
+        raise ConfigError(f"--backend {name}: the backend samples for training only (no for_eval)")
+    return open_engine
 
 
 def model_labels(models: list[str]) -> dict[str, str | None]:

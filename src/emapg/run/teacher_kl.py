@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from emapg.kl import head_term
 from emapg.logprobs import head_logits
 from emapg.models import distributed
 from emapg.models.forward import response_hidden
@@ -50,7 +51,7 @@ def reverse_kl_sum(student: nn.Module, teacher: nn.Module, batch: RolloutBatch, 
         zs = head_logits(hs[i : i + chunk], s_head.weight, s_head.bias, temperature, tf_s).double()
         zt = head_logits(ht[i : i + chunk], t_head.weight, t_head.bias, temperature, tf_t).double()
         ls, lt = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
-        total += float((ls.exp() * (ls - lt)).sum())
+        total += float(head_term("reverse", ls, lt).sum())  # the head over the whole vocabulary: the exact KL
     return total, count
 
 
