@@ -1,9 +1,15 @@
-"""Helpers the benchmarks share: peak resident memory of a block of code."""
+"""Helpers the benchmarks share: peak resident memory of a block of code; where and at which commit a
+measurement ran (every published record names both)."""
 
 from __future__ import annotations
 
 import os
+import platform
+import subprocess
 import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rss_mb() -> float:
@@ -35,3 +41,27 @@ class PeakRSS:
     @property
     def extra(self) -> float:
         return self.peak - self.base
+
+
+def machine() -> dict:
+    """Where a measurement ran: the CPU's model name, its cores, the OS, torch's version."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(terse=True), "torch": torch.__version__}
+
+
+def commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return None
+    return (out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) or None

@@ -14,36 +14,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
-import subprocess
 from pathlib import Path
 
+from _common import commit, machine
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def machine() -> dict:
-    """Where a measurement ran: the CPU's model name, its cores, the OS, torch's version."""
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(terse=True), "torch": torch.__version__}
-
-
-def commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return None
-    return (out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) or None
 
 
 def run_record(run: Path) -> dict:

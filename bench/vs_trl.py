@@ -27,7 +27,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch
+from _common import commit, machine
 
 PROMPTS, SAMPLES, MAX_NEW, BETA, LR = 8, 4, 32, 0.001, 1e-5
 
@@ -156,9 +156,6 @@ def print_round(results: dict[str, dict], args) -> None:
 def summary(rounds: list[dict[str, dict]], args) -> dict:
     """Every round's per-side medians, their median over rounds, and each emapg side's ratio to TRL round by
     round (the side by side measurement) with its median: what ``--out`` writes and the docs quote."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from publish_run import commit, machine
-
     sides = {name: [_med(r[name]["times"]) for r in rounds] for name in rounds[0]}
     out = {"date": dt.date.today().isoformat(), "machine": machine(), "commit": commit(),
            "command": f"python bench/vs_trl.py --steps {args.steps} --repeat {args.repeat}",

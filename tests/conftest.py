@@ -24,8 +24,10 @@ if os.environ.get("EMAPG_TEST_DEVICE"):
 
 
 @pytest.fixture
-def bench_module():
-    """Import a script of bench/ by name (bench/ is not a package): ``bench_module("study_records")``."""
+def bench_module(monkeypatch):
+    """Import a script of bench/ by name (bench/ is not a package): ``bench_module("study_records")``; bench/
+    is on the path while the test runs, as it is for ``python bench/NAME.py`` (the scripts share _common)."""
+    monkeypatch.syspath_prepend(str(BENCH))
 
     def load(name):
         spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
