@@ -425,9 +425,22 @@ def test_the_opd_tails_study_judges_what_its_runs_log_and_its_pilot_is_the_study
                      for s in (5, 10, 15, 20)]
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             (run / "eval.json").write_text(json.dumps({"policy": {"accuracy": 0.5}}))
-    judged = {j.hypothesis: j for j in vd.judge(summarize(spec, out), hyps, alpha)}
+    summary = summarize(spec, out)
+    judged = {j.hypothesis: j for j in vd.judge(summary, hyps, alpha)}
     assert set(judged) == {"R1", "B1"} and all(j.seeds == len(spec.seeds) for j in judged.values())
     assert round(judged["R1"].mean, 9) == -0.02 and round(judged["B1"].mean, 9) == -0.01
+    # shown in the endpoint's own unit, not as accuracy points
+    table = vd.table(list(judged.values()), hyps, len(spec.seeds), alpha)
+    assert "| 5 | -0.02000 nats/token | [-0.02000, -0.02000] |" in table
+    # the report's endpoint section: step 0, final (step 20: 0.3 - 0.01 i + 0.001 seed), last 3 (+ 0.01),
+    # and each tail minus the unbiased one, seed by seed
+    md = markdown(spec, summary)
+    labels = {n: summary[n]["label"] for n in spec.configs}
+    assert f"| {labels['unbiased']} | 0.50000 | 0.30200 ± 0.00158 | 0.31200 ± 0.00158 | n/a | n/a | n/a |" in md
+    assert (f"| {labels['residual']} | 0.50000 | 0.28200 ± 0.00158 | 0.29200 ± 0.00158 | -0.02000 ± 0.00000 "
+            "[-0.02000, -0.02000] | -0.02000 ± 0.00000 [-0.02000, -0.02000] | s0 -0.02000, s1 -0.02000, ") in md
+    assert summary["bucket"]["curves"]["eval/policy_teacher_kl"]["steps"] == [0, 5, 10, 15, 20]
+    assert plot(summary, tmp_path / "tails.png").stat().st_size > 1000  # its panel drawn beside the others
 
 
 def test_the_pilot_rule_fixes_the_number_of_seeds(bench_module):

@@ -25,6 +25,8 @@ CURVES = {  # panel title -> metrics key
     "KL to the initial policy": "kl_to_init",
     "entropy": "entropy",
 }
+# a distillation study's panel, drawn where its runs measured it (eval.teacher_kl)
+TEACHER_CURVES = {"KL to the teacher (held-out, exact)": "eval/policy_teacher_kl"}
 
 
 def _curve(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -108,7 +110,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
             continue
         metrics = [read_metrics(r) for r in runs]
         curves = {}
-        for key in CURVES.values():
+        for key in (*CURVES.values(), *TEACHER_CURVES.values()):
             per_seed = [_anchor_curve(m) if key == "eval/anchor_accuracy" else _curve(m, key) for m in metrics]
             steps = sorted(set.intersection(*(set(c) for c in per_seed))) if per_seed else []
             curves[key] = {"steps": steps,
@@ -140,6 +142,8 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
             "kl_to_init": _mean_std([statistics.median(v) for m in metrics if (v := _last_steps(m, "kl_to_init"))]),
             "entropy": _mean_std([x["entropy"] for x in last if "entropy" in x]),
             "minutes": _mean_std([c / 60 for c in compute]),
+            **{k: _mean_std([e[k] for e in ends if k in e]) for k in ("teacher_kl", "teacher_kl_last3")
+               if any(k in e for e in ends)},
             "per_seed": {str(seed): {**{w: (f.get(w) or {}).get("accuracy") for w in ("policy", "anchor")},
                                      "peak": pk, "drawdown": dd, "auc": a, "anchor_auc": aa, **end}
                          for seed, f, pk, dd, a, aa, end in zip(done, finals, peak, drawdown, auc, anchor_auc, ends,
@@ -183,19 +187,48 @@ def markdown(spec: Spec, summary: dict[str, Any]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines += _paired(summary, rows)
+        lines += _to_the_teacher(summary, rows)
     lines += _anchor_vs_policy(summary)
     return "\n".join(lines)
 
 
-def _diff_cell(diffs: list[float]) -> str:
-    """Mean difference in points, with std and the 95% t-interval over seeds when there are several."""
+def _to_the_teacher(summary: dict[str, Any], rows: list[str]) -> list[str]:
+    """A distillation study's endpoint: each config's exact reverse KL to its teacher on the teacher's held-out
+    responses (nats per token), mean ± std over seeds at step 0, at the end and over the last three
+    evaluations, and each config minus the group's first, seed by seed, with 95% t-intervals."""
+    rows = [n for n in rows if "teacher_kl" in summary[n]]
+    if not rows:
+        return []
+    ref = summary[rows[0]]
+    lines = ["The policy's exact reverse KL to its teacher on the teacher's held-out responses (nats per token; "
+             f"lower is closer), mean ± std over seeds; differences paired with {ref['label']} (same seed), mean "
+             "± std [95% interval]:", "",
+             "| config | step 0 | final | last 3 evaluations | final minus first | last 3 minus first | "
+             "last 3 minus first: per seed |", "|" + "---|" * 7]
+    for n in rows:
+        s = summary[n]
+        curve = s["curves"]["eval/policy_teacher_kl"]
+        start = f"{curve['mean'][0]:.5f}" if curve["steps"][:1] == [0] else "n/a"
+        cells = [s["label"], start, _pm(s["teacher_kl"], 1, 5, s["seeds"] > 1),
+                 _pm(s.get("teacher_kl_last3", (math.nan, 0.0)), 1, 5, s["seeds"] > 1)]
+        for which in ("teacher_kl", "teacher_kl_last3"):
+            seeds, diffs = paired_diffs(s, ref, which) if n != rows[0] else ([], [])
+            cells.append(_diff_cell(diffs, scale=1, digits=5))
+        cells.append(", ".join(f"s{k} {d:+.5f}" for k, d in zip(seeds, diffs, strict=True)) or "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _diff_cell(diffs: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    """Mean difference in points (or times ``scale``), with std and the 95% t-interval over seeds when there
+    are several."""
     if not diffs:
         return "n/a"
     mean, std = _mean_std(diffs)
-    cell = f"{round(100 * mean, 1) + 0.0:+.1f}"
+    cell = f"{round(scale * mean, digits) + 0.0:+.{digits}f}"
     if len(diffs) > 1:
         lo, hi = interval95(diffs)
-        cell += f" ± {100 * std:.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+        cell += f" ± {scale * std:.{digits}f} [{scale * lo:+.{digits}f}, {scale * hi:+.{digits}f}]"
     return cell
 
 
@@ -272,8 +305,10 @@ def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) ->
     import matplotlib.pyplot as plt
 
     names = [n for n in (names or list(summary)) if n in summary]
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4))
-    for ax, (title, key) in zip(axes, CURVES.items(), strict=True):
+    panels = {**CURVES, **{t: k for t, k in TEACHER_CURVES.items()
+                           if any(summary[n]["curves"].get(k, {}).get("steps") for n in names)}}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    for ax, (title, key) in zip(axes, panels.items(), strict=True):
         for n in names:
             c = summary[n]["curves"][key]
             if not c["steps"]:

@@ -172,18 +172,34 @@ def _p(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}" if x >= 0.001 else f"{x:.1e}"
 
 
+def unit(metric: str) -> tuple[str, float, int]:
+    """How a claim's metric is shown: (unit, scale, decimals). Accuracies and their areas in points; the
+    policy's KL to its teacher (``teacher_kl``, ``teacher_kl_last3``) in nats per token."""
+    if metric.startswith("teacher_kl"):
+        return "nats/token", 1.0, 5
+    return "points", 100.0, 1
+
+
+def _signed(x: float, scale: float, digits: int) -> str:
+    return f"{round(scale * x, digits) + 0.0:+.{digits}f}"
+
+
 def table(judged: list[Judged], hypotheses: list[Hypothesis], seeds: int, alpha: float = 0.05) -> str:
-    """The claims' table and each hypothesis's raw and corrected verdict (markdown)."""
+    """The claims' table and each hypothesis's raw and corrected verdict (markdown). Means and intervals in
+    points, or with the unit named where the metric is not an accuracy (:func:`unit`)."""
     lines = [f"Holm's correction within each family; p-values one-sided in the claimed direction; a claim holds "
              f"corrected when its Holm p is below {alpha / 2:g} (two-sided {alpha:g}, the interval's level); claims "
              "of no difference: not corrected, 'holds' = no difference detected.", "",
-             "| hypothesis (family) | claim | seeds | mean (points) | 95% t-interval | p (t) | p (sign-flip) | "
-             "Holm p (t) | Holm p (sign-flip) | raw verdict | corrected | corrected (sign-flip) |",
+             "| hypothesis (family) | claim | seeds | mean (points unless named) | 95% t-interval | p (t) | "
+             "p (sign-flip) | Holm p (t) | Holm p (sign-flip) | raw verdict | corrected | corrected (sign-flip) |",
              "|" + "---|" * 12]
     family = {h.name: h.family for h in hypotheses}
     for j in judged:
-        mean = "n/a" if j.mean is None else f"{round(100 * j.mean, 1) + 0.0:+.1f}"
-        ci = "n/a" if j.interval is None else "[{:+.1f}, {:+.1f}]".format(*(100 * x for x in j.interval))
+        name, scale, digits = unit(j.claim.metric)
+        named = "" if name == "points" else f" {name}"
+        mean = "n/a" if j.mean is None else _signed(j.mean, scale, digits) + named
+        ci = "n/a" if j.interval is None else f"[{_signed(j.interval[0], scale, digits)}, " \
+                                              f"{_signed(j.interval[1], scale, digits)}]"
         lines.append(f"| {j.hypothesis} ({family[j.hypothesis]}) | {j.claim.text} | {j.seeds} | {mean} | {ci} | "
                      f"{_p(j.p_t)} | {_p(j.p_flip)} | {_p(j.holm_t)} | {_p(j.holm_flip)} | {j.raw} | "
                      f"{j.corrected} | {j.corrected_flip} |")
