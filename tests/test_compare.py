@@ -399,7 +399,8 @@ def test_every_claim_of_the_stability_re_test_reads_what_compare_summarises(tmp_
     assert round(100 * p3.mean, 6) == 2.0
 
 
-def test_the_opd_tails_study_judges_what_its_runs_log_and_its_pilot_is_the_study_on_other_seeds(tmp_path):
+def test_the_opd_tails_study_judges_what_its_runs_log_and_its_pilot_is_the_study_on_other_seeds(tmp_path,
+                                                                                                   bench_module):
     """studies/opd_tails: each claim reads teacher_kl_last3 from compare's summary of runs shaped like the
     study's (eval/policy_teacher_kl every 5 steps), lower is better; its pilot runs the same configurations
     with the same overrides on seeds the study does not use."""
@@ -441,6 +442,15 @@ def test_the_opd_tails_study_judges_what_its_runs_log_and_its_pilot_is_the_study
             "[-0.02000, -0.02000] | -0.02000 ± 0.00000 [-0.02000, -0.02000] | s0 -0.02000, s1 -0.02000, ") in md
     assert summary["bucket"]["curves"]["eval/policy_teacher_kl"]["steps"] == [0, 5, 10, 15, 20]
     assert plot(summary, tmp_path / "tails.png").stat().st_size > 1000  # its panel drawn beside the others
+    # the verdicts as data, the file the docs link their numbers to
+    json_path = tmp_path / "verdicts.json"
+    bench_module("stability_verdicts").report(folder, out, json_path)
+    data = json.loads(json_path.read_text())
+    r1 = data["hypotheses"]["R1"]
+    assert (r1["family"], r1["seeds"], r1["provisional"], r1["raw"]) == ("tails", 5, False, "holds")
+    assert r1["claims"][0]["unit"] == "nats/token" and round(r1["claims"][0]["mean"], 9) == -0.02
+    assert round(data["configs"]["residual"]["teacher_kl_last3"]["mean"], 9) == 0.292
+    assert round(data["configs"]["unbiased"]["teacher_kl_last3"]["per_seed"]["4"], 9) == 0.314
 
 
 def test_the_pilot_rule_fixes_the_number_of_seeds(bench_module):

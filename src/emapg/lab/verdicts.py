@@ -218,3 +218,23 @@ def hypothesis_verdicts(judged: list[Judged], hypotheses: list[Hypothesis]) -> d
         out[h.name] = (combine([j.raw for j in mine]), combine([j.corrected for j in mine]),
                        combine([j.corrected_flip for j in mine]), min(j.seeds for j in mine))
     return out
+
+
+def record(judged: list[Judged], hypotheses: list[Hypothesis], seeds: int, alpha: float = 0.05) -> dict[str, Any]:
+    """The verdicts as data (what ``bench/stability_verdicts.py --json`` writes and the docs link to): per
+    hypothesis its family, verdicts and seeds, and per claim the numbers in the metric's own scale (fractions
+    for accuracies, nats per token for the teacher KL; ``unit`` says which the docs show) with its p-values."""
+    out: dict[str, Any] = {"alpha": alpha, "seeds_planned": seeds, "hypotheses": {}}
+    verdicts = hypothesis_verdicts(judged, hypotheses)
+    for h in hypotheses:
+        raw, corrected, flip, n = verdicts[h.name]
+        claims = [{"text": j.claim.text, "config": j.claim.config, "ref": j.claim.ref, "metric": j.claim.metric,
+                   "unit": unit(j.claim.metric)[0], "seeds": j.seeds, "mean": j.mean,
+                   "interval95": list(j.interval) if j.interval else None, "p_t": j.p_t, "p_sign_flip": j.p_flip,
+                   "holm_p_t": j.holm_t, "holm_p_sign_flip": j.holm_flip, "raw": j.raw, "corrected": j.corrected,
+                   "corrected_sign_flip": j.corrected_flip}
+                  for j in judged if j.hypothesis == h.name]
+        out["hypotheses"][h.name] = {"family": h.family, "raw": raw, "corrected": corrected,
+                                     "corrected_sign_flip": flip, "seeds": n, "provisional": n < seeds,
+                                     "claims": claims}
+    return out
