@@ -75,7 +75,7 @@ def report(study: Path, out: Path, json_path: Path | None = None) -> str:
     judged = judge(summary, hypotheses, alpha)
     md = table(judged, hypotheses, len(spec.seeds), alpha)
     if json_path is not None:
-        data = {"study": study.name, "date": dt.date.today().isoformat(),
+        data = {"study": study.name, "judged": dt.date.today().isoformat(),
                 "command": f"python bench/stability_verdicts.py --study studies/{study.name} --out {out}",
                 **record(judged, hypotheses, len(spec.seeds), alpha), "configs": endpoints(summary, hypotheses)}
         tmp = json_path.with_suffix(".json.tmp")

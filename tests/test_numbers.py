@@ -1,8 +1,8 @@
 """One source per number: a figure the README or the docs quote from a results file is written as a link to
 the value, ``[73.5%](docs/results/demo.json#/runs/2026-12-01/anchor)`` (a JSON pointer after the ``#``),
 and every such quote must read what the file holds, to the digits it shows. The files are written by the
-scripts that measured them (``bench/publish_run.py``, ``bench/vs_trl.py --out``), so a rerun that changes a
-number changes it in one place, and this test names every copy left behind."""
+scripts that measured them (``bench/publish_run.py``, ``bench/vs_trl.py --out``, ``bench/stability_verdicts.py
+--json``), so a rerun that changes a number changes it in one place, and this test names every copy left behind."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 QUOTE = re.compile(r"\[([^\]]+)\]\(([^)#\s]+\.json)#(/[^)\s]*)\)")
-NUMBER = re.compile(r"^([+-]?\d+(?:\.(\d+))?)\s*(%|x|s| s| GiB| GB| MB)?$")
+NUMBER = re.compile(r"^([+-]?\d+(?:\.(\d+))?)(e[+-]?\d+)?\s*(%|x|s| s| GiB| GB| MB| points)?$")
 
 
 def pointer(doc: object, path: str) -> object:
@@ -33,7 +33,10 @@ def shown(text: str, value: object) -> str | None:
     if m is None or not isinstance(value, int | float):
         return None if text.strip() == str(value) else f"{text!r} but the file holds {value!r}"
     digits = len(m.group(2) or "")
-    scaled = value * 100 if m.group(3) == "%" else value
+    scaled = value * 100 if m.group(4) in ("%", " points") else value
+    if m.group(3):  # 4e-5, 4.4e-05: the mantissa's digits
+        want = f"{scaled:.{digits}e}"
+        return None if float(m.group(1) + m.group(3)) == float(want) else f"{text!r} but the file holds {want}"
     want = f"{scaled:.{digits}f}"
     return None if m.group(1).lstrip("+") == want.lstrip("+") else f"{text!r} but the file holds {want}"
 
@@ -51,6 +54,8 @@ def quotes() -> list[tuple[str, str, Path, str]]:
 
 def test_the_checker_reads_digits_percentages_and_ratios():
     assert shown("73.5%", 0.735) is None and shown("0.43x", 0.4312) is None and shown("16.0 s", 15.96) is None
+    assert shown("+8.7 points", 0.08712) is None and shown("+8.8 points", 0.08712) is not None
+    assert shown("4e-5", 4.4e-05) is None and shown("4.4e-05", 4.4e-05) is None and shown("5e-5", 4.4e-05)
     assert shown("73.5%", 0.74) == "'73.5%' but the file holds 74.0"
     assert shown("AMD EPYC 7B13", "AMD EPYC 7B13") is None and shown("Xeon", "AMD EPYC") is not None
     assert pointer({"runs": {"a/b": [1, {"x": 2}]}}, "/runs/a~1b/1/x") == 2
