@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check src tests bench examples
-.venv/bin/python -m pytest -q "$@"
+# the 15 slowest tests end the log: the default suite is kept under 10 minutes
+.venv/bin/python -m pytest -q --durations=15 "$@"
 if [ -x .venv-vllm/bin/python ] && [ "${EMAPG_VLLM:-cpu}" = "cpu" ]; then
   .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
   .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_forward.py tests/test_pool.py
