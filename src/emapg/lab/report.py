@@ -319,6 +319,8 @@ def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) ->
                             label=summary[n]["label"])
             ax.fill_between(c["steps"], lo, hi, color=line.get_color(), alpha=0.15)
         ax.set_title(title, fontsize=10)
+        if key in TEACHER_CURVES.values():
+            ax.set_yscale("log")  # step 0 is 20-50x the rest
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
