@@ -3,6 +3,7 @@
     python tests/dist_worker.py update OUT [KEY=VALUE ...]   one update on a fixed global batch
     python tests/dist_worker.py train RUN STEPS [--resume]   train (or resume) to STEPS, saving every step
     python tests/dist_worker.py resave RUN                   resume RUN and save again, without training
+    python tests/dist_worker.py ragged OUT [--no-agree]      sharded passes over rows whose lengths differ by rank
 
 ``update`` writes, from rank 0, OUT/result.safetensors (the gradients of the first optimizer step,
 the parameters and the anchor after the update, and the weights the vLLM backend would push) and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -97,6 +99,63 @@ def cmd_update(out: Path, overrides: list[str]) -> None:
         (out / "offload.json").write_text(json.dumps(sorted(policies)))
 
 
+def ragged_batches(rank: int, vocab: int = 259) -> list[RolloutBatch]:
+    """Micro-batches of 2 prompts x 2 responses whose lengths make each rank want another plan: rank 0's
+    first spans 1 to 150 tokens (4 length groups), rank 1's are alike (1 group); in the second rank 1's
+    responses count no position (all masked, one column after trimming: a call with no inputs)."""
+    g = torch.Generator().manual_seed(99 + rank)
+    spans = {0: [[150, 120, 3, 1], [7, 5, 6, 2]], 1: [[5, 5, 4, 4], [0, 0, 0, 0]]}[rank]
+    out = []
+    for lengths in spans:
+        width = max(1, max(lengths))
+        prompt_ids = torch.randint(3, vocab, (2, 6 + rank), generator=g)
+        response_ids = torch.randint(3, vocab, (4, width), generator=g)
+        mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+        out.append(RolloutBatch(prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids),
+                                response_ids=response_ids, response_mask=mask, samp_logp=torch.zeros((4, width)), n=2))
+    return out
+
+
+def cmd_ragged(out: Path, agree: bool) -> None:
+    """Forward and backward of the log-prob pass through FSDP2 on ragged rows, with prefix sharing and
+    checkpointing: rank 0 writes the gathered gradients and the log-probs of every rank, and the same
+    computed by one unsharded model over all ranks' rows (the equality test_distributed checks)."""
+    from emapg.models import forward
+    from emapg.models.forward import SHARD_METHODS, model_logprobs, response_logprobs
+    from emapg.models.lm import set_pass_mode
+    from emapg.models.zoo import tiny_model
+
+    if not agree:  # the unequal plan of before: each rank decides its own calls
+        forward.distributed = types.SimpleNamespace(**{**vars(distributed), "world": lambda: 1})
+    info = distributed.init("cpu")
+    model, plain = tiny_model("qwen2", vocab_size=259), tiny_model("qwen2", vocab_size=259)
+    for m in (model, plain):
+        m.gradient_checkpointing_enable()
+        set_pass_mode(m, grad=True, lora_dropout=False)
+    distributed.shard(model, methods=SHARD_METHODS)
+    logps = []
+    for mb in ragged_batches(info.rank):
+        st = model_logprobs(model, mb, k_self=0)
+        (st.logp_tok.sum() * info.world).backward()  # FSDP averages gradients over ranks: the sum's gradient
+        logps.append(st.logp_tok.detach())
+    grads = {f"grad.{n}": distributed.whole(p.grad).detach().clone() for n, p in model.named_parameters()}
+    every = distributed.all_gather_objects([t.tolist() for t in logps])
+    if not info.is_main:
+        return
+    ref = {}
+    for rank, got in enumerate(every):
+        for i, mb in enumerate(ragged_batches(rank)):
+            st = response_logprobs(plain, mb)
+            st.logp_tok.sum().backward()
+            ref[f"logp.{rank}.{i}"] = st.logp_tok.detach()
+            torch.testing.assert_close(torch.tensor(got[i], dtype=torch.float32), ref[f"logp.{rank}.{i}"],
+                                       rtol=1e-5, atol=1e-5)
+    ref.update({f"grad.{n}": p.grad for n, p in plain.named_parameters()})
+    save_file({k: v.contiguous() for k, v in grads.items()}, out / "sharded.safetensors")
+    save_file({k: v.contiguous() for k, v in ref.items() if k.startswith("grad.")}, out / "plain.safetensors")
+    (out / "plans.json").write_text(json.dumps({"logps": [len(x) for r in every for x in r]}))
+
+
 def main(argv: list[str]) -> None:
     torch.use_deterministic_algorithms(True)
     cmd = argv[0]
@@ -109,6 +168,8 @@ def main(argv: list[str]) -> None:
         else:
             cfg = load_config(ROOT / "recipes" / "smoke.yaml", BASE + [f"steps={steps}", "keep_checkpoints=5"])
         Trainer(cfg, run, resume=resume, progress=False).train()
+    elif cmd == "ragged":
+        cmd_ragged(Path(argv[1]), agree="--no-agree" not in argv)
     elif cmd == "resave":
         run = Path(argv[1])
         Trainer(load_config(run / "config.yaml"), run, resume=True, progress=False).save()

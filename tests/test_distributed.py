@@ -51,6 +51,28 @@ def test_two_processes_equal_one_process(tmp_path, overrides):
     assert ra["clip_frac"] > 0  # the fixed batch is off-policy: the clipped path is exercised too
 
 
+def test_ranks_make_the_same_collectives_whatever_their_rows(tmp_path):
+    """The sharded log-prob pass with prefix sharing on rows that make each rank want another length-group
+    plan (4 groups on one, 1 on the other) and a micro-batch whose responses count no position on one rank:
+    every rank makes the same collectives, and the log-probs and gradients equal one unsharded model's."""
+    run(2, "ragged", str(tmp_path), timeout=180)
+    a, b = load_file(tmp_path / "plain.safetensors"), load_file(tmp_path / "sharded.safetensors")
+    assert set(a) == set(b) and sum(float(g.abs().sum()) for g in a.values()) > 0
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_an_unequal_plan_fails_fast_and_names_the_collective(tmp_path):
+    """The same passes with each rank planning alone (the code before the plan was agreed): the run fails
+    within its bound, and the message names the collective the ranks disagree on."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run([*launcher, str(WORKER), "ragged", str(tmp_path), "--no-agree"],
+                          env={**ENV, "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "Detected mismatch between collectives on ranks" in proc.stderr, proc.stderr[-3000:]
+    assert "OpType=" in proc.stderr
+
+
 def _same_checkpoint(a: Path, b: Path) -> None:
     for name in ("policy", "anchor", "optimizer"):
         x, y = load_file(a / f"{name}.safetensors"), load_file(b / f"{name}.safetensors")

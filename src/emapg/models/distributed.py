@@ -187,6 +187,11 @@ def _multi() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def world() -> int:
+    """The number of processes in the job (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     """Sum (or max) a list of numbers over ranks."""
     if not _multi() or not values:

@@ -89,12 +89,20 @@ def _layers(layers: list[nn.Module], checkpointed: bool) -> Iterator[None]:
             m.__dict__.pop("forward", None)
 
 
-def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = True) -> Tensor:
+def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = True, agree: bool = False) -> Tensor:
     """Hidden states [B, L, H] at the positions that predict each response token.
 
     With gradient checkpointing on and prefix sharing, the prompt pass keeps its activations (it is
     short, and its layers must write the cache) and the response pass checkpoints every layer, reading
-    the prompt's cache through a read-only :class:`_PrefixLayer` so that a replay sees the same cache."""
+    the prompt's cache through a read-only :class:`_PrefixLayer` so that a replay sees the same cache.
+
+    ``agree``: the model is sharded and not gathered, so each decoder call is a sequence of collectives
+    (an all-gather per unit, and in the backward a reduce-scatter) that every rank must make alike. Then the
+    number of calls depends on nothing a rank's rows decide: the length groups are planned from every rank's
+    costs (:func:`_length_groups`), every group runs a call (at least one column wide), and a micro-batch
+    whose responses count no position (all masked, or one token) still runs its response call, on one
+    column of padding whose output no position reads. Rows of every rank's micro-batches are equal in number
+    (``check_world``), which the plan relies on."""
     decoder, _ = decoder_and_head(model)
     n, resp = mb.n, mb.response_ids
     pmask = mb.prompt_mask
@@ -109,8 +117,11 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     with _layers(ckpt, checkpointed=False):
         out = decoder(input_ids=mb.prompt_ids, attention_mask=pmask, position_ids=positions(pmask), use_cache=True)
     h_first = out.last_hidden_state[:, -1:].repeat_interleave(n, 0)  # left padding: last column is real
-    if inputs.shape[1] == 0:
-        return h_first
+    width = inputs.shape[1]
+    if width == 0:
+        if not agree:
+            return h_first
+        inputs = torch.zeros_like(resp[:, :1])  # a call on one column of padding: its output is dropped below
     cache = getattr(out, "cache", None) or out.past_key_values
     if ckpt and not all(type(layer) is DynamicLayer for layer in cache.layers):
         return response_hidden(model, mb, prefix_sharing=False)  # sliding-window layers: the plain pass
@@ -122,44 +133,49 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     cols = torch.arange(1, resp.shape[1] + 1, device=resp.device)
     need = ((mb.response_mask.bool() * cols).amax(1) - 1).clamp(min=0)  # inputs each row needs (0: none)
     sliding = any(getattr(cache, "is_sliding", []))
-    groups = _length_groups(need, sliding=sliding)
+    groups = _length_groups(need, sliding=sliding, agree=agree)
     with _layers(ckpt, checkpointed=True):
         if len(groups) == 1:
             sub = cache if sliding else _prefix_cache(cache)
             h = decoder(input_ids=inputs, attention_mask=att, position_ids=pos, use_cache=True,
                         **{cache_kwarg(decoder): sub}).last_hidden_state
-            return torch.cat([h_first, h], 1)
-        parts, width = [], inputs.shape[1]
+            return torch.cat([h_first, h[:, :width]], 1)
+        parts, lp, cols = [], pmask.shape[1], inputs.shape[1]
         for rows in groups:
             w = int(need[rows].max())
-            if w == 0:
-                parts.append(h_first.new_zeros((len(rows), width, h_first.shape[-1])))
+            if w == 0 and not agree:
+                parts.append(h_first.new_zeros((len(rows), cols, h_first.shape[-1])))
                 continue
-            lp = pmask.shape[1]
+            w = max(w, 1)  # sharded: every group makes its call
             h = decoder(input_ids=inputs[rows, :w], attention_mask=att[rows, : lp + w], position_ids=pos[rows, :w],
                         use_cache=True, **{cache_kwarg(decoder): _prefix_cache(cache, rows)}).last_hidden_state
-            parts.append(torch.nn.functional.pad(h, (0, 0, 0, width - w)))
+            parts.append(torch.nn.functional.pad(h, (0, 0, 0, cols - w)))
     order = torch.cat(groups)
     h = torch.cat(parts)[torch.argsort(order)]
-    return torch.cat([h_first, h], 1)
+    return torch.cat([h_first, h[:, :width]], 1)
 
 
 GROUP_OVERHEAD_TOKENS = 64  # what one more decoder call costs, in tokens of compute (CPU, small models)
 
 
-def _length_groups(need: Tensor, sliding: bool) -> list[Tensor]:
+GROUP_PARTS = (1, 2, 4)  # the plans: the rows, longest first, cut into this many groups
+
+
+def _length_groups(need: Tensor, sliding: bool, agree: bool = False) -> list[Tensor]:
     """Row indices split into 1, 2 or 4 groups of similar length (longest first), whichever runs the
-    fewest padded tokens counting a call's overhead; one group for sliding-window caches."""
+    fewest padded tokens counting a call's overhead; one group for sliding-window caches.
+
+    ``agree``: the plan is the same on every rank (one all-reduce of three numbers): the one whose slowest
+    rank runs the fewest tokens. A rank's number of groups depends only on its number of rows, which every
+    rank shares."""
     order = torch.argsort(need, descending=True, stable=True)
     if sliding or need.numel() < 2:
         return [order]
-    best, best_cost = [order], float(need.max()) * need.numel() + GROUP_OVERHEAD_TOKENS
-    for parts in (2, 4):
-        groups = [g for g in order.chunk(parts) if len(g)]
-        cost = sum(float(need[g].max()) * len(g) + GROUP_OVERHEAD_TOKENS for g in groups)
-        if cost < best_cost:
-            best, best_cost = groups, cost
-    return best
+    plans = [order.chunk(parts) for parts in GROUP_PARTS]
+    costs = [sum(float(need[g].max()) * len(g) + GROUP_OVERHEAD_TOKENS for g in groups) for groups in plans]
+    if agree:
+        costs = distributed.all_reduce(costs, op="max")
+    return list(plans[min(range(len(plans)), key=lambda i: (costs[i], i))])
 
 
 def response_logprobs(
@@ -172,6 +188,7 @@ def response_logprobs(
     entropy: bool = False,
     chunk_size: int = 1024,
     prefix_sharing: bool = True,
+    agree: bool = False,
 ) -> TokenLogprobs:
     """Log-prob statistics of the response tokens, only at valid (mask = 1) positions.
 
@@ -180,7 +197,7 @@ def response_logprobs(
     valid positions, in row-major order (``tensor[mask.bool()]`` order).
     """
     _, head = decoder_and_head(model)
-    hidden = response_hidden(model, mb, prefix_sharing)
+    hidden = response_hidden(model, mb, prefix_sharing, agree=agree)
     valid = mb.response_mask.bool()
     return token_logprobs(
         hidden[valid], head.weight, mb.response_ids[valid], ids=ids,
@@ -193,8 +210,9 @@ LOGPROBS_METHOD = "emapg_logprobs"
 
 
 def _logprobs_method(self: nn.Module, mb, **kwargs) -> dict[str, Tensor | None]:
-    # A dict of tensors (a pytree), so FSDP sees the outputs and hooks their backward.
-    st = response_logprobs(self, mb, **kwargs)
+    # A dict of tensors (a pytree), so FSDP sees the outputs and hooks their backward. Sharded and not
+    # gathered: every rank makes the same decoder calls (response_hidden's ``agree``).
+    st = response_logprobs(self, mb, agree=distributed.world() > 1, **kwargs)
     return {f.name: getattr(st, f.name) for f in fields(st)}
 
 
