@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from emapg.config import load_config
 from emapg.models import distributed
@@ -67,6 +68,23 @@ def rank_share(batch: RolloutBatch, prompts: list[int]) -> RolloutBatch:
                         rewards=pick(batch.rewards), advantages=pick(batch.advantages))
 
 
+class CollectiveDevices(TorchDispatchMode):
+    """Records, for every collective op dispatched while active (c10d and functional collectives: FSDP2's
+    all-gathers and reduce-scatters, DTensor's, ours), the device types of its tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[str, set[str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.name())
+        if name.startswith(("c10d::", "_c10d_functional::")):
+            devices = {t.device.type for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                       if isinstance(t, torch.Tensor)}
+            self.seen.setdefault(name, set()).update(devices)
+        return func(*args, **(kwargs or {}))
+
+
 def cmd_update(out: Path, overrides: list[str]) -> None:
     cfg = load_config(ROOT / "recipes" / "smoke.yaml", BASE + overrides)
     tr = Trainer(cfg, out / "run", progress=False)
@@ -86,17 +104,22 @@ def cmd_update(out: Path, overrides: list[str]) -> None:
         return original_step(*args, **kwargs)
 
     tr.optimizer.step = recording_step
-    row = tr.update(mine)
-    params = {f"param.{k}": v.clone() for k, v in distributed.model_state(tr.model).items()}
-    anchor = {f"anchor.{k}": v for k, v in tr.anchor.state_dict().items() if k.startswith("average.")}
-    # what the vLLM backend would push: gathered from shards, LoRA merged (collective on every rank)
-    pushed = {f"vllm.{k}": v.detach().clone() for k, v in policy_weights(tr.model)}
+    with CollectiveDevices() as collectives:  # the update, the checkpoint's gathers and the vLLM push
+        row = tr.update(mine)
+        params = {f"param.{k}": v.clone() for k, v in distributed.model_state(tr.model).items()}
+        anchor = {f"anchor.{k}": v for k, v in tr.anchor.state_dict().items() if k.startswith("average.")}
+        # what the vLLM backend would push: gathered from shards, LoRA merged (collective on every rank)
+        pushed = {f"vllm.{k}": v.detach().clone() for k, v in policy_weights(tr.model)}
+        distributed.clip_grad_norm(tr.params, 1.0)
     if tr.dist.is_main:
         save_file({**grads, **params, **anchor, **pushed}, out / "result.safetensors")
         (out / "row.json").write_text(json.dumps({k: v for k, v in row.items() if not k.endswith("_seconds")}))
         policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
                     for m in tr.model.modules() if distributed.is_sharded(m) and m._get_fsdp_state()._fsdp_param_group}
         (out / "offload.json").write_text(json.dumps(sorted(policies)))
+        backend = torch.distributed.get_backend() if world > 1 else "none"
+        (out / "collectives.json").write_text(json.dumps(
+            {"backend": backend, "ops": {k: sorted(v) for k, v in collectives.seen.items()}}))
 
 
 def ragged_batches(rank: int, vocab: int = 259) -> list[RolloutBatch]:

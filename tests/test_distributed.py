@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from emapg.models import distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
@@ -136,6 +138,15 @@ def test_cli_nproc_runs_a_whole_run(tmp_path):
     assert any(not torch.equal(exported["policy"][n], exported["anchor"][n]) for n in exported["policy"])
 
 
+def test_the_process_group_serves_offloaded_shards_on_gpus():
+    """On CUDA the group carries CPU tensors too (offloaded shards, their norm, the anchor's average): an
+    NCCL-only group would refuse them (pytorch#148532); on a CPU gloo serves everything."""
+    assert distributed.backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert distributed.served(distributed.backend("cuda")) == {"cpu": "gloo", "cuda": "nccl"}
+    assert distributed.served(distributed.backend("cpu")) == {"cpu": "gloo"}
+    assert "cpu" not in distributed.served("nccl")  # what the group was before: offload broke there
+
+
 def test_a_batch_that_does_not_split_is_refused():
     from emapg.config import ConfigError, check_world, load_config
 
@@ -172,5 +183,13 @@ def test_offloaded_shards_compute_what_one_process_computes(tmp_path):
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
     assert json.loads((two / "offload.json").read_text()) == ["CPUOffloadPolicy"]  # every unit offloaded
+    # every collective of the update, the checkpoint's gathers, the gradient norm and the vLLM push had its
+    # tensors on a device the group serves (recorded at the dispatcher: FSDP2's, DTensor's and ours)
+    seen = json.loads((two / "collectives.json").read_text())
+    kinds = " ".join(seen["ops"])
+    assert "allgather" in kinds and "reduce_scatter" in kinds and "allreduce" in kinds
+    serves = distributed.served(seen["backend"])
+    for op, devices in seen["ops"].items():
+        assert set(devices) <= set(serves), (op, devices, seen["backend"])
     with pytest.raises(ConfigError, match="offload: true needs FSDP2 shards"):
         check_world(load_config(None, ["offload=true"]), 1)

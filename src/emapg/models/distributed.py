@@ -3,8 +3,10 @@
 Everything here is a thin layer over ``torch.distributed``; with one process every function is
 the identity (or the local computation), so the trainer has a single code path.
 
-* :func:`init` joins the process group that torchrun describes in the environment (NCCL on
-  CUDA, gloo on CPU) and says which rank and device this process has.
+* :func:`init` joins the process group that torchrun describes in the environment (NCCL for CUDA
+  tensors and gloo for CPU ones on a GPU machine, gloo on a CPU) and says which rank and device this
+  process has. ``EMAPG_COLLECTIVE_TIMEOUT`` (seconds) bounds every collective: a rank left waiting fails
+  with the collective named instead of hanging.
 * :func:`shard` applies ``fully_shard`` to each decoder layer and to the model, and registers the
   methods it is given (``emapg.models.forward.SHARD_METHODS``: the log-prob pass) as FSDP forward methods,
   so the output head (used by the chunked log-prob code without calling its ``forward``) is gathered
@@ -17,6 +19,7 @@ the identity (or the local computation), so the trainer has a single code path.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import types
@@ -71,6 +74,9 @@ def init(device: str = "auto", threads: int | None = None) -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if threads:
         torch.set_num_threads(max(1, threads // world) if dev.type == "cpu" else threads)
+    elif dev.type == "cuda" and world > 1:  # torchrun sets OMP_NUM_THREADS=1: an offloaded optimizer step
+        # (AdamW over the fp32 shards, on the CPU) would use one core; each process takes its share of the host's
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if world <= 1:
         return DistInfo(device=dev)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -78,8 +84,24 @@ def init(device: str = "auto", threads: int | None = None) -> DistInfo:
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        seconds = os.environ.get("EMAPG_COLLECTIVE_TIMEOUT")
+        timeout = {"timeout": datetime.timedelta(seconds=float(seconds))} if seconds else {}
+        dist.init_process_group(backend(dev.type), **timeout)
     return DistInfo(rank=rank, world=world, local_rank=local_rank, device=dev)
+
+
+def backend(device_type: str) -> str:
+    """The process group's backend for a job on ``device_type``. On CUDA, NCCL carries CUDA tensors and gloo
+    CPU ones: with ``offload: true`` the shards, their gradients, the gradient norm and the anchor's average
+    live on the CPU, and an NCCL-only group refuses CPU tensors (pytorch#148532)."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def served(backend_spec: str) -> dict[str, str]:
+    """Device type -> backend of a group made with ``backend_spec`` ("gloo": the CPU only; "nccl": CUDA only)."""
+    if ":" not in backend_spec:
+        return {"gloo": {"cpu": "gloo"}, "nccl": {"cuda": "nccl"}}.get(backend_spec, {})
+    return dict(part.split(":") for part in backend_spec.split(","))
 
 
 def autocast(mixed_precision: str | None, info: DistInfo):
@@ -197,7 +219,7 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     if not _multi() or not values:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
+    if "cpu" not in served(dist.get_backend()):
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.cpu().tolist()
