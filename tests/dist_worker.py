@@ -189,7 +189,9 @@ def main(argv: list[str]) -> None:
         if resume:
             cfg = load_config(run / "config.yaml", [f"steps={steps}"])
         else:
-            cfg = load_config(ROOT / "recipes" / "smoke.yaml", BASE + [f"steps={steps}", "keep_checkpoints=5"])
+            # 6 prompts a step: 1, 2 and 3 processes each hold whole shares
+            cfg = load_config(ROOT / "recipes" / "smoke.yaml", BASE + [f"steps={steps}", "keep_checkpoints=5",
+                                                                       "prompts_per_step=6"])
         Trainer(cfg, run, resume=resume, progress=False).train()
     elif cmd == "ragged":
         cmd_ragged(Path(argv[1]), agree="--no-agree" not in argv)

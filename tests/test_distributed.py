@@ -86,6 +86,10 @@ def _same_checkpoint(a: Path, b: Path) -> None:
 
 
 def test_checkpoints_resume_across_process_counts(tmp_path):
+    """1 -> 2 -> 3 -> 1 processes: each loads the checkpoint the last wrote (each rank reading its rows only),
+    writes it back bit for bit (each rank writing its rows only), and trains on. (Ranks sample with seeds of
+    their own, so a run's samples depend on its number of processes: the resumed steps are not those of one
+    process; resume on the same number equals the uninterrupted run: tests/test_recipe_matrix.py.)"""
     one = tmp_path / "one"
     run(1, "train", str(one), "1")
     # 1 -> 2: two processes load the 1-process checkpoint and write it back unchanged
@@ -96,14 +100,20 @@ def test_checkpoints_resume_across_process_counts(tmp_path):
     assert json.loads((two / "checkpoints" / "step_000001" / "state.json").read_text())["world"] == 2
     # ... and train on from it
     run(2, "train", str(two), "2", "--resume")
-    # 2 -> 1: one process loads the 2-process checkpoint and writes it back unchanged, then trains on
+    # 2 -> 3: an odd world (rows of a shard no longer equal), then train on
+    three = tmp_path / "three"
+    shutil.copytree(two, three)
+    run(3, "resave", str(three))
+    _same_checkpoint(two / "checkpoints" / "step_000002", three / "checkpoints" / "step_000002")
+    run(3, "train", str(three), "3", "--resume")
+    # 3 -> 1: one process loads the 3-process checkpoint and writes it back unchanged, then trains on
     back = tmp_path / "back"
-    shutil.copytree(two, back)
+    shutil.copytree(three, back)
     run(1, "resave", str(back))
-    _same_checkpoint(two / "checkpoints" / "step_000002", back / "checkpoints" / "step_000002")
-    run(1, "train", str(back), "3", "--resume")
+    _same_checkpoint(three / "checkpoints" / "step_000003", back / "checkpoints" / "step_000003")
+    run(1, "train", str(back), "4", "--resume")
     steps = [json.loads(line)["step"] for line in (back / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    assert steps == [1, 2, 3, 4]
 
 
 def test_cli_nproc_runs_a_whole_run(tmp_path):

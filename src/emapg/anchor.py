@@ -132,23 +132,34 @@ class EMAAnchor:
                 for n, p in params.items():
                     distributed.local(p).copy_(saved[n])
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """The fp32 average (whole tensors, gathered from the shards: collective when sharded),
-        plus step counters as 0-d tensors (safetensors-friendly)."""
-        state = {f"average.{n}": distributed.full_tensor(t, self._like[n]) for n, t in self.average.items()}
+    def state_dict(self, gather: bool = True) -> dict[str, Tensor]:
+        """The fp32 average plus step counters as 0-d tensors (safetensors-friendly). ``gather``: whole
+        tensors (gathered from the shards: collective when sharded); else DTensors over each rank's shard,
+        laid out as the averaged parameters (no communication)."""
+        if gather:
+            state = {f"average.{n}": distributed.full_tensor(t, self._like[n]) for n, t in self.average.items()}
+        else:
+            state = {f"average.{n}": distributed.as_dtensor(t, self._like[n]) for n, t in self.average.items()}
         state["num_steps"] = torch.tensor(self.num_steps)
         state["num_updates"] = torch.tensor(self.num_updates)
         return state
 
+    def layout(self) -> dict[str, Tensor]:
+        """State-dict name -> the tensor whose layout that entry follows (a DTensor when sharded)."""
+        return {**{f"average.{n}": self._like[n] for n in self.average},
+                "num_steps": torch.tensor(0), "num_updates": torch.tensor(0)}
+
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Restore :meth:`state_dict` (whole tensors; each rank keeps its shard); names must match."""
+    def load_state_dict(self, state: dict[str, Tensor], local: bool = False) -> None:
+        """Restore :meth:`state_dict` (whole tensors, each rank keeping its shard; ``local``: each rank's rows
+        already); names must match."""
         names = {n[len("average.") :] for n in state if n.startswith("average.")}
         if names != set(self.average):
             missing, extra = set(self.average) - names, names - set(self.average)
             raise KeyError(f"anchor state mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
         for n, avg in self.average.items():
-            avg.copy_(distributed.local_shard(state[f"average.{n}"], self._like[n]))
+            t = state[f"average.{n}"]
+            avg.copy_(t if local else distributed.local_shard(t, self._like[n]))
         self.num_steps = int(state["num_steps"])
         self.num_updates = int(state["num_updates"])
         self._sync_module()

@@ -288,6 +288,17 @@ def full_tensor(local: Tensor, like: Tensor) -> Tensor:
     return whole.full_tensor()
 
 
+def as_dtensor(local: Tensor, like: Tensor) -> Tensor:
+    """``local`` as this rank's shard of a DTensor laid out as ``like`` (no communication); ``local`` itself
+    when ``like`` is not a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def local_shard(full: Tensor, like: Tensor) -> Tensor:
     """This rank's shard of ``full``, sharded as ``like`` (no communication); ``full`` when not sharded."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -313,16 +324,20 @@ def load_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state keyed by parameter name, whole tensors on CPU: one format for any number
-    of processes (rank 0 gets it when sharded). Collective."""
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = True) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name: one format for any number of processes. ``whole``: whole
+    tensors on CPU (rank 0 gets them when sharded; collective); else each rank's DTensor shards (no
+    communication)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=is_sharded(model)))
+    full = whole and is_sharded(model)
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                         sharded: bool = False) -> None:
+    """Load :func:`optimizer_state`'s dict: whole tensors (every rank passes them), or (``sharded``) each
+    rank's DTensor shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=not sharded))

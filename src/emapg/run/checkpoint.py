@@ -11,42 +11,35 @@ atomic operation on POSIX); only then is ``latest`` replaced, also by an atomic 
 any moment leaves either the previous checkpoint or the new one as ``latest``, never a broken one;
 a kill between the two renames leaves a complete first checkpoint and no ``latest`` yet, which
 ``latest_checkpoint`` then finds by itself.
+
+The tensor files hold whole tensors whatever the number of processes (any number resumes any checkpoint),
+but under FSDP2 no rank gathers them: each writes its own rows in place and reads back only its own rows
+(:mod:`emapg.run.shards`), so a rank's memory at save and resume is its shard's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from emapg.atomic import OLD, TMP, folder_atomic, fsync_dir, is_ours, write_json_atomic
 from emapg.models import distributed
 from emapg.models.zoo import save_hf_folder
+from emapg.run import shards
 
 LATEST = "latest"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read: the message names the folder and the damaged file."""
-
-
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors refuses shared or non-contiguous storage (tied embeddings): store independent copies.
-    seen: set[int] = set()
-    out = {}
-    for k, v in tensors.items():
-        v = v.detach().cpu()
-        if v.data_ptr() in seen or not v.is_contiguous():
-            v = v.clone().contiguous()
-        seen.add(v.data_ptr())
-        out[k] = v
-    return out
 
 
 def optimizer_tensors(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -77,29 +70,51 @@ def optimizer_state_dict(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
 def save_checkpoint(
     ckpt_dir: Path,
     step: int,
-    policy_state: dict[str, torch.Tensor],
-    anchor_state: dict[str, torch.Tensor],
+    policy_state: Mapping[str, torch.Tensor],
+    anchor_state: Mapping[str, torch.Tensor],
     optimizer: torch.optim.Optimizer | dict[str, Any],
     state: dict[str, Any],
     keep: int = 2,
+    main: bool = True,
 ) -> Path:
     """Write checkpoint ``step`` atomically and point ``latest`` at it; prune old ones.
 
-    ``optimizer``: an optimizer, or its state dict (name-keyed, as the trainer saves it).
-    """
+    ``optimizer``: an optimizer, or its state dict (name-keyed, as the trainer saves it). Tensors may be
+    DTensors sharded on dim 0: then this is collective, every rank writes its rows and rank 0 (``main``)
+    the rest (the headers, whole tensors, state.json, ``latest``)."""
     final = ckpt_dir / f"step_{step:06d}"
     opt_sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     opt_tensors, opt_meta = optimizer_tensors(opt_sd)
-    with folder_atomic(final) as tmp:  # re-saving a step (after a resume) replaces it only when complete
-        save_file(_contiguous(policy_state), tmp / "policy.safetensors")
-        save_file(_contiguous(anchor_state), tmp / "anchor.safetensors")
-        save_file(_contiguous(opt_tensors), tmp / "optimizer.safetensors")
-        with open(tmp / "state.json", "w") as f:
-            json.dump({"step": step, "optimizer": opt_meta, **state}, f, indent=1)
-    write_json_atomic(ckpt_dir / LATEST, {"checkpoint": final.name, "step": step})
-    fsync_dir(ckpt_dir)
-    _prune(ckpt_dir, keep, step)
+    files = {f"{name}.safetensors": shards.pieces(tensors, main) for name, tensors in
+             (("policy", policy_state), ("anchor", anchor_state), ("optimizer", opt_tensors))}
+    with _shared_folder(final, main) as tmp:  # re-saving a step (after a resume) replaces it only when complete
+        if main:
+            for name, parts in files.items():
+                shards.create(tmp / name, parts)
+        distributed.barrier()
+        for name, parts in files.items():
+            shards.write_rows(tmp / name, parts)
+        distributed.barrier()
+        if main:
+            with open(tmp / "state.json", "w") as f:
+                json.dump({"step": step, "optimizer": opt_meta, **state}, f, indent=1)
+    if main:
+        write_json_atomic(ckpt_dir / LATEST, {"checkpoint": final.name, "step": step})
+        fsync_dir(ckpt_dir)
+        _prune(ckpt_dir, keep, step)
+    distributed.barrier()
     return final
+
+
+@contextlib.contextmanager
+def _shared_folder(final: Path, main: bool) -> Iterator[Path]:
+    """:func:`folder_atomic` on rank 0; every rank gets its temporary folder's path to write into."""
+    if not main:
+        yield Path(distributed.all_gather_objects(None)[0])
+        return
+    with folder_atomic(final) as tmp:
+        distributed.all_gather_objects(str(tmp))
+        yield tmp
 
 
 def _step_of(path: Path) -> int:
@@ -192,16 +207,17 @@ def _read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(file: Path) -> shards.Tensors:
     try:
-        return load_file(file)
+        return shards.Tensors(file)
     except Exception as e:  # safetensors raises its own error types for truncated or garbage files
         raise CheckpointError(f"{file} is damaged ({type(e).__name__}: {e})") from None
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint folder: {'policy', 'anchor', 'optimizer': (tensors, meta), 'state'}.
-    Raises :class:`CheckpointError` naming the damaged file."""
+    """Open a checkpoint folder: {'policy', 'anchor', 'optimizer': (tensors, meta), 'state'}; the tensors are
+    read when asked (whole, or a rank's rows: :class:`emapg.run.shards.Tensors`). Raises
+    :class:`CheckpointError` naming the damaged file (a header that does not fit its file, garbage JSON)."""
     state = _read_state(path)
     return {
         "policy": _read_tensors(path / "policy.safetensors"),
@@ -276,32 +292,45 @@ def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: 
     """Load a checkpoint's policy, anchor and optimizer state into the run's objects (sharded: into
     FSDP2's shards); returns its state.json (step, scheduler, ...). The optimizer's settings are the run's
     config's (lr, betas, weight decay), not the checkpoint's: a later stage may change them."""
-    if sharded:
-        distributed.load_model_state(model, ckpt["policy"])
+    if sharded:  # each rank reads its rows only
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                distributed.local(t).copy_(ckpt["policy"].local(name, t))
+        anchor.load_state_dict({n: ckpt["anchor"].local(n, like) for n, like in anchor.layout().items()}, local=True)
+        tensors, meta = ckpt["optimizer"]
+        params = dict(model.named_parameters())
+        distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(
+            {k: _param_rows(tensors, k, params.get(k.rsplit(".", 1)[0])) for k in tensors}, meta), sharded=True)
     else:
         tied = tied_names(model)
-        missing, unexpected = model.load_state_dict(ckpt["policy"], strict=False)
+        missing, unexpected = model.load_state_dict(dict(ckpt["policy"]), strict=False)
         if unexpected or [m for m in missing if m not in tied]:
             raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    anchor.load_state_dict(ckpt["anchor"])
-    distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(*ckpt["optimizer"]))
+        anchor.load_state_dict(dict(ckpt["anchor"]))
+        distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(*ckpt["optimizer"]))
     for group in optimizer.param_groups:
         group.update(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     return ckpt["state"]
 
 
+def _param_rows(tensors: shards.Tensors, key: str, param: torch.Tensor | None) -> torch.Tensor:
+    """An optimizer state tensor (``<param>.<field>``): the rows this rank holds when it has the parameter's
+    shape (exp_avg, exp_avg_sq), as a DTensor laid out like the parameter; else whole (AdamW's step)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor) and tensors.shape(key) == list(param.shape):
+        return DTensor.from_local(tensors.local(key, param), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return tensors[key]
+
+
 def save_training(run_dir: Path, step: int, model: nn.Module, anchor, optimizer: torch.optim.Optimizer,
                   state: dict[str, Any], keep: int, main: bool) -> Path:
     """Checkpoint ``step`` of a run as whole tensors (any number of processes can resume it).
-    Collective: every rank gathers, rank 0 (``main``) writes."""
-    policy = distributed.model_state(model)
-    anchor_state = anchor.state_dict()
-    opt = distributed.optimizer_state(model, optimizer)
-    path = Path(run_dir) / "checkpoints" / f"step_{step:06d}"
-    if main:
-        path = save_checkpoint(Path(run_dir) / "checkpoints", step, policy, anchor_state, opt, state, keep=keep)
-    distributed.barrier()
-    return path
+    Collective when sharded: every rank writes its own rows (nothing is gathered), rank 0 the rest."""
+    opt = distributed.optimizer_state(model, optimizer, whole=False)
+    return save_checkpoint(Path(run_dir) / "checkpoints", step, model.state_dict(), anchor.state_dict(gather=False),
+                           opt, state, keep=keep, main=main)
 
 
 def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool, main: bool, plain_model) -> None:
