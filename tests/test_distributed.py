@@ -121,7 +121,7 @@ def test_cli_nproc_runs_a_whole_run(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "emapg", "train", "--nproc", "2", "--config", str(ROOT / "recipes" / "smoke.yaml"),
-         "--out", str(out), "steps=2", "eval.size=6", "threads=2"],
+         "--out", str(out), "steps=2", "eval.size=6", "threads=2", "save_every=1"],
         env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     table = (out / "eval.md").read_text()
@@ -146,6 +146,31 @@ def test_cli_nproc_runs_a_whole_run(tmp_path):
             torch.testing.assert_close(state[name].float(), saved[name].float(), atol=1e-6, rtol=0, msg=name)
         exported[which] = state
     assert any(not torch.equal(exported["policy"][n], exported["anchor"][n]) for n in exported["policy"])
+    # `emapg export` of the 2-process run's step-1 checkpoint: folders that transformers loads, holding that
+    # checkpoint's policy and anchor, and that `emapg eval` evaluates
+    step1 = tmp_path / "step1"
+    proc = subprocess.run([sys.executable, "-m", "emapg", "export", str(out), "--step", "1", "--out", str(step1)],
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and str(step1 / "policy") in proc.stdout, proc.stderr[-3000:]
+    for which in ("policy", "anchor"):
+        state = AutoModelForCausalLM.from_pretrained(step1 / which).state_dict()
+        saved = load_file(out / "checkpoints" / "step_000001" / f"{which}.safetensors")
+        saved = {n.removeprefix("average."): t for n, t in saved.items() if n not in ("num_steps", "num_updates")}
+        assert len([n for n in saved if n in state]) >= len(state) - 1
+        for name in saved:
+            if name in state:
+                torch.testing.assert_close(state[name], saved[name], atol=0, rtol=0, msg=name)
+        assert any(not torch.equal(state[n], exported[which][n]) for n in state)  # step 1, not the final step
+    models = [str(step1 / "policy"), str(step1 / "anchor")]
+    proc = subprocess.run([sys.executable, "-m", "emapg", "eval", "--run", str(out), "--model", *models, "--size", "4",
+                           "--max-new-tokens", "8", "--out", str(tmp_path / "ev")],
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads((tmp_path / "ev" / "eval.json").read_text())) >= 1
+    bad = subprocess.run([sys.executable, "-m", "emapg", "export", str(out), "--step", "7"], env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--step 7" in bad.stderr and "step_000001, step_000002" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_the_process_group_serves_offloaded_shards_on_gpus():

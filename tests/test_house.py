@@ -70,7 +70,7 @@ def test_the_gpu_acceptance_run_fits_eight_minutes_on_one_gpu():
 
     script = (SRC.parents[1] / "scripts" / "gpu_check.sh").read_text()
     limits = dict(re.findall(r"^\s*check ([a-z0-9-]+) (\d+) ", script, re.M))
-    assert {"device", "unit", "signal", "agree", "resume", "eval", "r1-8k", "vllm-train", "vllm-eval",
+    assert {"device", "unit", "signal", "agree", "resume", "eval", "r1-4k", "vllm-recipe", "vllm-eval",
             "fsdp2"} <= set(limits)
     one_gpu = sum(int(v) for k, v in limits.items() if k != "fsdp2")
     assert one_gpu <= 480, f"the checks on one GPU may take {one_gpu} s"

@@ -21,7 +21,7 @@ def float64_default():
 
 
 def make(V=V, seed=0, off_policy=False):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     theta = (torch.randn(V, generator=g) * 1.5).requires_grad_(True)
     anchor = theta.detach() + torch.randn(V, generator=g) * 0.8
     samp = theta.detach() + torch.randn(V, generator=g) * 0.5 if off_policy else None
@@ -354,7 +354,7 @@ HEAD_CASES = [(e, h, f) for e, h, f in FAMILY] + [(name, None, "unbiased") for n
 @pytest.mark.parametrize("estimator,head,form", HEAD_CASES)
 @pytest.mark.parametrize("off_policy", [False, True])
 def test_lean_form_equals_reference_form(estimator, head, form, off_policy):
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     N, Vn, k = 20, 50, 7
     policy = torch.randn(N, Vn, generator=g).requires_grad_(True)
     anchor = policy.detach() + 0.5 * torch.randn(N, Vn, generator=g)
@@ -371,7 +371,7 @@ def test_lean_form_equals_reference_form(estimator, head, form, off_policy):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_lean_from_hidden_states_matches_reference(dtype, tol):
     """The trainer's path: chunked log-probs from hidden states -> lean KL, vs full logits -> token_kl."""
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator(torch.get_default_device()).manual_seed(2)
     N, H, Vn, k, T = 37, 16, 300, 8, 0.7
     hidden = torch.randn(N, H, generator=g, dtype=torch.float32).to(dtype).requires_grad_(True)
     weight = (torch.randn(Vn, H, generator=g, dtype=torch.float32) * 0.3).to(dtype).requires_grad_(True)

@@ -7,7 +7,7 @@ from emapg.logprobs import token_logprobs
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_chunked_logprobs_equal_naive_values_and_gradients(chunk_size, with_bias):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     N, H, V, k = 50, 8, 97, 5
     hidden = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
@@ -53,7 +53,7 @@ class _BigOutputs(torch.utils._python_dispatch.TorchDispatchMode):
 def test_backward_makes_one_weight_gradient_whatever_the_number_of_chunks(chunks):
     """Autograd would sum one [V, H] weight gradient per chunk out of place; the head's backward
     allocates the weight gradient once and accumulates into it."""
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     N, H, V = 64, 24, 300
     hidden = torch.randn(N, H, generator=g, requires_grad=True)
     weight = torch.randn(V, H, generator=g, requires_grad=True)
@@ -67,7 +67,7 @@ def test_backward_makes_one_weight_gradient_whatever_the_number_of_chunks(chunks
 
 
 def test_autocast_bf16_matches_the_naive_computation_in_bf16():
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator(torch.get_default_device()).manual_seed(2)
     N, H, V = 40, 32, 200
     hidden = torch.randn(N, H, generator=g, requires_grad=True)
     weight = (torch.randn(V, H, generator=g) / 4).requires_grad_()
@@ -88,7 +88,7 @@ def test_no_grad_path_and_empty_input():
     out = token_logprobs(hidden, weight, torch.zeros(0, dtype=torch.long), k_self=3, entropy=True)
     assert out.logp_tok.shape == (0,) and out.topk_ids.shape == (0, 3) and out.entropy.shape == (0,)
     # without autograd: no graph, and the same values as the naive log-softmax (and the grad path)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     hidden, weight = torch.randn(5, 4, generator=g), torch.randn(10, 4, generator=g, requires_grad=True)
     tokens = torch.tensor([0, 3, 9, 3, 7])
     with torch.no_grad():
@@ -126,7 +126,7 @@ def test_the_lean_path_applies_what_the_models_forward_does_to_its_logits(kind, 
 
     model = _tiny(kind, **extra)
     check_lean_head(model, kind)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     prompt, resp = torch.randint(2, 300, (2, 5), generator=g), torch.randint(2, 300, (2, 7), generator=g)
     mb = RolloutBatch(prompt_ids=prompt, prompt_mask=torch.ones_like(prompt), response_ids=resp,
                       response_mask=torch.ones_like(resp), samp_logp=torch.zeros(2, 7), n=1)

@@ -2,6 +2,7 @@
 
     emapg train [--config FILE] [--out DIR] [--resume DIR] [--nproc N] [KEY=VALUE ...]
     emapg eval  (--model PATH ... --task NAME | --run DIR) [--data [NAME=]FILE ...] [--samples N] [--device D]
+    emapg export RUN [--step N] [--out DIR]            a checkpoint's policy and anchor as Hugging Face folders
     emapg index build --corpus FILE --out DIR [--dense]  BM25 (and dense) index of a {id, title, text} corpus
     emapg index dense --index DIR [--embedder NAME]      add a dense (faiss) index to an index folder
     emapg index import-dense --index DIR --faiss FILE --embedder DIR   take a prebuilt faiss index (Search-R1's)
@@ -127,6 +128,16 @@ def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool) 
     if trainer.main and table is not None:
         print((run_dir / "eval.md").read_text())  # the trainer wrote it
     distributed.shutdown()
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from emapg.run.export import export_checkpoint
+
+    if args.step is not None and args.step < 0:
+        raise ConfigError(f"--step: must be >= 0, got {args.step}")
+    out = export_checkpoint(Path(args.run), out=args.out, step=args.step)
+    print(f"emapg: wrote {out / 'policy'} and {out / 'anchor'}")
     return 0
 
 
@@ -332,6 +343,12 @@ def _train_parser(sub) -> None:
 
 
 def _plan_parser(sub) -> None:
+    ex = sub.add_parser("export", help="a checkpoint's policy and anchor as Hugging Face folders (for eval, "
+                        "transformers, vLLM), from a run of any number of processes")
+    ex.add_argument("run", help="the run folder")
+    ex.add_argument("--step", type=int, help="the checkpoint's step (default: the newest complete checkpoint)")
+    ex.add_argument("--out", help="where OUT/policy and OUT/anchor go (default: RUN/export-step_NNNNNN)")
+    ex.set_defaults(func=cmd_export)
     pl = sub.add_parser("plan", help="the memory a run needs per device, phase by phase (config.json only, no weights)")
     pl.add_argument("--config", help="YAML config file, or the name of a shipped recipe")
     pl.add_argument("--gpus", type=int, default=1, help="devices the run is sharded over (torchrun processes)")

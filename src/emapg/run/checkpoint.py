@@ -32,7 +32,6 @@ from torch import nn
 
 from emapg.atomic import OLD, TMP, folder_atomic, fsync_dir, is_ours, write_json_atomic
 from emapg.models import distributed
-from emapg.models.zoo import save_hf_folder
 from emapg.run import shards
 
 LATEST = "latest"
@@ -292,22 +291,23 @@ def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: 
     """Load a checkpoint's policy, anchor and optimizer state into the run's objects (sharded: into
     FSDP2's shards); returns its state.json (step, scheduler, ...). The optimizer's settings are the run's
     config's (lr, betas, weight decay), not the checkpoint's: a later stage may change them."""
-    if sharded:  # each rank reads its rows only
-        with torch.no_grad():
-            for name, t in model.state_dict().items():
-                distributed.local(t).copy_(ckpt["policy"].local(name, t))
-        anchor.load_state_dict({n: ckpt["anchor"].local(n, like) for n, like in anchor.layout().items()}, local=True)
-        tensors, meta = ckpt["optimizer"]
-        params = dict(model.named_parameters())
-        distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(
-            {k: _param_rows(tensors, k, params.get(k.rsplit(".", 1)[0])) for k in tensors}, meta), sharded=True)
-    else:
-        tied = tied_names(model)
-        missing, unexpected = model.load_state_dict(dict(ckpt["policy"]), strict=False)
-        if unexpected or [m for m in missing if m not in tied]:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        anchor.load_state_dict(dict(ckpt["anchor"]))
-        distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(*ckpt["optimizer"]))
+    # one tensor at a time, each rank its own rows only (a plain model's are whole): no second copy of the model
+    policy, tied = ckpt["policy"], tied_names(model)
+    targets = model.state_dict()
+    missing = [n for n in targets if n not in policy and n not in tied]
+    unexpected = [n for n in policy if n not in targets]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, t in targets.items():
+            if name in policy:
+                distributed.local(t).copy_(policy.local(name, t))
+    anchor.load_state_dict(shards.Rows(ckpt["anchor"], anchor.layout()), local=True)
+    tensors, meta = ckpt["optimizer"]
+    params = dict(model.named_parameters())
+    distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(
+        shards.Rows(tensors, {}, lambda k: _param_rows(tensors, k, params.get(k.rsplit(".", 1)[0]))), meta),
+        sharded=sharded)
     for group in optimizer.param_groups:
         group.update(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     return ckpt["state"]
@@ -331,22 +331,3 @@ def save_training(run_dir: Path, step: int, model: nn.Module, anchor, optimizer:
     opt = distributed.optimizer_state(model, optimizer, whole=False)
     return save_checkpoint(Path(run_dir) / "checkpoints", step, model.state_dict(), anchor.state_dict(gather=False),
                            opt, state, keep=keep, main=main)
-
-
-def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool, main: bool, plain_model) -> None:
-    """The policy and the anchor as Hugging Face folders ``out/policy`` and ``out/anchor``. Sharded, this
-    is collective: rank 0 loads the gathered weights into ``plain_model()`` (an unsharded model) and writes."""
-    if not sharded:
-        save_hf_folder(model, tokenizer, out / "policy")
-        with anchor.use(model) as m:
-            save_hf_folder(m, tokenizer, out / "anchor")
-        return
-    policy = distributed.model_state(model)
-    with anchor.use(model) as m:
-        anchor_state = distributed.model_state(m)
-    if main:
-        plain = plain_model()
-        for name, state in (("policy", policy), ("anchor", anchor_state)):
-            plain.load_state_dict(state, strict=False)
-            save_hf_folder(plain, tokenizer, out / name)
-    distributed.barrier()

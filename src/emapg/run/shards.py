@@ -146,3 +146,24 @@ class Tensors(Mapping):
         if list(whole.get_shape()) != list(like.shape):
             raise ValueError(f"{self.file}: {name} has shape {whole.get_shape()}, the model's is {list(like.shape)}")
         return whole[start : start + local.shape[0]]
+
+
+class Rows(Mapping):
+    """The names of a :class:`Tensors` file, each read when asked as this rank's rows of a tensor laid out as
+    ``layout[name]`` (whole where ``layout`` has no entry), or by ``read(name)``: a loader that takes one
+    tensor at a time never holds the whole file."""
+
+    def __init__(self, tensors: Tensors, layout: Mapping[str, Tensor], read=None):
+        self.tensors, self.layout, self.read = tensors, layout, read
+
+    def __getitem__(self, name: str) -> Tensor:
+        if self.read is not None:
+            return self.read(name)
+        like = self.layout.get(name)
+        return self.tensors[name] if like is None else self.tensors.local(name, like)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)

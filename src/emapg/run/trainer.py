@@ -38,8 +38,9 @@ from emapg.rollout import response_budget, rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
 from emapg.run.assembly import assemble
-from emapg.run.checkpoint import export_models, save_training
+from emapg.run.checkpoint import save_training
 from emapg.run.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
+from emapg.run.export import export_models
 from emapg.run.metrics import add_stats, peak_memory_row, rollout_row, update_row
 from emapg.tasks.scoring import score_completions
 

@@ -1,0 +1,84 @@
+"""A run's models as Hugging Face folders (config, tokenizer, safetensors): at the end of a run
+(:func:`export_models`), or from any checkpoint afterwards (:func:`export_checkpoint`, ``emapg export``),
+whatever number of processes wrote it. Both write ``OUT/policy`` and ``OUT/anchor``; with LoRA each is
+exported merged (base + adapters), the anchor with its averaged adapters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from emapg.anchor import EMAAnchor
+from emapg.atomic import folder_atomic
+from emapg.models import distributed
+from emapg.models.zoo import policy_model, save_hf_folder
+from emapg.run.checkpoint import CheckpointError, load_checkpoint, resume_candidates, tied_names
+
+
+def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool, main: bool, plain_model) -> None:
+    """The policy and the anchor as Hugging Face folders ``out/policy`` and ``out/anchor``. Sharded, this
+    is collective: rank 0 loads the gathered weights into ``plain_model()`` (an unsharded model) and writes."""
+    if not sharded:
+        save_hf_folder(model, tokenizer, out / "policy")
+        with anchor.use(model) as m:
+            save_hf_folder(m, tokenizer, out / "anchor")
+        return
+    policy = distributed.model_state(model)
+    with anchor.use(model) as m:
+        anchor_state = distributed.model_state(m)
+    if main:
+        plain = plain_model()
+        for name, state in (("policy", policy), ("anchor", anchor_state)):
+            plain.load_state_dict(state, strict=False)
+            save_hf_folder(plain, tokenizer, out / name)
+    distributed.barrier()
+
+
+def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None = None) -> Path:
+    """Write checkpoint ``step`` of ``run_dir`` (default: its newest intact one) as ``OUT/policy`` and
+    ``OUT/anchor`` (default ``OUT``: ``RUN/export-step_NNNNNN``), each replaced atomically. The policy is
+    built on the CPU from the run's config.yaml (its model and LoRA settings), and the checkpoint's tensors
+    loaded into it; the anchor is the policy with the checkpoint's averages in place of its tensors."""
+    from emapg.config import load_config
+
+    run_dir = Path(run_dir)
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{run_dir}: {cfg_file} does not exist (is this a run folder?)")
+    cfg = load_config(cfg_file)
+    path = _checkpoint_folder(run_dir, step)
+    ckpt = load_checkpoint(path)
+    step = ckpt["state"]["step"]
+    model, tokenizer = policy_model(cfg)
+    tied = tied_names(model)
+    missing, unexpected = model.load_state_dict(dict(ckpt["policy"]), strict=False)
+    if unexpected or [m for m in missing if m not in tied]:
+        raise CheckpointError(f"{path / 'policy.safetensors'} does not fit model {cfg.model} of {cfg_file}: missing "
+                              f"{[m for m in missing if m not in tied][:3]}, unexpected {unexpected[:3]}")
+    anchor = EMAAnchor(model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=None)
+    anchor.load_state_dict(dict(ckpt["anchor"]))
+    out = Path(out) if out is not None else run_dir / f"export-step_{step:06d}"
+    for name in ("policy", "anchor"):
+        with folder_atomic(out / name) as tmp:
+            if name == "policy":
+                save_hf_folder(model, tokenizer, tmp)
+            else:
+                with anchor.use(model) as m:
+                    save_hf_folder(m, tokenizer, tmp)
+    return out
+
+
+def _checkpoint_folder(run_dir: Path, step: int | None) -> Path:
+    """The checkpoint folder of ``step`` (its name in the error when absent), or the newest complete one."""
+    if step is not None:
+        path = run_dir / "checkpoints" / f"step_{step:06d}"
+        if not (path / "state.json").exists():
+            have = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if (p / "state.json").exists())
+            raise FileNotFoundError(f"--step {step}: {run_dir} has no complete checkpoint {path.name} "
+                                    f"(it has: {', '.join(have) or 'none'})")
+        return path
+    found = resume_candidates(run_dir)
+    if not found:
+        raise FileNotFoundError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+    return found[0]
