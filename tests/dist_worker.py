@@ -179,6 +179,22 @@ def cmd_ragged(out: Path, agree: bool) -> None:
     (out / "plans.json").write_text(json.dumps({"logps": [len(x) for r in every for x in r]}))
 
 
+def cmd_blind(base: Path) -> None:
+    """Two "nodes" that do not share the run folder: each rank works in a folder of its own, and the run folder
+    is the same relative path; each rank writes the error it got."""
+    import os
+
+    from emapg.config import ConfigError
+
+    rank = int(os.environ.get("RANK", "0"))
+    (base / f"node{rank}").mkdir(exist_ok=True)
+    os.chdir(base / f"node{rank}")
+    try:
+        Trainer(load_config(ROOT / "recipes" / "smoke.yaml", BASE), Path("run"), progress=False)
+    except ConfigError as e:
+        (base / f"error{rank}.txt").write_text(str(e))
+
+
 def main(argv: list[str]) -> None:
     torch.use_deterministic_algorithms(True)
     cmd = argv[0]
@@ -193,6 +209,8 @@ def main(argv: list[str]) -> None:
             cfg = load_config(ROOT / "recipes" / "smoke.yaml", BASE + [f"steps={steps}", "keep_checkpoints=5",
                                                                        "prompts_per_step=6"])
         Trainer(cfg, run, resume=resume, progress=False).train()
+    elif cmd == "blind":
+        cmd_blind(Path(argv[1]))
     elif cmd == "ragged":
         cmd_ragged(Path(argv[1]), agree="--no-agree" not in argv)
     elif cmd == "resave":

@@ -182,6 +182,18 @@ def test_the_process_group_serves_offloaded_shards_on_gpus():
     assert "cpu" not in distributed.served("nccl")  # what the group was before: offload broke there
 
 
+def test_a_rank_that_cannot_see_the_run_folder_is_named(tmp_path):
+    """Several nodes without a shared filesystem (here: each rank in a folder of its own): every rank stops
+    with a one-line error naming the rank and host that cannot see the run folder, before any model loads."""
+    import socket
+
+    run(2, "blind", str(tmp_path), timeout=120)
+    for rank in (0, 1):
+        message = (tmp_path / f"error{rank}.txt").read_text()
+        assert f"rank 1 on {socket.gethostname()} cannot see the run folder" in message and "rank 0 on" not in message
+        assert "filesystem every node shares" in message and "\n" not in message
+
+
 def test_a_batch_that_does_not_split_is_refused():
     from emapg.config import ConfigError, check_world, load_config
 

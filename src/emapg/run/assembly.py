@@ -45,6 +45,7 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
     run.main = run.dist.is_main
     if run.main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
+    check_shared_folder(run.run_dir, run.dist)
     torch.manual_seed(cfg.seed)
     run.head = algo.kl_head(cfg.algo)  # the estimator's head and both sampling specs, read once
     run.sampling = algo.rollout_sampling(cfg.rollout, run.head)
@@ -84,6 +85,34 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
     run.metrics = MetricsWriter(run.run_dir, resume_step=run.step if resume else None,
                                  report_to=tuple(cfg.report_to), config=dataclasses.asdict(cfg),
                                  wandb_project=cfg.wandb_project) if run.main else None
+
+
+def check_shared_folder(run_dir: Path, dist: distributed.DistInfo) -> None:
+    """Every rank sees the run folder rank 0 writes (a checkpoint's files are written by every rank in place,
+    and read back by each): rank 0 leaves a token there, each rank reads it. Several nodes need the run folder
+    on a filesystem they share; a rank that cannot see it is named, with its host, on every rank."""
+    if not dist.enabled:
+        return
+    import secrets
+    import socket
+
+    probe = run_dir / ".emapg-ranks"
+    token = secrets.token_hex(8) if dist.is_main else None
+    if dist.is_main:
+        probe.write_text(token)
+    token = distributed.all_gather_objects(token)[0]
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    views = distributed.all_gather_objects((dist.rank, socket.gethostname(), seen))
+    if dist.is_main:
+        probe.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host}" for r, host, ok in views if not ok]
+    if blind:
+        raise ConfigError(f"--out {run_dir}: {', '.join(blind)} cannot see the run folder that rank 0 writes; with "
+                          "several nodes the run folder must be on a filesystem every node shares (docs/USAGE.md, "
+                          "'Several nodes')")
 
 
 def check_memory(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, dist: distributed.DistInfo) -> None:
