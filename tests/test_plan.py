@@ -106,3 +106,43 @@ def test_the_plan_command(capsys):
     assert "| **peak (" in out and "fits: peak" in out
     assert main(["plan", "--config", "smoke", "--gpus", "0"]) == 2
     assert "--gpus: must be > 0" in capsys.readouterr().err
+
+
+PAPER_MODELS = {"math": CONFIGS / "deepseek-r1-distill-qwen-1.5b", "search": CONFIGS / "qwen2.5-3b",
+                "opd": CONFIGS / "deepseek-r1-distill-qwen-1.5b"}
+GPU_RECIPES = ["math_r1_distill_1p5b", "math_r1_distill_1p5b_16k", "math_r1_distill_1p5b_24k",
+               "math_r1_distill_1p5b_topk", "search_qwen2p5_3b", "search_qwen2p5_3b_unbiased", "opd_r1_distill_1p5b"]
+
+
+def _recipe_models(recipe: str) -> list[str]:
+    overrides = [f"model={PAPER_MODELS[recipe.split('_')[0]]}"]
+    if recipe.startswith("opd"):
+        overrides.append(f"algo.teacher={CONFIGS / 'deepseek-r1-distill-qwen-7b'}")
+    return overrides
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_every_shipped_recipe_fits_its_own_plan_on_one_node(recipe):
+    """On the node the recipes are written for (8 GPUs of 80 GiB), with the paper's models' shapes (the OPD
+    recipe with its 7B teacher): `emapg plan` says fits."""
+    cfg = load_config(ROOT / "recipes" / f"{recipe}.yaml", _recipe_models(recipe))
+    out = P.report(cfg, gpus=8, gpu_memory_gb=80, prompt_tokens=1024)
+    assert "\nfits: peak" in out, out[-600:]
+
+
+def test_plan_on_one_device_runs_the_checks_train_runs():
+    """The paper's math recipe offloads (2+ processes): on one GPU `emapg plan` says train refuses it, plans what
+    one device would run (offload off) and names the fixes that apply there."""
+    cfg = load_config(ROOT / "recipes" / "math_r1_distill_1p5b.yaml", _recipe_models("math"))
+    out = P.report(cfg, gpus=1, gpu_memory_gb=80, prompt_tokens=1024)
+    assert "\nfits" not in out
+    assert "does not run on 1 device(s): `emapg train` refuses it: offload: true needs FSDP2 shards" in out
+    assert "with offload=false" in out and "a lower rollout.vllm_gpu_memory" in out
+    # a batch that does not split over the devices is refused the same way
+    out = P.report(load_config(ROOT / "recipes" / "math_r1_distill_1p5b.yaml", _recipe_models("math")), gpus=3,
+                   gpu_memory_gb=80, prompt_tokens=1024)
+    assert "does not run on 3 device(s)" in out and "prompts_per_step: 128 does not split over 3" in out
+    # weights and optimizer state alone past the device: LoRA and offload are what helps
+    big = load_config(ROOT / "recipes" / "search_qwen2p5_3b.yaml", [*_recipe_models("search"), "offload=false"])
+    out = P.report(big, gpus=1, gpu_memory_gb=24, prompt_tokens=1024)
+    assert "lora.r > 0" in out and "offload=true" in out

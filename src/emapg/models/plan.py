@@ -364,17 +364,24 @@ def too_big(p: Plan, capacity: float, cfg: Any) -> str | None:
         return None
     over = {ph.name for ph in p.phases if _phase(p, ph.name) > capacity}
     fixes = []
+    if sum(p.resident.values()) > capacity:  # the weights and optimizer state alone: no phase setting helps
+        fixes.append("lora.r > 0 (adapters train, the anchor averages them)" if cfg.lora.r == 0 else "")
+        fixes.append("offload=true (torchrun, 2+ processes)" if not cfg.offload else "")
     if "rollout" in over and cfg.rollout.backend == "hf":
         fixes.append("rollout.max_rows (fewer rows decoding at once)")
+    if "rollout" in over and cfg.rollout.backend == "vllm":
+        fixes.append(f"a lower rollout.vllm_gpu_memory (the engine takes {cfg.rollout.vllm_gpu_memory:g} of the "
+                     "device while it is awake)")
     if over & {"update", "reference"}:
         if not cfg.gradient_checkpointing and "update" in over:
             fixes.append("gradient_checkpointing=true")
         if cfg.micro_batch_prompts > 1:
             fixes.append("a smaller micro_batch_prompts")
-    if not cfg.offload:
+    if not cfg.offload and "offload=true (torchrun, 2+ processes)" not in fixes:
         fixes.append("offload=true (torchrun, 2+ processes)")
+    fixes = [f for f in fixes if f] + ["more devices"]
     return (f"the memory plan needs {p.peak / GIB:.1f} GiB per device at its peak ({p.peak_phase}), more than the "
-            f"device's {capacity / GIB:.1f} GiB: try {', '.join(fixes) or 'more devices'} (`emapg plan` prints every "
+            f"device's {capacity / GIB:.1f} GiB: try {', '.join(dict.fromkeys(fixes))} (`emapg plan` prints every "
             "part; memory_check=false runs it anyway)")
 
 
@@ -382,7 +389,18 @@ def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, res
     """``emapg plan``'s text: the plan of ``cfg`` on ``gpus`` devices of ``gpu_memory_gb`` GiB each, whether it
     fits, and the largest row bound and micro-batch that fit. ``response_tokens``: default an agent task's
     ``task_args.max_total_tokens`` when it sets one, else rollout.max_new_tokens."""
+    import dataclasses
+
+    from emapg.config import ConfigError, check_world
+
     response_tokens = response_tokens or cfg.task_args.get("max_total_tokens") or cfg.rollout.max_new_tokens
+    refused = None
+    try:  # what `emapg train` refuses on this many processes, the plan does not call a fit
+        check_world(cfg, gpus)
+    except ConfigError as e:
+        refused = str(e)
+        if cfg.offload and gpus < 2:  # what one device would run instead: the plan of that
+            cfg = dataclasses.replace(cfg, offload=False)
     shape = shape_of(model_config(cfg.model))
     teacher = shape_of(model_config(cfg.algo.teacher)) if cfg.algo.teacher else None
     capacity = gpu_memory_gb * GIB
@@ -393,6 +411,10 @@ def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, res
             f"{gpus} device(s) of {gpu_memory_gb:g} GiB; prompts up to {prompt_tokens} tokens, responses up to "
             f"{response_tokens}; per device:\n")
     verdict = too_big(p, capacity, cfg) or f"fits: peak {p.peak / GIB:.1f} of {capacity / GIB:.1f} GiB"
+    if refused:
+        alt = " (the plan above is with offload=false, what one device runs)" if "offload" in refused else ""
+        verdict = (f"does not run on {gpus} device(s): `emapg train` refuses it: {refused}{alt}; with that: "
+                   f"{verdict}")
     best = largest_fitting(cfg, shape, capacity, **kw)
     sizes = ", ".join(f"{k}={v}" for k, v in best.items() if v is not None) or "none"
     return f"{head}\n{render(p, capacity)}\n\n{verdict}\nlargest that fit (each with the rest as set): {sizes}"
