@@ -98,7 +98,8 @@ RECIPE=(-m emapg train --config recipes/math_r1_distill_1p5b.yaml device=$DEV mo
         task_args.train_file=tests/fixtures/evalsets/deepscaler_train.json
         task_args.eval_file=tests/fixtures/evalsets/aime_2024.jsonl steps=2 prompts_per_step=2 mini_batch_prompts=2
         micro_batch_prompts=1 rollout.n=4 rollout.max_new_tokens=2048 rollout.vllm_max_model_len=3072
-        rollout.vllm_enforce_eager=true rollout.vllm_sleep=$SLEEP eval.size=0 save_every=0 export=false)
+        rollout.vllm_enforce_eager=true rollout.vllm_sleep=$SLEEP eval.size=0 eval.max_new_tokens=2048 save_every=0
+        export=false)
 if $PY -c "import vllm" 2>/dev/null; then
   # 100 s: a cold eager vLLM engine (load, memory profile, KV cache) ~40 s; 2 rollouts of 8 x 2,048 tokens ~20 s;
   # sleep and wake ~5 s; the checkpointed passes with recompute_old ~10 s; the process start ~15 s.

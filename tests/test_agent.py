@@ -380,3 +380,68 @@ def test_seq_mean_token_sum_norm_divides_an_episode_by_its_whole_budget(tmp_path
     tr = trainer_mod.Trainer(cfg, tmp_path, progress=False)
     tr.update(tr.rollout(1))
     assert seen and set(seen) == {150}
+
+
+# Search-R1's search_r1/llm_agent/generation.py, execute_predictions
+SEARCH_R1_INVALID = ("\nMy previous action is invalid. If I want to search, I should put the query between "
+                     "<search> and </search>. If I want to give the final answer, I should put the answer between "
+                     "<answer> and </answer>. Let me try again.\n")
+
+
+class TurnSampler(ScriptedSampler):
+    """A ScriptedSampler whose turn index counts every environment reply: information and invalid-action texts."""
+
+    def __call__(self, contexts, max_new_tokens):
+        plays = []
+        for ctx in contexts:
+            text = TOK.decode(ctx, skip_special_tokens=True)
+            question = next(q for q in self.scripts if q in text)
+            plays.append((question, text.count("<information>") + text.count("My previous action is invalid")))
+        saved = self.scripts
+        rows = []
+        for question, turn in plays:  # one context at a time, with its own turn
+            self.scripts = {question: {0: saved[question][turn]}}
+            rows.append(super().__call__([TOK(question, add_special_tokens=False).input_ids], max_new_tokens))
+        self.scripts = saved
+        width = max(r.ids.shape[1] for r in rows)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
+        return Sampled(ids=torch.cat([pad(r.ids, TOK.pad_token_id) for r in rows]),
+                       logp=torch.cat([pad(r.logp, 0.0) for r in rows]), entropy=torch.ones((len(rows), width)),
+                       top_p_cut=torch.zeros((len(rows), width)), topk=None)
+
+
+def test_an_invalid_turn_gets_search_r1s_text_and_the_episode_goes_on():
+    """Search-R1's episode: a turn with neither a search nor an answer (ended by EOS, whose token is dropped, or
+    by its token budget) is answered with Search-R1's text, byte for byte (mask 0), and the episode goes on; the
+    turn after max_turns ends it whatever it does (its final rollout)."""
+    from emapg.tags import INVALID_ACTION
+
+    assert INVALID_ACTION == SEARCH_R1_INVALID
+    scripts = {"Q-inv?": [tokens("Paris, I think") + [EOS], "<search> a </search>", "y" * 30, "<answer> b </answer>"],
+               "Q-final?": ["no action", "still none", "nor here", "<search> a </search>", "<answer> late </answer>"]}
+    cfg = AgentConfig(max_turns=3, passages=1, max_turn_tokens=20, max_total_tokens=2000, invalid_action=INVALID_ACTION)
+    ret = FakeRetriever({"a": "fact a"})
+    batch = agent_rollout(TurnSampler(scripts), TOK, [example("Q-inv?"), example("Q-final?")], ret,
+                          SamplingSpec(n=1), config=cfg, eos=[EOS])
+    info = tokens(format_information([Passage(id="a", title="a", text="fact a")]))
+    inv = tokens(SEARCH_R1_INVALID)
+    turns = [(tokens("Paris, I think"), 1), (inv, 0), (tokens("<search> a </search>"), 1), (info, 0),
+             (tokens("y" * 20), 1), (inv, 0), (tokens("<answer> b </answer>"), 1)]
+    want = [t for part, _ in turns for t in part]
+    assert batch.response_ids[0, : len(want)].tolist() == want  # the EOS of the first turn is gone
+    assert batch.response_mask[0, : len(want)].tolist() == [m for part, m in turns for _ in part]
+    assert int(batch.response_mask[0].sum()) == sum(len(p) for p, m in turns if m)
+    assert batch.stats["turns"].tolist() == [4.0, 4.0] and batch.stats["searches"].tolist() == [1.0, 0.0]
+    assert extract_answer(batch.completions[0]) == "b" and SEARCH_R1_INVALID in batch.completions[0]
+    # the second episode: three invalid turns, then a fourth (past max_turns = 3) that searches: not run, the end
+    assert batch.completions[1].count("My previous action is invalid") == 3 and ret.calls == [["a"]]
+    assert extract_answer(batch.completions[1]) is None
+
+
+def test_the_search_r1_template_continues_after_an_invalid_turn_and_fewshot_ends():
+    from emapg.tags import INVALID_ACTION
+
+    common = dict(train_file=str(ROOT / "tests" / "fixtures" / "qa" / "nq.jsonl"),
+                  eval_file=str(ROOT / "tests" / "fixtures" / "qa" / "nq.jsonl"), retriever_url="http://127.0.0.1:9/x")
+    assert make_task("search_qa", template="search_r1", **common).agent.invalid_action == INVALID_ACTION
+    assert make_task("search_qa", template="fewshot", **common).agent.invalid_action == ""

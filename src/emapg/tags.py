@@ -14,6 +14,11 @@ INFO_RE = re.compile(r"<information>.*?(</information>|$)", re.S)
 TAG_RE = re.compile(r"</?(search|answer|information|think)>")
 STOPS = ["</search>", "</answer>"]
 """The strings that end a model turn."""
+INVALID_ACTION = ("\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+                  "</search>. If I want to give the final answer, I should put the answer between <answer> and "
+                  "</answer>. Let me try again.\n")
+"""Search-R1's observation after a turn with neither a search nor an answer, byte for byte (its generation.py
+``execute_predictions``): the episode goes on."""
 
 
 def format_information(passages) -> str:
@@ -31,8 +36,9 @@ def format_information(passages) -> str:
 
 
 def model_text(completion: str) -> str:
-    """The model's own text of a response: the information blocks removed."""
-    return INFO_RE.sub(" ", completion)
+    """The model's own text of a response: the information blocks and the invalid-action replies removed (the
+    latter quote ``<answer> and </answer>``, which is not the model's answer)."""
+    return INFO_RE.sub(" ", completion).replace(INVALID_ACTION.strip(), " ")
 
 
 def extract_answer(completion: str) -> str | None:

@@ -84,18 +84,27 @@ def agent_rollout(sampler: Sampler, tokenizer, examples: list[Example], retrieve
         has_cut = has_cut and out.top_p_cut is not None
         turns = [_model_turn(e, out, row, budget[row], tokenizer, eos_set, has_cut, cfg)
                  for row, e in enumerate(live)]
-        queries = [(e, q) for e, q in zip(live, turns, strict=True) if q is not None]
+        queries = [(e, q) for e, q in zip(live, turns, strict=True) if q is not None and q is not INVALID]
         if queries:
             results = retriever.search([q for _, q in queries], cfg.passages)
             for (e, _), passages in zip(queries, results, strict=True):
                 _add_information(e, passages, tokenizer, cfg, spec.k)
+        for e, q in zip(live, turns, strict=True):
+            if q is INVALID:  # cut as an observation is (Search-R1's max_obs_length)
+                text = tokenizer.encode(cfg.invalid_action, add_special_tokens=False)
+                _add_context(e, text[: min(cfg.max_info_tokens, cfg.max_total_tokens - len(e.tokens))], cfg, spec.k)
     return _to_batch(tokenizer, prompts, eps, spec.n, spec.k, has_cut)
+
+
+INVALID = "<invalid action>"  # what _model_turn returns for a turn that neither searches nor answers, and goes on
 
 
 def _model_turn(e: _Episode, out: Sampled, row: int, budget: int, tokenizer, eos: set[int], has_cut: bool,
                 cfg: AgentConfig) -> str | None:
     """Append row ``row`` of the sampler's output to episode ``e`` as a model turn (up to its end);
-    returns the turn's search query, or None when the episode ended (an answer, EOS, the budget)."""
+    returns the turn's search query, :data:`INVALID` for a turn with neither a search nor an answer that
+    the episode survives (``cfg.invalid_action``), or None when the episode ended (an answer, the last turn,
+    EOS or the budget without an action, the episode's token budget)."""
     # a row's own length when the sampler reports it: with pad = EOS, padding is not an EOS
     end = budget if out.length is None else min(budget, int(out.length[row]))
     new = out.ids[row].tolist()[:end]
@@ -109,14 +118,26 @@ def _model_turn(e: _Episode, out: Sampled, row: int, budget: int, tokenizer, eos
     e.turns += 1
     text = e.lead + tokenizer.decode(new[:length], skip_special_tokens=True)
     e.lead = ""
+    searching = why == "stop" and SEARCH_RE.findall(text)
     if why == "stop" and ANSWER_RE.search(text):
         e.done = True
-    elif why == "stop" and (q := SEARCH_RE.findall(text)) and e.searches < cfg.max_turns:
-        return q[-1].strip()
+    elif searching and e.turns <= cfg.max_turns:  # (with every earlier turn a search: e.searches < max_turns)
+        return searching[-1].strip()
+    elif (cfg.invalid_action and not searching and e.turns <= cfg.max_turns
+          and len(e.tokens) < cfg.max_total_tokens):  # neither a search nor an answer: Search-R1 says so, goes on
+        if why == "eos":
+            _drop_last(e)
+        return INVALID
     else:  # EOS without an answer, a search past max_turns, or the budget ran out
         e.done = True
         e.truncated = why == "budget"
     return None
+
+
+def _drop_last(e: _Episode) -> None:
+    """Remove the episode's last token (an EOS the episode goes on after) and its records."""
+    for field_ in (e.tokens, e.mask, e.logp, e.entropy, e.cut, e.topk):
+        field_.pop()
 
 
 def _add_information(e: _Episode, passages, tokenizer, cfg: AgentConfig, k: int) -> None:
@@ -133,12 +154,18 @@ def _add_information(e: _Episode, passages, tokenizer, cfg: AgentConfig, k: int)
         e.lead = cfg.turn_prefix
     if e.lead:
         info += tokenizer(e.lead, add_special_tokens=False).input_ids
-    e.tokens += info
-    e.mask += [0] * len(info)
-    e.logp += [0.0] * len(info)
-    e.entropy += [0.0] * len(info)
-    e.cut += [0.0] * len(info)
-    e.topk += [[0] * k if k else []] * len(info)
+    _add_context(e, info, cfg, k)
+
+
+def _add_context(e: _Episode, ids: list[int], cfg: AgentConfig, k: int) -> None:
+    """Append environment tokens to episode ``e`` (mask 0, zero statistics); the episode's token budget spent
+    ends it."""
+    e.tokens += ids
+    e.mask += [0] * len(ids)
+    e.logp += [0.0] * len(ids)
+    e.entropy += [0.0] * len(ids)
+    e.cut += [0.0] * len(ids)
+    e.topk += [[0] * k if k else []] * len(ids)
     if len(e.tokens) >= cfg.max_total_tokens:
         e.done, e.truncated = True, True
 

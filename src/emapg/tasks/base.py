@@ -24,7 +24,8 @@ class AgentConfig:
     """Budgets of one tool episode (the Search-R1 protocol, :mod:`emapg.rollout.agent`)."""
 
     max_turns: int = 4
-    """At most this many searches; a search request beyond them ends the episode."""
+    """Turns that may search (at most this many searches); the turn after them ends the episode whatever it
+    does (Search-R1's final rollout): at most ``max_turns + 1`` model turns."""
     passages: int = 3
     """Passages per search."""
     max_turn_tokens: int = 128
@@ -39,6 +40,10 @@ class AgentConfig:
     turn_prefix: str = ""
     """Text the environment writes (mask 0) to open every turn that follows an information block while
     searches remain, e.g. "<search>": the model then only has to write the next query."""
+    invalid_action: str = ""
+    """Text the environment writes (mask 0) after a turn that neither searches nor answers (ended by EOS or its
+    token budget), and the episode goes on while turns remain; an EOS that ended such a turn is dropped from the
+    episode (Search-R1 decodes without special tokens). Empty: such a turn ends the episode."""
 
 
 

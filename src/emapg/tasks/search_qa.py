@@ -24,7 +24,7 @@ from emapg.models.zoo import cache_dir
 from emapg.retrieval import DENSE_KINDS, RETRIEVERS, open_retriever, retriever_problem
 from emapg.retrieval.passages import has_dense
 from emapg.rewards.qa import qa_em, qa_f1
-from emapg.tags import extract_answer
+from emapg.tags import INVALID_ACTION, extract_answer
 from emapg.tasks.base import AgentConfig, Example, Task
 from emapg.tasks.multihop_kb import make_kb
 
@@ -164,7 +164,8 @@ class SearchQATask(Task):
         self.format_weight = format_weight
         self.agent = AgentConfig(max_turns=max_turns, passages=passages, max_turn_tokens=max_turn_tokens,
                                  max_total_tokens=max_total_tokens, max_info_tokens=max_info_tokens,
-                                 force_answer=force_answer, turn_prefix=turn_prefix)
+                                 force_answer=force_answer, turn_prefix=turn_prefix,
+                                 invalid_action=INVALID_ACTION if template == "search_r1" else "")
         self._index, self._url, self._retriever = index, retriever_url, None
         if not synthetic and (hops, eval_hops) != ("two", "two"):
             raise ValueError("task_args.hops, eval_hops: only the synthetic knowledge base has one-hop questions")
