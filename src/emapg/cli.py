@@ -174,6 +174,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
                   "rollout.max_rows": args.batch_size, "rollout.backend": args.backend, "device": args.device},
                  names=EVAL_OPTIONS)
     models, task, task_args = eval_subject(args)
+    if args.grader is not None:
+        if task != "math":
+            raise ConfigError(f"--grader: only the math task has graders (this is {task})")
+        task_args = {**task_args, "grader": args.grader}
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     check_fields({"dtype": dtype}, names=EVAL_OPTIONS)
@@ -370,6 +374,10 @@ def _eval_parser(sub) -> None:
     e.add_argument("--data", nargs="+", metavar="[NAME=]FILE",
                    help="eval sets in a published format (math: MATH-500, AIME, AMC, Minerva, OlympiadBench; "
                         "search: FlashRAG JSONL, Search-R1 parquet, whose merged file gives a set per data_source)")
+    e.add_argument("--grader", choices=("reference", "lenient"),
+                   help="math: reference (the paper's code's rules: the answer after </think>, a \\boxed{} required, "
+                        "a list's items as alternatives, a truncated response 0) or lenient (math-verify); default: "
+                        "the run's task_args, else lenient")
     e.add_argument("--samples", type=int, default=1, help="samples per problem (avg@n and pass@k when > 1)")
     e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (only with --samples 1)")
     e.add_argument("--top-p", type=float, default=1.0)

@@ -115,7 +115,7 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
         chunk = examples[start : start + batch_size]
         batch = rollout_for_task(model, tokenizer, task, chunk, spec, engine=engine,
                                  seed=None if seed is None else seed + start, max_rows=max_rows)
-        rewards = score_completions(task, batch.completions, chunk, n, evaluation=True)
+        rewards = score_completions(task, batch.completions, chunk, n, evaluation=True, truncated=batch.truncated)
         total += float(rewards.sum())
         correct += (rewards >= 1.0).view(-1, n).sum(1).tolist()
         solved.update(zip((ex.id for ex in chunk), correct[-len(chunk):], strict=True))

@@ -141,7 +141,8 @@ class Trainer:
                 batch = rollout_for_task(model, self.tokenizer, self.task, examples, self.sampling,
                                          prefix_sharing=cfg.prefix_sharing, reuse_cache=cfg.rollout.agent_cache,
                                          max_rows=cfg.rollout.max_rows)
-        batch.rewards = score_completions(self.task, batch.completions, examples, cfg.rollout.n).to(self.dist.device)
+        batch.rewards = score_completions(self.task, batch.completions, examples, cfg.rollout.n,
+                                          truncated=batch.truncated).to(self.dist.device)
         batch.advantages = group_advantages(batch.rewards, cfg.rollout.n, cfg.algo.advantage)
         if cfg.algo.mask_truncated:
             batch.response_mask = batch.response_mask * (~batch.truncated).long()[:, None]

@@ -14,10 +14,12 @@ import random
 from emapg.config import at_least, one_of
 from emapg.data import DataError, load_rows
 from emapg.rewards.math import boxed_format_reward, math_reward
+from emapg.rewards.math_reference import reference_math_reward
 from emapg.tasks.base import Example, Task
 
 R1_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TEMPLATES = ("r1", "chat", "plain")
+GRADERS = ("lenient", "reference")
 # The published sets' column names, tried in order when the file has not the ones given (problem_field,
 # answer_field): MATH-500, AIME 2024 (HuggingFaceH4/aime_2024), DeepScaleR's and rLLM's JSON: problem, answer;
 # AIME 2024 (Maxwell-Jia/AIME_2024): Problem, Answer; AIME 2025 (opencompass/AIME2025), OlympiadBench
@@ -46,9 +48,11 @@ def gold_answers(value, together: bool = False) -> list[str]:
     return out
 
 
-def math_rows(path: str, problem_field: str, answer_field: str) -> list[dict]:
+def math_rows(path: str, problem_field: str, answer_field: str, alternatives: bool = False) -> list[dict]:
     """Rows of a math file with ``problem`` and ``answer`` (a list of accepted forms): the columns named, or
-    where the file has not them, the first of the published sets' names it has (:data:`PROBLEM_FIELDS`)."""
+    where the file has not them, the first of the published sets' names it has (:data:`PROBLEM_FIELDS`).
+    ``alternatives``: a list answer's items are accepted forms even in a row marked ``is_multiple_answer``
+    (the reference grader's rule); otherwise such a row's items are one answer, all of them."""
     rows = load_rows(path)
     for row in rows:
         for name, given, known in (("problem", problem_field, PROBLEM_FIELDS), ("answer", answer_field, ANSWER_FIELDS)):
@@ -58,7 +62,7 @@ def math_rows(path: str, problem_field: str, answer_field: str) -> list[dict]:
                 raise DataError(f"{row['_source']}: no {name} (looked for {tried}); the row has "
                                 f"{', '.join(sorted(k for k in row if not k.startswith('_')))}")
             row[name] = row[column]
-        row["answer"] = gold_answers(row["answer"], together=row.get("is_multiple_answer") is True)
+        row["answer"] = gold_answers(row["answer"], together=row.get("is_multiple_answer") is True and not alternatives)
         if not row["answer"] or not all(row["answer"]):
             raise DataError(f"{row['_source']}: an empty answer")
     return rows
@@ -81,19 +85,25 @@ class MathTask(Task):
             used for training then).
         problem_field, answer_field: column names in the files.
         template: r1, chat or plain. format_weight: add this times the boxed-format reward.
+        grader: ``lenient`` (math-verify: the last boxed answer, else a final expression, anywhere in the
+            response) or ``reference`` (the paper's code's rules, :mod:`emapg.rewards.math_reference`: the answer
+            after ``</think>``, a ``\boxed{}`` required, a list's items as alternatives, a truncated response 0).
     """
 
     name = "math"
-    ARGS = {"template": one_of(TEMPLATES), "format_weight": at_least(0, finite=True), "eval_size": at_least(1)}
+    ARGS = {"template": one_of(TEMPLATES), "format_weight": at_least(0, finite=True), "eval_size": at_least(1),
+            "grader": one_of(GRADERS)}
 
     def __init__(self, train_file: str | None = None, eval_file: str | None = None, problem_field: str = "problem",
                  answer_field: str = "answer", template: str = "r1", format_weight: float = 0.0,
-                 eval_size: int = 500):
+                 eval_size: int = 500, grader: str = "lenient"):
         if train_file is None and eval_file is None:
             raise ValueError("task_args: the math task needs train_file and/or eval_file")
-        self.template, self.format_weight = template, format_weight
-        train = math_rows(train_file, problem_field, answer_field) if train_file else []
-        held = math_rows(eval_file, problem_field, answer_field) if eval_file else []
+        self.template, self.format_weight, self.grader = template, format_weight, grader
+        self.zero_truncated = grader == "reference"
+        alternatives = grader == "reference"
+        train = math_rows(train_file, problem_field, answer_field, alternatives) if train_file else []
+        held = math_rows(eval_file, problem_field, answer_field, alternatives) if eval_file else []
         if not held:
             if train and len(train) <= eval_size:
                 raise ValueError(f"task_args.train_file: {train_file} has {len(train)} rows, and without an eval_file "
@@ -124,6 +134,8 @@ class MathTask(Task):
     def eval_reward(self, completion: str, example: Example) -> float:
         """Correctness alone (held-out accuracy): no format bonus. A list answer: any of its forms."""
         golds = example.answer if isinstance(example.answer, list) else [example.answer]
+        if self.grader == "reference":
+            return reference_math_reward(completion, golds)
         return max(math_reward(completion, gold) for gold in golds)
 
     def reward(self, completion: str, example: Example) -> float:

@@ -14,11 +14,13 @@ class RewardError(RuntimeError):
 
 
 def score_completions(task: Task, completions: list[str], examples: list[Example], n: int,
-                      evaluation: bool = False) -> torch.Tensor:
+                      evaluation: bool = False, truncated: torch.Tensor | None = None) -> torch.Tensor:
     """Rewards [len(completions)] for completions grouped n per example (example i // n).
 
     evaluation: score with the task's ``eval_reward`` (the correctness alone, without shaping terms
-    such as a format bonus) instead of its training ``reward``.
+    such as a format bonus) instead of its training ``reward``. truncated: [len(completions)] bools, the
+    responses that ran out of tokens: they score 0 where the task says so (``Task.zero_truncated``: the
+    paper's math grader, as rLLM's engine does).
     """
     fn = task.eval_reward if evaluation else task.reward
     out = []
@@ -34,4 +36,7 @@ def score_completions(task: Task, completions: list[str], examples: list[Example
         if not math.isfinite(value):
             raise RewardError(f"reward of task {task.name!r} returned {value} for sample {i} (example {ex.id!r})")
         out.append(value)
-    return torch.tensor(out, dtype=torch.float32)
+    rewards = torch.tensor(out, dtype=torch.float32)
+    if truncated is not None and getattr(task, "zero_truncated", False):
+        rewards[truncated.bool().cpu()] = 0.0
+    return rewards

@@ -1,0 +1,87 @@
+"""The paper's math grader (task_args.grader: reference): each rule of the reference code's reward (rLLM's
+RewardMathFn and math_utils at LunjunZhang/ema-pg f9b9776), on hand-written responses. Each expected score is
+what the reference's code gives (the equivalence table was run against the reference's own utils.py)."""
+
+import json
+
+import pytest
+import torch
+
+from emapg.rewards.math import math_reward
+from emapg.rewards.math_reference import extract_answer, graded_text, reference_math_reward
+from emapg.tasks import make_task
+from emapg.tasks.scoring import score_completions
+
+
+def boxed(answer: str) -> str:
+    return f"<think>some reasoning</think>The answer is \\boxed{{{answer}}}."
+
+
+# (answer, gold, the reference's verdict)
+EQUIVALENCE = [
+    ("0.5", "\\frac12", True), ("0.5", "1/2", True), ("0.75", "3/4", True), ("5.", "5", True),
+    ("1,000", "1000", True), ("1000", "1,000", True), ("x = 5", "5", True), ("50\\%", "50", True),
+    ("$5$", "5", True), ("30^\\circ", "30", True), ("30 degrees", "30", True), ("\\left(1,2\\right)", "(1,2)", True),
+    ("5 \\text{ cm}", "5", True), ("2 \\text{ or } -2", "2,-2", True), ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", True),
+    ("7 3/4", "31/4", True), ("4.0", "4", True), ("\\dfrac{3}{4}", "\\frac{3}{4}", True),
+    ("2/4", "1/2", False),  # two fractions: equal only as written
+    ("2*2", "4", False),  # an integer against a non-integer expression
+    ("\\pi", "3.14159", False), ("(2,1)", "(1,2)", False), ("(1,2)", "(1,2]", False), ("2,-2", "-2,2", False),
+    ("6", "7", False),
+]
+
+
+@pytest.mark.parametrize(("answer", "gold", "equal"), EQUIVALENCE)
+def test_equivalence_as_the_reference_decides(answer, gold, equal):
+    assert reference_math_reward(boxed(answer), gold) == float(equal)
+
+
+def test_the_graded_text_is_after_the_one_think_end():
+    assert graded_text("plan</think> final") == "final"
+    assert graded_text("  no think at all  ") == "no think at all"
+    assert graded_text("a</think>b</think>c") == "b"  # two or more: between the first and the second
+    # a boxed answer inside the thinking only: the text after </think> has none -> 0 (lenient finds it: 1)
+    inside = "<think>so \\boxed{12}</think>The answer is twelve."
+    assert reference_math_reward(inside, "12") == 0.0 and math_reward(inside, "12") == 1.0
+    assert reference_math_reward("a</think>\\boxed{7}</think>\\boxed{8}", "7") == 1.0
+    assert reference_math_reward("a</think>\\boxed{7}</think>\\boxed{8}", "8") == 0.0
+    # no </think> (a model that does not think aloud): the whole response is searched
+    assert reference_math_reward("Thus \\boxed{12}.", "12") == 1.0
+
+
+def test_a_boxed_answer_is_required_and_read_as_the_reference_reads_it():
+    # the right number without a box (a trace cut short, or plain text): 0; lenient reads the number: 1
+    plain = "<think>long thought</think> so the answer is 12"
+    assert reference_math_reward(plain, "12") == 0.0 and math_reward(plain, "12") == 1.0
+    assert extract_answer("\\boxed{3} then \\boxed{4}") == "4"  # the last box
+    assert extract_answer("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"  # braces matched
+    assert extract_answer("\\boxed 5") is None and extract_answer("\\boxed {5}") is None  # \boxed{ exactly
+    assert extract_answer("\\boxed{5") is None and extract_answer("\\fbox{3}") is None
+    assert extract_answer("\\boxed{5}\\fbox{6}") == "5"
+    assert extract_answer("x <|begin_of_box|> 9 <|end_of_box|> \\boxed{4}") == "9"  # GLM's markers first
+    assert reference_math_reward("", "1") == 0.0
+    assert reference_math_reward(boxed("12"), "\\boxed{12}") == 1.0  # a gold holding a box: its content
+
+
+def test_a_list_answer_is_alternatives_and_a_truncated_response_scores_zero(tmp_path):
+    """OlympiadBench's is_multiple_answer row ["$2$", "$-2$"]: the reference takes either element (emapg's
+    lenient grader wants both, as one answer); a response that ran out of tokens scores 0 under the reference."""
+    data = tmp_path / "olympiad.jsonl"
+    data.write_text(json.dumps({"id": 1, "question": "Solve $x^2=4$.", "final_answer": ["$2$", "$-2$"],
+                                "is_multiple_answer": True}) + "\n")
+    reference = make_task("math", eval_file=str(data), grader="reference")
+    lenient = make_task("math", eval_file=str(data), grader="lenient")
+    ex_ref, ex_len = reference.eval_examples(1)[0], lenient.eval_examples(1)[0]
+    assert reference.eval_reward(boxed("-2"), ex_ref) == 1.0 and reference.eval_reward(boxed("2"), ex_ref) == 1.0
+    assert lenient.eval_reward(boxed("-2"), ex_len) == 0.0 and lenient.eval_reward(boxed("2, -2"), ex_len) == 1.0
+    completions = [boxed("2"), boxed("2")]
+    cut = torch.tensor([False, True])
+    assert score_completions(reference, completions, [ex_ref], 2, evaluation=True, truncated=cut).tolist() == [1.0, 0.0]
+    assert score_completions(lenient, completions, [ex_len], 2, evaluation=True, truncated=cut).tolist() == [0.0, 0.0]
+    assert score_completions(lenient, [boxed("2, -2")] * 2, [ex_len], 2, truncated=cut).tolist() == [1.0, 1.0]
+
+
+def test_a_hostile_answer_is_bounded_and_never_executed():
+    # sympy's simplification is bounded in time; an expression the reference deems unsafe is not evaluated
+    assert reference_math_reward(boxed("x^{99999999}"), "1") == 0.0
+    assert reference_math_reward(boxed("__import__('os').system('echo hi')"), "0") == 0.0
