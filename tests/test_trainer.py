@@ -700,3 +700,43 @@ def test_a_run_trains_with_each_kind_of_head_and_tail(tmp_path, kl, head, form):
                                                         "tail_token_frac", "kl_tok_var"))
         assert 0 < row["head_mass"] < 1 and 0 <= row["tail_token_frac"] <= 1
     assert not torch.equal(next(tr.model.parameters()), w)
+
+
+def test_epochs_walk_the_training_set_as_verls_seeded_sampler_does():
+    """data_order: epochs gives, step by step, the batches of a DataLoader over a RandomSampler with a generator
+    seeded with the run's seed and drop_last (verl's, with data.seed): every epoch a permutation, each example
+    once per epoch, and any step computable alone (a resume mid-epoch continues it)."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from emapg.tasks.order import epoch_indices
+
+    size, per, seed = 10, 3, 6725
+    sampler = RandomSampler(range(size), generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(range(size), batch_size=per, sampler=sampler, drop_last=True)
+    want = [batch.tolist() for _ in range(3) for batch in loader]  # 3 epochs of 3 batches
+    got = [epoch_indices(size, per, seed, step) for step in range(1, 10)]
+    assert got == want
+    for e in range(3):
+        seen = [i for b in got[3 * e : 3 * e + 3] for i in b]
+        assert len(set(seen)) == 9  # without replacement within an epoch
+    assert epoch_indices(size, per, seed, 5) == want[4]  # step 5 alone, as a resume at step 4 asks it
+
+
+def test_a_run_in_epochs_resumes_mid_epoch_as_it_would_have_run(tmp_path):
+    math = ROOT / "tests" / "fixtures" / "evalsets"
+    recipe = tmp_path / "math.yaml"
+    files = f"{{train_file: {math / 'deepscaler_train.json'}, eval_file: {math / 'aime_2024.jsonl'}}}"
+    recipe.write_text(SMOKE.read_text().replace('task: arithmetic\ntask_args: {digits: 1, ops: "+", terms: 2}',
+                                                f"task: math\ntask_args: {files}"))
+    args = ["data_order=epochs", "prompts_per_step=2", "micro_batch_prompts=1", "rollout.max_new_tokens=6",
+            "eval.size=0", "export=false"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    Trainer(load_config(recipe, [*args, "steps=5", "save_every=2"]), full, progress=False).train()  # 4 an epoch
+    Trainer(load_config(recipe, [*args, "steps=2", "save_every=2"]), part, progress=False).train()  # stops at 2
+    resumed = Trainer(load_config(part / "config.yaml", ["steps=5"]), part, resume=True, progress=False)
+    resumed.train()
+    a, b = strip_timing(read_metrics(full)), strip_timing(read_metrics(part))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for ra, rb in zip(a, b, strict=True):
+        for key in set(ra) & set(rb):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)

@@ -282,6 +282,10 @@ class TrainConfig:
     """At the end, export the policy and the anchor as Hugging Face model folders."""
     threads: int | None = None
     """torch CPU threads (None = torch's default)."""
+    data_order: str = "random"
+    """The order of the training prompts: ``random`` (each step draws its prompts with replacement, seeded by
+    the step) or ``epochs`` (a task's fixed training set walked in shuffled epochs without replacement, as verl's
+    seeded RandomSampler with drop_last walks it: the paper's recipes); either resumes exactly, mid-epoch too."""
     long_prompts: str = "error"
     """A data file's prompt that, with the response budget, does not fit the model's context
     (max_position_embeddings), checked before the first step: ``error`` (names the file and the row)
@@ -640,6 +644,7 @@ RULES: dict[str, Rule] = {
     "init_from": ((lambda v: v is None or (isinstance(v, str) and v.strip() != "")), "expected a run folder or null"),
     "chunk_size": at_least(1),
     "long_prompts": one_of(("error", "truncate")),
+    "data_order": one_of(("random", "epochs")),
     "report_to": ((lambda v: set(v) <= {"tensorboard", "wandb"}), "expected a list of tensorboard, wandb"),
     "threads": at_least(1, null=True),
     "dtype": one_of(DTYPE_NAMES),

@@ -139,20 +139,28 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
             sub = cache if sliding else _prefix_cache(cache)
             h = decoder(input_ids=inputs, attention_mask=att, position_ids=pos, use_cache=True,
                         **{cache_kwarg(decoder): sub}).last_hidden_state
-            return torch.cat([h_first, h[:, :width]], 1)
-        parts, lp, cols = [], pmask.shape[1], inputs.shape[1]
-        for rows in groups:
-            w = int(need[rows].max())
-            if w == 0 and not agree:
-                parts.append(h_first.new_zeros((len(rows), cols, h_first.shape[-1])))
-                continue
-            w = max(w, 1)  # sharded: every group makes its call
-            h = decoder(input_ids=inputs[rows, :w], attention_mask=att[rows, : lp + w], position_ids=pos[rows, :w],
-                        use_cache=True, **{cache_kwarg(decoder): _prefix_cache(cache, rows)}).last_hidden_state
-            parts.append(torch.nn.functional.pad(h, (0, 0, 0, cols - w)))
-    order = torch.cat(groups)
-    h = torch.cat(parts)[torch.argsort(order)]
+        else:
+            h = _grouped_pass(decoder, inputs, att, pos, cache, groups, need, agree, like=h_first)
     return torch.cat([h_first, h[:, :width]], 1)
+
+
+def _grouped_pass(decoder: nn.Module, inputs: Tensor, att: Tensor, pos: Tensor, cache, groups: list[Tensor],
+                  need: Tensor, agree: bool, like: Tensor) -> Tensor:
+    """The responses' pass in length groups, each group trimmed to its longest row, reading the prompts'
+    cache; hidden states [rows, inputs' width] in the rows' order (zeros past a row's need; dtype and device
+    of ``like``)."""
+    parts, cols = [], inputs.shape[1]
+    lp = att.shape[1] - cols
+    for rows in groups:
+        w = int(need[rows].max())
+        if w == 0 and not agree:
+            parts.append(like.new_zeros((len(rows), cols, like.shape[-1])))
+            continue
+        w = max(w, 1)  # sharded: every group makes its call
+        h = decoder(input_ids=inputs[rows, :w], attention_mask=att[rows, : lp + w], position_ids=pos[rows, :w],
+                    use_cache=True, **{cache_kwarg(decoder): _prefix_cache(cache, rows)}).last_hidden_state
+        parts.append(torch.nn.functional.pad(h, (0, 0, 0, cols - w)))
+    return torch.cat(parts)[torch.argsort(torch.cat(groups))]
 
 
 GROUP_OVERHEAD_TOKENS = 64  # what one more decoder call costs, in tokens of compute (CPU, small models)

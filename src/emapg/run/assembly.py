@@ -30,6 +30,7 @@ from emapg.run.evaluate import RunEvaluator
 from emapg.run.folder import check_teacher
 from emapg.run.metrics import MetricsWriter
 from emapg.tasks import make_task
+from emapg.tasks.order import check_order
 
 
 def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, force: bool) -> None:
@@ -52,6 +53,7 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
     with distributed.rank_zero_first(run.dist):  # rank 0 fills the caches (a converted model, an index)
         run.model, run.tokenizer = training_policy(cfg, run.dist.device)
         run.task = make_task(cfg.task, **cfg.task_args)
+        check_order(run.task, cfg.data_order, cfg.prompts_per_step)
         # before the first step: a prompt that cannot fit is refused (or cut), never run for minutes
         budget = max(response_budget(run.task, cfg.rollout.max_new_tokens), cfg.eval.max_new_tokens or 0)
         fit = lambda t: fit_prompts(t, run.tokenizer, context_length(run.model), budget,  # noqa: E731

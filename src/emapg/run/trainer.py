@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from emapg.run.checkpoint import save_training
 from emapg.run.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.run.export import export_models
 from emapg.run.metrics import add_stats, peak_memory_row, rollout_row, update_row
+from emapg.tasks.order import training_prompts
 from emapg.tasks.scoring import score_completions
 
 
@@ -127,7 +127,8 @@ class Trainer:
     def rollout(self, step: int) -> RolloutBatch:
         """This rank's share of step ``step``'s prompts, sampled, scored, with group advantages."""
         cfg = self.cfg
-        examples = self.task.train_examples(random.Random(step_seed(cfg.seed, step)), cfg.prompts_per_step)
+        examples = training_prompts(self.task, cfg.data_order, cfg.seed, step, cfg.prompts_per_step,
+                                    step_seed(cfg.seed, step))
         mine = rank_prompts(cfg.prompts_per_step, cfg.mini_batch_prompts or cfg.prompts_per_step, self.dist.world,
                             self.dist.rank)
         examples = [examples[i] for i in mine]  # the global batch is the same on every rank

@@ -73,6 +73,11 @@ class Task:
         """The first ``size`` examples of the fixed held-out set (disjoint from training)."""
         raise NotImplementedError
 
+    def train_pool(self) -> list[Example] | None:
+        """The whole training set when the task has a fixed one (a data file), for ``data_order: epochs``;
+        None when it draws or generates its examples."""
+        return None
+
     def reward(self, completion: str, example: Example) -> float:
         """Score one completion for training. Must not execute model output."""
         raise NotImplementedError

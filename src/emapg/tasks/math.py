@@ -127,6 +127,9 @@ class MathTask(Task):
     def eval_examples(self, size: int) -> list[Example]:
         return self._eval[:size]
 
+    def train_pool(self) -> list[Example] | None:
+        return self._train or None
+
     def prompt_pools(self) -> list[list[Example]]:
         """Every example this task can hand out (training, held-out), for checks before training."""
         return [self._train, self._eval]

@@ -213,6 +213,9 @@ class SearchQATask(Task):
                                              search_params=self.search_params if self._index else None)
         return self._retriever
 
+    def train_pool(self) -> list[Example] | None:
+        return None if self._train_one_hop else (self._train or None)  # a one-hop mix draws its examples
+
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
         if not self._train:
             raise ValueError("task_args.train_file: the search_qa task has no training rows")
