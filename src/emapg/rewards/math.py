@@ -14,18 +14,24 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
 
 
+def closing_brace(text: str, start: int, depth: int = 0) -> int | None:
+    """The index where the braces counted from ``start`` (``depth`` already open) close again, or None."""
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, or None."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
+    for start in reversed([m.end() for m in _BOXED.finditer(text)]):
+        end = closing_brace(text, start, depth=1)
+        if end is not None:
+            return text[start:end]
     return None
 
 

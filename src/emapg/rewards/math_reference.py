@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import re
 
+from emapg.rewards.math import closing_brace
+
 THINK_END = "</think>"
 UNITS = ("degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
          "foot", "feet", "inch", "yard")
@@ -54,18 +56,10 @@ def graded_text(response: str) -> str:
 def last_boxed(text: str) -> str | None:
     """The content of the text's last ``\\boxed`` when it reads ``\\boxed{...}`` (braces matched), else None."""
     start = text.rfind("\\boxed")
-    if start < 0:
+    end = closing_brace(text, start) if start >= 0 else None
+    if end is None or not text.startswith("\\boxed{", start):
         return None
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                whole = text[start : i + 1]
-                return whole[len("\\boxed{") : -1] if whole.startswith("\\boxed{") else None
-    return None
+    return text[start + len("\\boxed{") : end]
 
 
 def extract_answer(text: str) -> str | None:
