@@ -141,13 +141,17 @@ def test_parse_sets():
 
 
 def test_the_table_has_a_row_per_model_and_set_and_the_papers_layout():
-    rows = [{"model": m, "dataset": s, "problems": 30, "samples": 8, "num": 240, "accuracy": acc, "pass@8": acc + .1,
-             "mean_length": 100.0} for m, s, acc in (("policy", "aime24", 0.3), ("policy", "amc", 0.5),
-                                                      ("anchor", "aime24", 0.4), ("anchor", "amc", 0.6))]
+    """Per model the sets' unweighted average and the reference's aggregate, weighted by problems (30 AIME
+    problems at 30%, 90 AMC at 50%: 45% by problems, 40% unweighted)."""
+    rows = [{"model": m, "dataset": s, "problems": p, "samples": 8, "num": 8 * p, "accuracy": acc, "pass@8": acc + .1,
+             "mean_length": 100.0} for m, s, p, acc in (("policy", "aime24", 30, 0.3), ("policy", "amc", 90, 0.5),
+                                                         ("anchor", "aime24", 30, 0.4), ("anchor", "amc", 90, 0.6))]
     md = markdown(rows)
     assert "| policy | aime24 | 30 | 8 | 30.0 | 40.0 | 100 |" in md
     assert "| policy | average |  |  | 40.0 | 50.0 |  |" in md
-    assert "| model | aime24 | amc | average |" in md and "| anchor | 40.0 | 60.0 | 50.0 |" in md
+    assert "| policy | average, by problems | 120 |  | 45.0 | 55.0 |  |" in md
+    assert "| model | aime24 | amc | average, by problems | average |" in md
+    assert "| anchor | 40.0 | 60.0 | 55.0 | 50.0 |" in md
 
 
 def test_eval_of_a_merged_search_r1_file_prints_a_row_per_source(tmp_path):
@@ -169,7 +173,8 @@ def test_eval_of_a_merged_search_r1_file_prints_a_row_per_source(tmp_path):
     assert res.returncode == 0, res.stderr
     out = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert [(r["dataset"], r["problems"]) for r in out["rows"]] == [("nq", 2), ("hotpotqa", 1)]
-    assert "| tiny-llama | nq | 2 | 1 |" in res.stdout and "| model | nq | hotpotqa | average |" in res.stdout
+    assert "| tiny-llama | nq | 2 | 1 |" in res.stdout
+    assert "| model | nq | hotpotqa | average, by problems |" in res.stdout
     assert (tmp_path / "out" / "nq.samples.jsonl").exists() and (tmp_path / "out" / "hotpotqa.samples.jsonl").exists()
 
 

@@ -160,7 +160,7 @@ def test_tiny_model_math_eval_end_to_end(tmp_path):
     assert out["device"] == "cpu" and out["dtype"] == "float32" and out["backend"] == "hf"
     assert out["rows"][0]["num"] == 8 and out["rows"][0]["problems"] == 4 and "pass@2" in out["rows"][0]
     assert "| tiny-llama | mini | 4 | 2 |" in res.stdout and "| tiny-llama | average |" in res.stdout
-    assert "| model | mini | again | average |" in res.stdout  # the paper's layout: a column per set
+    assert "| model | mini | again | average, by problems | average |" in res.stdout  # the paper's layout
     # the transcripts behind each row: every sample, its reward, and the row's accuracy is their mean
     for name, row in (("mini", out["rows"][0]), ("again", out["rows"][1])):
         recs = [json.loads(line) for line in (tmp_path / "out" / f"{name}.samples.jsonl").read_text().splitlines()]
@@ -207,3 +207,33 @@ def test_the_shipped_gsm8k_reads_whole_and_a_gzipped_file_of_yours_reads_too(tmp
         mine.write_bytes(damaged)
         with pytest.raises(DataError, match=r"mine.jsonl.gz: not a readable gzip file"):
             load_rows(mine)
+
+
+def test_eval_protocol_paper_runs_the_published_sets_with_the_references_settings(tmp_path):
+    """`emapg eval --protocol paper`: the reference's sampling (32 samples, T 0.8, top-p 0.9, 28,000 tokens, seed
+    429) and grader, on the published-format fixtures; an option given wins (here the budget and the samples, a
+    tiny model's context being 2,048 tokens) and is said to differ; the aggregate weighs sets by problems."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sets = Path(__file__).resolve().parent / "fixtures" / "evalsets"
+    data = [f"aime2024={sets / 'aime_2024.jsonl'}", f"aime2025={sets / 'aime_2025.jsonl'}",
+            f"amc={sets / 'amc.jsonl'}", f"math500={sets / 'math500.jsonl'}", f"minerva={sets / 'minerva.json'}",
+            f"olympiadbench={sets / 'olympiadbench.jsonl'}"]
+    res = subprocess.run([sys.executable, "-m", "emapg", "eval", "--protocol", "paper", "--model", "tiny-llama",
+                          "--task", "math", "--data", *data, "--samples", "2", "--max-new-tokens", "8",
+                          "--device", "cpu", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert (out["protocol"], out["temperature"], out["top_p"], out["seed"], out["grader"]) == (
+        "paper", 0.8, 0.9, 429, "reference")
+    assert out["samples"] == 2 and out["max_new_tokens"] == 8
+    assert "--samples 2: not the paper's protocol (32)" in res.stderr
+    assert len(out["rows"]) == 6 and "average, by problems" in res.stdout
+    total = sum(r["problems"] for r in out["rows"])
+    assert f"| tiny-llama | average, by problems | {total} |" in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "emapg", "eval", "--protocol", "paper", "--model", "tiny-llama",
+                          "--task", "math"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--protocol paper: give the paper's sets with --data" in bad.stderr

@@ -166,6 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from emapg.run.evaluate import eval_sampling
 
     import_plugins(args.plugins or [])
+    _eval_protocol(args)
     if args.samples > 1 and args.temperature == 0:
         raise ConfigError("--samples: several samples per problem need --temperature > 0 (0 is greedy)")
     temperature = args.temperature or None  # 0: greedy
@@ -186,12 +187,38 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                                      max_new_tokens=args.max_new_tokens)))
     plan = EvalPlan(models=models, task=task, task_args=task_args, sets=parse_sets(args.data), spec=spec,
                     device=device, dtype=dtype, backend=args.backend,
-                    batch_size=args.batch_size, size=args.size, seed=args.seed)
+                    batch_size=args.batch_size, size=args.size, seed=args.seed, protocol=args.protocol)
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     print(markdown(run(plan, out)))
     return 0
+
+
+PAPER_PROTOCOL = {"samples": 32, "temperature": 0.8, "top_p": 0.9, "max_new_tokens": 28000, "seed": 429,
+                  "grader": "reference"}
+"""The reference README's evaluation of its checkpoints (LunjunZhang/ema-pg, math/): 32 samples a problem at
+T = 0.8, top-p 0.9, 28,000 new tokens, seed 429, graded by rLLM's reward; its aggregate weighs each set by its
+number of problems (evaluate_benchmarks.py)."""
+EVAL_DEFAULTS = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 32, "seed": 0, "grader": None}
+
+
+def _eval_protocol(args: argparse.Namespace) -> None:
+    """Fill the sampling options a user left out: from ``--protocol paper``, else emapg's defaults; a given
+    option wins over the protocol (and is said to differ from it)."""
+    protocol = PAPER_PROTOCOL if args.protocol == "paper" else {}
+    if protocol and args.task not in (None, "math"):
+        raise ConfigError(f"--protocol paper: the paper's math evaluation; --task is {args.task}")
+    for name, default in EVAL_DEFAULTS.items():
+        given = getattr(args, name)
+        if given is None:
+            setattr(args, name, protocol.get(name, default))
+        elif protocol and given != protocol[name]:
+            print(f"emapg eval: --{name.replace('_', '-')} {given}: not the paper's protocol ({protocol[name]})",
+                  file=sys.stderr)
+    if protocol and not args.data:
+        raise ConfigError("--protocol paper: give the paper's sets with --data NAME=FILE (AIME 2024, AIME 2025, AMC "
+                          "2023, AMC 2025, MATH-500, Minerva, OlympiadBench: docs/REPRODUCE.md, 'Evaluation')")
 
 
 def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
@@ -374,17 +401,21 @@ def _eval_parser(sub) -> None:
     e.add_argument("--data", nargs="+", metavar="[NAME=]FILE",
                    help="eval sets in a published format (math: MATH-500, AIME, AMC, Minerva, OlympiadBench; "
                         "search: FlashRAG JSONL, Search-R1 parquet, whose merged file gives a set per data_source)")
+    e.add_argument("--protocol", choices=("paper",),
+                   help="paper: the reference's evaluation of its checkpoints (32 samples at T 0.8, top-p 0.9, 28,000 "
+                        "tokens, seed 429, the reference grader; given options win); the average weighs sets by "
+                        "their problems, the unweighted one beside it")
     e.add_argument("--grader", choices=("reference", "lenient"),
                    help="math: reference (the paper's code's rules: the answer after </think>, a \\boxed{} required, "
                         "a list's items as alternatives, a truncated response 0) or lenient (math-verify); default: "
                         "the run's task_args, else lenient")
-    e.add_argument("--samples", type=int, default=1, help="samples per problem (avg@n and pass@k when > 1)")
-    e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (only with --samples 1)")
-    e.add_argument("--top-p", type=float, default=1.0)
+    e.add_argument("--samples", type=int, help="samples per problem (avg@n and pass@k when > 1; default 1)")
+    e.add_argument("--temperature", type=float, help="0 = greedy (only with --samples 1; the default)")
+    e.add_argument("--top-p", type=float, help="nucleus sampling's mass (default 1.0)")
     e.add_argument("--size", type=int, default=100_000, help="at most this many problems per file")
     e.add_argument("--batch-size", type=int, default=64,
                    help="problems decoded at once (each with its samples): bounds the KV cache of the hf backend")
-    e.add_argument("--max-new-tokens", type=int, default=32)
+    e.add_argument("--max-new-tokens", type=int, help="each sample's budget (default 32: math needs thousands)")
     e.add_argument("--device", default="auto", help="auto (a GPU when visible), cpu, cuda or cuda:N")
     e.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16")
     e.add_argument("--backend", default="hf",
@@ -392,7 +423,7 @@ def _eval_parser(sub) -> None:
                         "backend a plugin registered")
     e.add_argument("--plugins", nargs="+", metavar="MODULE",
                    help="your modules (names or .py files) that register tasks, retrievers or backends")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=int, help="sampling seed (default 0)")
     e.add_argument("--out", help="folder for eval.json, eval.md and SET.samples.jsonl (every completion)")
     e.set_defaults(func=cmd_eval)
 

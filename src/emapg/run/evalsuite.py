@@ -5,8 +5,8 @@ task reads (:func:`emapg.tasks.math.math_rows`, :func:`emapg.tasks.search_qa.qa_
 several sources (Search-R1's merged ``test.parquet``, its ``data_source`` column) gives one set per source.
 Every model is evaluated on every set with the same :class:`SamplingSpec` (n samples at T and top-p, or
 greedy), by emapg's decode loop in bounded batches or by a vLLM engine; the result is a row per (model, set)
-with avg@n, pass@k and the mean length, and per model the unweighted average over its sets: the table the
-paper prints.
+with avg@n, pass@k and the mean length, and per model the average over its sets weighted by their problems (the
+reference's aggregate) and unweighted: the table the paper prints.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class EvalPlan:
     batch_size: int
     size: int
     seed: int
+    protocol: str | None = None  # "paper": the reference's evaluation (recorded with the results)
 
 
 def parse_sets(items: list[str] | None) -> list[tuple[str, str | None]]:
@@ -130,7 +131,8 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
         settings = {"models": plan.models, "task": plan.task, "samples": plan.spec.n, "greedy": plan.spec.greedy,
                     "temperature": None if plan.spec.greedy else plan.spec.temperature, "top_p": plan.spec.top_p,
                     "max_new_tokens": plan.spec.max_new_tokens, "device": plan.device, "dtype": plan.dtype,
-                    "backend": plan.backend, "seed": plan.seed}
+                    "backend": plan.backend, "seed": plan.seed, "protocol": plan.protocol,
+                    "grader": plan.task_args.get("grader")}
         (out / "eval.json").write_text(json.dumps({**settings, "rows": rows}, indent=1))
         (out / "eval.md").write_text(markdown(rows))
     return rows
@@ -184,13 +186,24 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             avg += [f"{100 * sum(r[k] for r in mine) / len(mine):.1f}" if all(k in r for r in mine) else ""
                     for k in ks]
             lines.append("| " + " | ".join([model, "average", "", "", *avg, "", *([""] * len(extra))]) + " |")
+            total = sum(r["problems"] for r in mine)
+            weighted = [f"{100 * sum(r['accuracy'] * r['problems'] for r in mine) / total:.1f}"]
+            weighted += [f"{100 * sum(r[k] * r['problems'] for r in mine) / total:.1f}" if all(k in r for r in mine)
+                         else "" for k in ks]
+            lines.append("| " + " | ".join([model, "average, by problems", str(total), "", *weighted, "",
+                                            *([""] * len(extra))]) + " |")
     sets = list(dict.fromkeys(r["dataset"] for r in rows))
     if len(sets) > 1:
         n = rows[0].get("samples", 1)
-        lines += ["", f"avg@{n} (%), the paper's layout:", "", "| model | " + " | ".join(sets) + " | average |",
-                  "|" + "---|" * (len(sets) + 2)]
+        lines += ["", f"avg@{n} (%), the paper's layout (the reference's aggregate weighs each set by its problems; "
+                  "the unweighted average beside it):", "",
+                  "| model | " + " | ".join(sets) + " | average, by problems | average |",
+                  "|" + "---|" * (len(sets) + 3)]
         for model in models:
-            acc = {r["dataset"]: r["accuracy"] for r in rows if r["model"] == model}
-            cells = [f"{100 * acc[s]:.1f}" if s in acc else "" for s in sets]
-            lines.append(f"| {model} | " + " | ".join(cells) + f" | {100 * sum(acc.values()) / len(acc):.1f} |")
+            mine = {r["dataset"]: r for r in rows if r["model"] == model}
+            cells = [f"{100 * mine[s]['accuracy']:.1f}" if s in mine else "" for s in sets]
+            total = sum(r["problems"] for r in mine.values())
+            weighted = sum(r["accuracy"] * r["problems"] for r in mine.values()) / total
+            plain = sum(r["accuracy"] for r in mine.values()) / len(mine)
+            lines.append(f"| {model} | " + " | ".join(cells) + f" | {100 * weighted:.1f} | {100 * plain:.1f} |")
     return "\n".join(lines) + "\n"
