@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def test_prefixes_follow_the_model():
     p = default_prefixes("bge", {"query": "Represent this sentence for searching relevant passages: "})
     assert p.query.startswith("Represent") and p.passage == ""
     assert default_prefixes("gte", {"query": "q: ", "document": "d: "}) == Prefixes("q: ", "d: ")
+    # empty prompts declare nothing (sentence-transformers 6 gives them to a folder without prompts)
+    assert default_prefixes("/models/e5-base-v2", {"query": "", "document": ""}) == e5
+
+
+def test_an_e5_folder_loaded_by_sentence_transformers_gets_e5s_prefixes(tmp_path):
+    """A sentence-transformers folder named as e5 models are, with no prompts in its config, loaded as the
+    installed sentence-transformers loads it (its files are MiniLM's, linked): e5's prefixes apply, and the
+    index's identity records them."""
+    folder = tmp_path / "e5-small-v2"
+    shutil.copytree(model_folder("minilm"), folder, copy_function=os.symlink)
+    emb = Embedder(str(folder))
+    assert emb.prefixes == Prefixes("query: ", "passage: ")
+    assert emb.identity()["query_prefix"] == "query: "
 
 
 def test_dense_search_is_exact_nearest_neighbour(wiki, embedder):

@@ -69,7 +69,10 @@ class Prefixes:
 
 
 def default_prefixes(name: str, prompts: dict[str, str]) -> Prefixes:
-    """The model's own ``prompts`` (query / passage or document), else e5's convention, else none."""
+    """The model's own ``prompts`` (query / passage or document), else e5's convention, else none. An empty
+    prompt is no declaration: sentence-transformers 6 gives ``{'query': '', 'document': ''}`` to a folder that
+    declares none, and an e5 folder must still get e5's ``query: `` / ``passage: ``."""
+    prompts = {k: v for k, v in prompts.items() if v}
     if prompts.get("query") is not None or prompts.get("passage", prompts.get("document")) is not None:
         return Prefixes(prompts.get("query", ""), prompts.get("passage", prompts.get("document", "")))
     if "e5" in Path(name).name.lower():
