@@ -237,3 +237,34 @@ def test_eval_protocol_paper_runs_the_published_sets_with_the_references_setting
     bad = subprocess.run([sys.executable, "-m", "emapg", "eval", "--protocol", "paper", "--model", "tiny-llama",
                           "--task", "math"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--protocol paper: give the paper's sets with --data" in bad.stderr
+
+
+def test_eval_on_two_processes_gives_the_table_of_one(tmp_path):
+    """`torchrun --nproc_per_node 2 -m emapg eval`: each process decodes every other problem; greedy, the rows
+    (accuracy, lengths, counts) and every transcript equal one process's; the table is printed once."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sets = Path(__file__).resolve().parent / "fixtures" / "evalsets"
+    args = ["eval", "--model", "tiny-llama", "--task", "math", "--data", f"ds={sets / 'deepscaler_train.json'}",
+            f"math500={sets / 'math500.jsonl'}", "--max-new-tokens", "8", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "emapg", *args, "--out", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                          "emapg", *args, "--out", str(tmp_path / "two")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("| tiny-llama | ds |") == 1 and two.stdout.count("| model | set |") == 1  # rank 0 prints
+    a, b = (json.loads((tmp_path / w / "eval.json").read_text())["rows"] for w in ("one", "two"))
+    assert [(r["dataset"], r["problems"], r["num"]) for r in a] == [(r["dataset"], r["problems"], r["num"]) for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["accuracy"] == pytest.approx(ra["accuracy"]) and rb["mean_length"] == pytest.approx(ra["mean_length"])
+    for name in ("ds", "math500"):
+        def completions(w, name=name):
+            rows = [json.loads(line) for line in (tmp_path / w / f"{name}.samples.jsonl").read_text().splitlines()]
+            return sorted((r["id"], r["completion"]) for r in rows)
+        assert completions("two") == completions("one") and len(completions("one")) > 1

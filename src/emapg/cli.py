@@ -191,7 +191,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    print(markdown(run(plan, out)))
+    rows = run(plan, out)
+    from emapg.models import distributed
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(markdown(rows))
+    distributed.shutdown()  # under torchrun: leave together
     return 0
 
 

@@ -4,9 +4,10 @@ A set is a file (``--data NAME=FILE`` or ``FILE``, named by its stem) in one of 
 task reads (:func:`emapg.tasks.math.math_rows`, :func:`emapg.tasks.search_qa.qa_rows`); a file whose rows name
 several sources (Search-R1's merged ``test.parquet``, its ``data_source`` column) gives one set per source.
 Every model is evaluated on every set with the same :class:`SamplingSpec` (n samples at T and top-p, or
-greedy), by emapg's decode loop in bounded batches or by a vLLM engine; the result is a row per (model, set)
-with avg@n, pass@k and the mean length, and per model the average over its sets weighted by their problems (the
-reference's aggregate) and unweighted: the table the paper prints.
+greedy), by emapg's decode loop in bounded batches or by a vLLM engine; under torchrun each process takes every
+world-th problem of each set on its own GPU and the results are combined (greedy: the table one process gives).
+The result is a row per (model, set) with avg@n, pass@k and the mean length, and per model the average over its
+sets weighted by their problems (the reference's aggregate) and unweighted: the table the paper prints.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from emapg.backends import BACKENDS
 from emapg.config import ConfigError
 from emapg.rollout.sampling import SamplingSpec
+from emapg.run.evaluate import RANK_SEED_STRIDE
 
 
 @dataclass(frozen=True)
@@ -102,32 +104,35 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
     open_engine = eval_engine_builder(plan.backend)  # a backend that cannot evaluate is refused before loading
     rows: list[dict[str, Any]] = []
     labels = model_labels(plan.models)
+    rank, world, device = eval_processes(plan.device)
+    seed = plan.seed + RANK_SEED_STRIDE * rank  # rank 0 (and one process) samples with the seed itself
     for model_name in plan.models:
         torch.manual_seed(plan.seed)
         model, tok = load_model(model_name, plan.dtype)
-        model.to(plan.device).eval()
+        model.to(device).eval()
         engine = None if open_engine is None else open_engine(
-            model, tok, [t for _, t in tasks], plan.spec, device=plan.device, dtype=plan.dtype, seed=plan.seed,
+            model, tok, [t for _, t in tasks], plan.spec, device=device, dtype=plan.dtype, seed=seed,
             rows=plan.batch_size * plan.spec.n)
         try:
             for set_name, task in tasks:
                 fit_prompts(task, tok, context_length(model), plan.spec.max_new_tokens, "error")
                 for name, examples in sets_of(task, set_name, plan.size):
-                    torch.manual_seed(plan.seed)
-                    res = evaluate(model, tok, task, examples, plan.spec, batch_size=plan.batch_size,
-                                   progress=f"eval {name} ({len(examples)} problems)", record=out is not None,
-                                   engine=engine, seed=plan.seed)
-                    records = res.pop("records", [])
+                    torch.manual_seed(seed)
+                    res = evaluate(model, tok, task, examples[rank::world], plan.spec, batch_size=plan.batch_size,
+                                   progress=f"eval {name} ({len(examples)} problems)" if rank == 0 else None,
+                                   record=out is not None, engine=engine, seed=seed)
+                    res, records = _combined(res, world)
                     rows.append({"model": model_name, "dataset": name, "problems": len(examples), **res})
-                    log(f"emapg eval: {model_name}: {name}: avg@{plan.spec.n} {100 * res['accuracy']:.1f}% "
-                        f"over {len(examples)} problems")
-                    if out is not None:
+                    if rank == 0:
+                        log(f"emapg eval: {model_name}: {name}: avg@{plan.spec.n} {100 * res['accuracy']:.1f}% "
+                            f"over {len(examples)} problems" + (f" ({world} processes)" if world > 1 else ""))
+                    if out is not None and rank == 0:
                         _write_records(out, labels[model_name], name, records)
         finally:
             if engine is not None:
                 engine.close()
         del model
-    if out is not None:
+    if out is not None and rank == 0:
         settings = {"models": plan.models, "task": plan.task, "samples": plan.spec.n, "greedy": plan.spec.greedy,
                     "temperature": None if plan.spec.greedy else plan.spec.temperature, "top_p": plan.spec.top_p,
                     "max_new_tokens": plan.spec.max_new_tokens, "device": plan.device, "dtype": plan.dtype,
@@ -136,6 +141,31 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
         (out / "eval.json").write_text(json.dumps({**settings, "rows": rows}, indent=1))
         (out / "eval.md").write_text(markdown(rows))
     return rows
+
+
+def eval_processes(device: str) -> tuple[int, int, str]:
+    """(rank, world, device) of this ``emapg eval`` process: one process, or under torchrun each process with
+    its share of every set (every ``world``-th problem) on its own device (cuda:LOCAL_RANK)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, device
+    from emapg.models import distributed
+
+    info = distributed.init(device)
+    return info.rank, info.world, str(info.device)
+
+
+def _combined(res: dict[str, Any], world: int) -> tuple[dict[str, Any], list[dict]]:
+    """One process's result of its share and its transcripts -> the whole set's (collective when world > 1)."""
+    from emapg.models import distributed
+    from emapg.run.evaluate import combine_evals
+
+    records = res.pop("records", [])
+    if world <= 1:
+        return res, records
+    return combine_evals(distributed.all_gather_objects(res)), [r for part in distributed.all_gather_objects(records)
+                                                                for r in part]
 
 
 def eval_engine_builder(name: str):
