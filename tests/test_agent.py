@@ -445,3 +445,16 @@ def test_the_search_r1_template_continues_after_an_invalid_turn_and_fewshot_ends
                   eval_file=str(ROOT / "tests" / "fixtures" / "qa" / "nq.jsonl"), retriever_url="http://127.0.0.1:9/x")
     assert make_task("search_qa", template="search_r1", **common).agent.invalid_action == INVALID_ACTION
     assert make_task("search_qa", template="fewshot", **common).agent.invalid_action == ""
+
+
+def test_the_retriever_timeout_is_a_task_arg():
+    """task_args.retriever_timeout: how long one request to the retrieval server may take (the paper's turn asks
+    2,560 queries at once); checked as every task arg is."""
+    from emapg.config import ConfigError
+
+    common = dict(train_file=str(ROOT / "tests" / "fixtures" / "qa" / "nq.jsonl"),
+                  eval_file=str(ROOT / "tests" / "fixtures" / "qa" / "nq.jsonl"), retriever_url="http://127.0.0.1:9/x")
+    assert make_task("search_qa", **common).retriever.timeout == 30.0
+    assert make_task("search_qa", retriever_timeout=120, **common).retriever.timeout == 120
+    with pytest.raises(ConfigError, match="task_args.retriever_timeout: must be a finite number >= 0.1"):
+        make_task("search_qa", retriever_timeout=0, **common)

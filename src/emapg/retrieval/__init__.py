@@ -109,10 +109,11 @@ def retriever_problem(kind: str, index: str | None, url: str | None, search_para
 
 
 def open_retriever(index: str | None = None, url: str | None = None, kind: str = "bm25",
-                   search_params: dict | None = None) -> Retriever:
+                   search_params: dict | None = None, timeout: float = 30.0) -> Retriever:
     """A retriever on a local index folder (``index``, as ``kind``: one of :data:`RETRIEVERS`) or a retrieval
     server (``url``, which chose its own kind); give exactly one of index and url. ``search_params``: the
-    dense index's faiss search parameters (``{"nprobe": 64}``) over the ones it was built with."""
+    dense index's faiss search parameters (``{"nprobe": 64}``) over the ones it was built with. ``timeout``:
+    seconds a request to a server may take (a turn of the paper's batch asks 2,560 queries at once)."""
     if (index is None) == (url is None):
         raise ValueError("open_retriever needs exactly one of index= (an index folder) "
                          "or url= (a retrieval server)")
@@ -122,7 +123,7 @@ def open_retriever(index: str | None = None, url: str | None = None, kind: str =
     if index is None:
         from emapg.retrieval.client import HTTPRetriever
 
-        return HTTPRetriever(url)
+        return HTTPRetriever(url, timeout=timeout)
     return RETRIEVERS[kind](index, search_params)
 
 

@@ -124,6 +124,7 @@ class SearchQATask(Task):
         retriever: how a local index (``index`` or ``synthetic``) is searched: bm25, dense (a faiss index of
             MiniLM embeddings; ``emapg index dense``, built on the fly for synthetic) or hybrid (both fused
             by reciprocal rank). A server (``retriever_url``) chose its own with ``--retriever``.
+        retriever_timeout: seconds one request to ``retriever_url`` may take before it is retried (default 30).
         search_params: a dense or hybrid retriever's faiss search parameters over the ones its index was
             built with, e.g. ``{nprobe: 64}`` (IVF) or ``{efSearch: 256}`` (HNSW).
         template: search_r1 or fewshot. reward: em or f1. response_prefix: text that opens the model's
@@ -143,7 +144,8 @@ class SearchQATask(Task):
             "hops": one_of(("two", "one", "mix")), "eval_hops": one_of(("two", "one")),
             "one_hop_frac": within(0, 1), "format_weight": at_least(0, finite=True), "eval_size": at_least(1),
             "max_turns": at_least(1), "passages": at_least(1), "max_turn_tokens": at_least(1),
-            "max_total_tokens": at_least(1), "max_info_tokens": at_least(0)}
+            "max_total_tokens": at_least(1), "max_info_tokens": at_least(0),
+            "retriever_timeout": at_least(0.1, finite=True)}
 
     def __init__(self, train_file: str | list[str] | None = None, eval_file: str | None = None,
                  index: str | None = None, retriever_url: str | None = None, synthetic: bool | dict | None = None,
@@ -152,8 +154,9 @@ class SearchQATask(Task):
                  max_total_tokens: int = 1024, max_info_tokens: int = 384, eval_size: int = 500,
                  response_prefix: str = "", format_weight: float = 0.0, force_answer: bool = False,
                  turn_prefix: str = "", hops: str = "two", one_hop_frac: float = 0.5, eval_hops: str = "two",
-                 retriever: str = "bm25", search_params: dict | None = None):
+                 retriever: str = "bm25", search_params: dict | None = None, retriever_timeout: float = 30.0):
         sources = [x for x in (index, retriever_url, synthetic) if x]
+        self.retriever_timeout = retriever_timeout
         if len(sources) != 1:
             raise ValueError("task_args: the search_qa task needs exactly one of index, retriever_url, synthetic")
         problem = retriever_problem(retriever, index, retriever_url, search_params)
@@ -210,7 +213,8 @@ class SearchQATask(Task):
         if self._retriever is None:
             self._retriever = open_retriever(index=self._index, url=self._url,
                                              kind=self.retriever_kind if self._index else "bm25",
-                                             search_params=self.search_params if self._index else None)
+                                             search_params=self.search_params if self._index else None,
+                                             timeout=self.retriever_timeout)
         return self._retriever
 
     def train_pool(self) -> list[Example] | None:
