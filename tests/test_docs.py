@@ -204,7 +204,10 @@ def check(argv: list[str]) -> None:
             if m:
                 unknown = set(m.group(1).split(",")) - set(extras)
                 assert not unknown, f"no extra {sorted(unknown)} in pyproject.toml"
-    elif head not in ("huggingface-cli", "source", "tensorboard"):
+    elif head == "hf":  # huggingface_hub's command, in the project's venv (huggingface-cli is not, since hub 1.0)
+        assert (Path(sys.executable).parent / "hf").exists(), "hf: not in the project's venv"
+        assert argv[1] == "download", f"hf {argv[1]}: the docs use hf download only"
+    elif head not in ("source", "tensorboard"):
         raise AssertionError(f"a command this test does not know how to check: {shlex.join(argv)}")
 
 
