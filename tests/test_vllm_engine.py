@@ -209,6 +209,47 @@ def test_the_engine_gets_the_policys_weights_after_every_optimizer_step(tmp_path
         tr.close()
 
 
+def test_the_runs_evaluation_samples_on_its_engine_as_the_decode_loop_does(tmp_path):
+    """rollout.backend=vllm: the in-training evaluation of the policy and of the anchor samples on the run's
+    engine (given those weights), greedy in fp32 problem by problem what emapg's decode loop gives; after the
+    anchor's evaluation the next rollout pushes the policy back; the engine sleeps again after each one."""
+    tr = trainer(tmp_path, "lr=1e-2", "eval.size=8", "eval.greedy=true", "eval.max_new_tokens=12", "algo.eta=0.5")
+    try:
+        tr.train_step(1)
+        tr.step = 1
+        sampled: list[str] = []
+        generate = tr.engine.generate
+
+        def recording(*a, **k):
+            batch = generate(*a, **k)
+            sampled.extend(batch.completions)
+            return batch
+
+        tr.engine.generate = recording
+        on_engine, texts = {}, {}
+        for which in ("policy", "anchor"):
+            sampled.clear()
+            on_engine[which] = tr._evaluate(which, sets=("heldout",))["heldout"]
+            texts[which] = sorted(sampled)
+        assert texts["policy"] and texts["policy"] != texts["anchor"]  # the engine sampled each model's own
+        examples = tr.evaluator.sets["heldout"][1]
+        spec = SamplingSpec(n=1, greedy=True, max_new_tokens=12)
+        with tr.anchor.use(tr.model) as anchor:
+            assert texts["anchor"] == sorted(hf_generate(anchor, tr.tokenizer, examples, spec).completions)
+        assert texts["policy"] == sorted(hf_generate(tr.model, tr.tokenizer, examples, spec).completions)
+        assert tr.engine.sync(tr.model, version=tr.step)  # the anchor's weights were in it: the policy goes back
+        engine, tr.engine = tr.engine, None
+        try:
+            on_loop = {w: tr._evaluate(w, sets=("heldout",))["heldout"] for w in ("policy", "anchor")}
+        finally:
+            tr.engine = engine
+        for which in ("policy", "anchor"):
+            assert on_engine[which]["solved"] == on_loop[which]["solved"], which
+            assert on_engine[which]["mean_length"] == pytest.approx(on_loop[which]["mean_length"])
+    finally:
+        tr.close()
+
+
 def test_lora_adapters_reach_the_engine_merged(tmp_path):
     tr = trainer(tmp_path, "lr=1e-2", "lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj,v_proj,up_proj]")
     try:

@@ -216,8 +216,9 @@ def engine_for_run(cfg: Any, model: nn.Module, tokenizer, task: Any, spec: Sampl
     (one line, naming the field) when the engine cannot start here."""
     r = cfg.rollout
     dtype = "bfloat16" if cfg.mixed_precision == "bf16" or cfg.dtype == "bfloat16" else "float32"
-    max_len = r.vllm_max_model_len or engine_model_len(task, tokenizer, context_length(model),
-                                                       response_budget(task, r.max_new_tokens))
+    budget = max(response_budget(task, r.max_new_tokens),  # the run's evaluation samples on it too
+                 response_budget(task, cfg.eval.max_new_tokens or r.max_new_tokens))
+    max_len = r.vllm_max_model_len or engine_model_len(task, tokenizer, context_length(model), budget)
     kv_gib = r.vllm_kv_cache_gib
     if device == "cpu" and kv_gib is None:
         kv_gib = cpu_kv_cache_gib(model.config, dtype, rows=rows, max_model_len=max_len)

@@ -40,15 +40,17 @@ def eval_settings(cfg: Any, world: int, device: str) -> dict[str, Any]:
 
 def evaluate_shared(model: nn.Module, tokenizer, task: Task, examples: list[Example], spec: SamplingSpec, *,
                     rank: int, world: int, seed: int, progress: str | None = None,
-                    max_rows: int | None = None) -> dict[str, Any]:
+                    max_rows: int | None = None, engine=None) -> dict[str, Any]:
     """:func:`evaluate` of this process's share of ``examples`` (every ``world``-th from ``rank``), seeded
     ``seed`` (per rank) inside a forked RNG, so evaluation never shifts the training randomness; the
-    shares' results combined (collective when ``world > 1``)."""
+    shares' results combined (collective when ``world > 1``). ``engine``: the run's rollout engine, holding
+    the model's weights, samples instead of the decode loop."""
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed + RANK_SEED_STRIDE * rank)
         res = evaluate(model, tokenizer, task, examples[rank::world], spec, progress=progress, outcomes=True,
-                       max_rows=max_rows)
+                       max_rows=max_rows, engine=engine,
+                       seed=None if engine is None else seed + RANK_SEED_STRIDE * rank)
     return combine_evals(distributed.all_gather_objects(res)) if world > 1 else res
 
 
@@ -196,9 +198,10 @@ class RunEvaluator:
             write_text_atomic(path, "".join(line + "\n" for line in keep))
 
     def run(self, model: nn.Module, which: str, step: int, sets: tuple[str, ...] = ("heldout", "transfer"),
-            reuse: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+            reuse: dict[str, Any] | None = None, engine=None) -> dict[str, dict[str, Any]]:
         """Evaluate ``model`` (``which``: policy or anchor; gathered, in its autocast) on the sets; returns
-        {set: result}. ``reuse``: a held-out result already measured for this model (not run again)."""
+        {set: result}. ``reuse``: a held-out result already measured for this model (not run again).
+        ``engine``: the run's rollout engine, holding ``model``'s weights, samples (else the decode loop)."""
         out = {}
         for name in sets:
             if name not in self.sets:
@@ -211,7 +214,7 @@ class RunEvaluator:
                 label = f"eval {which}{where} at step {step} ({len(examples)} problems)" if self.progress else None
                 res = evaluate_shared(model, self.tokenizer, task, examples, self.spec, rank=self.rank,
                                       world=self.world, seed=self.cfg.seed, progress=label,
-                                      max_rows=self.cfg.rollout.max_rows)
+                                      max_rows=self.cfg.rollout.max_rows, engine=engine)
                 if name == "heldout" and self.teacher_kl is not None:
                     res["teacher_kl"] = self.teacher_kl(model)
             self._record(name, which, step, res)

@@ -247,10 +247,19 @@ class Trainer:
         return {k: v for k, v in res.items() if k != "solved"}  # the per-problem outcomes went to RUN/outcomes
 
     def _evaluate(self, which: str, sets: tuple[str, ...] = ("heldout", "transfer"), reuse=None) -> dict[str, Any]:
-        """The policy or the anchor on the run's held-out sets ({set: result}; :class:`RunEvaluator`)."""
+        """The policy or the anchor on the run's held-out sets ({set: result}; :class:`RunEvaluator`). With a
+        rollout engine (vLLM) the engine samples: it is given the evaluated weights (the policy's are the
+        version the next rollout asks for; the anchor's are not, so that rollout pushes the policy back) and
+        sleeps again after, as after a rollout."""
         model = self.anchor.use(self.model) if which == "anchor" else contextlib.nullcontext(self.model)
         with model as m, gathered(m) as g, self._autocast():
-            return self.evaluator.run(g, which, self.step, sets, reuse=reuse)
+            if self.engine is None:
+                return self.evaluator.run(g, which, self.step, sets, reuse=reuse)
+            self.engine.sync(g, version=self.step if which == "policy" else (which, self.step))
+            try:
+                return self.evaluator.run(g, which, self.step, sets, reuse=reuse, engine=self.engine)
+            finally:
+                self.engine.after_rollout()
 
     def _initial_anchor_eval(self) -> dict[str, Any] | None:
         """The step-0 evaluation, for an anchor that is the initial policy, same settings (None: run it)."""
