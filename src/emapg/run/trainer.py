@@ -26,6 +26,7 @@ from torch import Tensor
 
 from emapg import algo
 from emapg.algo import AnchorStats
+from emapg.backends import BACKENDS
 from emapg.config import TrainConfig, recomputes_old
 from emapg.models import distributed
 from emapg.models.distributed import gathered
@@ -248,12 +249,13 @@ class Trainer:
 
     def _evaluate(self, which: str, sets: tuple[str, ...] = ("heldout", "transfer"), reuse=None) -> dict[str, Any]:
         """The policy or the anchor on the run's held-out sets ({set: result}; :class:`RunEvaluator`). With a
-        rollout engine (vLLM) the engine samples: it is given the evaluated weights (the policy's are the
-        version the next rollout asks for; the anchor's are not, so that rollout pushes the policy back) and
-        sleeps again after, as after a rollout."""
+        rollout engine whose backend evaluates too (vLLM: ``for_eval``) the engine samples: it is given the
+        evaluated weights (the policy's are the version the next rollout asks for; the anchor's are not, so
+        that rollout pushes the policy back) and sleeps again after, as after a rollout."""
         model = self.anchor.use(self.model) if which == "anchor" else contextlib.nullcontext(self.model)
+        evaluates = self.engine is not None and BACKENDS[self.cfg.rollout.backend].for_eval is not None
         with model as m, gathered(m) as g, self._autocast():
-            if self.engine is None:
+            if not evaluates:  # the decode loop (a backend that samples for training only: there too)
                 return self.evaluator.run(g, which, self.step, sets, reuse=reuse)
             self.engine.sync(g, version=self.step if which == "policy" else (which, self.step))
             try:
