@@ -204,14 +204,14 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
 # ---- reductions --------------------------------------------------------------------------------
 
 
-def _multi() -> bool:
-    """More than one process (a vLLM engine may have made a 1-process group on its own)."""
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
 def world() -> int:
     """The number of processes in the job (1 without a process group)."""
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _multi() -> bool:
+    """More than one process (a vLLM engine may have made a 1-process group on its own)."""
+    return world() > 1
 
 
 def all_reduce(values: list[float], op: str = "sum") -> list[float]:

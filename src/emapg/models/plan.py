@@ -363,10 +363,11 @@ def too_big(p: Plan, capacity: float, cfg: Any) -> str | None:
     if p.peak <= capacity:
         return None
     over = {ph.name for ph in p.phases if _phase(p, ph.name) > capacity}
+    offload = [] if cfg.offload else ["offload=true (torchrun, 2+ processes)"]
     fixes = []
     if sum(p.resident.values()) > capacity:  # the weights and optimizer state alone: no phase setting helps
-        fixes.append("lora.r > 0 (adapters train, the anchor averages them)" if cfg.lora.r == 0 else "")
-        fixes.append("offload=true (torchrun, 2+ processes)" if not cfg.offload else "")
+        fixes += ["lora.r > 0 (adapters train, the anchor averages them)"] * (cfg.lora.r == 0) + offload
+        offload = []
     if "rollout" in over and cfg.rollout.backend == "hf":
         fixes.append("rollout.max_rows (fewer rows decoding at once)")
     if "rollout" in over and cfg.rollout.backend == "vllm":
@@ -377,11 +378,9 @@ def too_big(p: Plan, capacity: float, cfg: Any) -> str | None:
             fixes.append("gradient_checkpointing=true")
         if cfg.micro_batch_prompts > 1:
             fixes.append("a smaller micro_batch_prompts")
-    if not cfg.offload and "offload=true (torchrun, 2+ processes)" not in fixes:
-        fixes.append("offload=true (torchrun, 2+ processes)")
-    fixes = [f for f in fixes if f] + ["more devices"]
+    fixes += [*offload, "more devices"]
     return (f"the memory plan needs {p.peak / GIB:.1f} GiB per device at its peak ({p.peak_phase}), more than the "
-            f"device's {capacity / GIB:.1f} GiB: try {', '.join(dict.fromkeys(fixes))} (`emapg plan` prints every "
+            f"device's {capacity / GIB:.1f} GiB: try {', '.join(fixes)} (`emapg plan` prints every "
             "part; memory_check=false runs it anyway)")
 
 

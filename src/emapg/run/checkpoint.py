@@ -291,36 +291,41 @@ def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: 
     """Load a checkpoint's policy, anchor and optimizer state into the run's objects (sharded: into
     FSDP2's shards); returns its state.json (step, scheduler, ...). The optimizer's settings are the run's
     config's (lr, betas, weight decay), not the checkpoint's: a later stage may change them."""
-    # one tensor at a time, each rank its own rows only (a plain model's are whole): no second copy of the model
-    policy, tied = ckpt["policy"], tied_names(model)
-    targets = model.state_dict()
-    missing = [n for n in targets if n not in policy and n not in tied]
-    unexpected = [n for n in policy if n not in targets]
+    missing, unexpected = load_policy(model, ckpt["policy"])
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for name, t in targets.items():
-            if name in policy:
-                distributed.local(t).copy_(policy.local(name, t))
-    anchor.load_state_dict(shards.Rows(ckpt["anchor"], anchor.layout()), local=True)
+    anchor_file, layout = ckpt["anchor"], anchor.layout()
+    anchor.load_state_dict(shards.Rows(anchor_file, lambda n: anchor_file.local(n, layout[n])), local=True)
     tensors, meta = ckpt["optimizer"]
     params = dict(model.named_parameters())
     distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(
-        shards.Rows(tensors, {}, lambda k: _param_rows(tensors, k, params.get(k.rsplit(".", 1)[0]))), meta),
+        shards.Rows(tensors, lambda k: _param_rows(tensors, k, params.get(k.rsplit(".", 1)[0]))), meta),
         sharded=sharded)
     for group in optimizer.param_groups:
         group.update(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     return ckpt["state"]
 
 
+def load_policy(model: nn.Module, policy: shards.Tensors) -> tuple[list[str], list[str]]:
+    """Copy a checkpoint's policy tensors into ``model`` one at a time, each rank its own rows only (a plain
+    model's are whole): no second copy of the model. Returns the names that do not fit, (missing, unexpected)
+    (a tied head's name may be absent), copying nothing then."""
+    tied, targets = tied_names(model), model.state_dict()
+    missing = [n for n in targets if n not in policy and n not in tied]
+    unexpected = [n for n in policy if n not in targets]
+    if not (missing or unexpected):
+        with torch.no_grad():
+            for name, t in targets.items():
+                if name in policy:
+                    distributed.local(t).copy_(policy.local(name, t))
+    return missing, unexpected
+
+
 def _param_rows(tensors: shards.Tensors, key: str, param: torch.Tensor | None) -> torch.Tensor:
     """An optimizer state tensor (``<param>.<field>``): the rows this rank holds when it has the parameter's
     shape (exp_avg, exp_avg_sq), as a DTensor laid out like the parameter; else whole (AdamW's step)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor) and tensors.shape(key) == list(param.shape):
-        return DTensor.from_local(tensors.local(key, param), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+    if param is not None and tensors.shape(key) == list(param.shape):
+        return distributed.as_dtensor(tensors.local(key, param), param)
     return tensors[key]
 
 

@@ -13,7 +13,7 @@ from emapg.anchor import EMAAnchor
 from emapg.atomic import folder_atomic
 from emapg.models import distributed
 from emapg.models.zoo import policy_model, save_hf_folder
-from emapg.run.checkpoint import CheckpointError, load_checkpoint, resume_candidates, tied_names
+from emapg.run.checkpoint import CheckpointError, load_checkpoint, load_policy, resume_candidates
 
 
 def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool, main: bool, plain_model) -> None:
@@ -51,11 +51,10 @@ def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None =
     ckpt = load_checkpoint(path)
     step = ckpt["state"]["step"]
     model, tokenizer = policy_model(cfg)
-    tied = tied_names(model)
-    missing, unexpected = model.load_state_dict(dict(ckpt["policy"]), strict=False)
-    if unexpected or [m for m in missing if m not in tied]:
+    missing, unexpected = load_policy(model, ckpt["policy"])
+    if missing or unexpected:
         raise CheckpointError(f"{path / 'policy.safetensors'} does not fit model {cfg.model} of {cfg_file}: missing "
-                              f"{[m for m in missing if m not in tied][:3]}, unexpected {unexpected[:3]}")
+                              f"{missing[:3]}, unexpected {unexpected[:3]}")
     anchor = EMAAnchor(model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=None)
     anchor.load_state_dict(dict(ckpt["anchor"]))
     out = Path(out) if out is not None else run_dir / f"export-step_{step:06d}"

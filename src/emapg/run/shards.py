@@ -149,18 +149,14 @@ class Tensors(Mapping):
 
 
 class Rows(Mapping):
-    """The names of a :class:`Tensors` file, each read when asked as this rank's rows of a tensor laid out as
-    ``layout[name]`` (whole where ``layout`` has no entry), or by ``read(name)``: a loader that takes one
-    tensor at a time never holds the whole file."""
+    """The names of a :class:`Tensors` file, each read by ``read(name)`` when asked (a rank's rows, or whole): a
+    loader that takes one tensor at a time never holds the whole file."""
 
-    def __init__(self, tensors: Tensors, layout: Mapping[str, Tensor], read=None):
-        self.tensors, self.layout, self.read = tensors, layout, read
+    def __init__(self, tensors: Tensors, read):
+        self.tensors, self.read = tensors, read
 
     def __getitem__(self, name: str) -> Tensor:
-        if self.read is not None:
-            return self.read(name)
-        like = self.layout.get(name)
-        return self.tensors[name] if like is None else self.tensors.local(name, like)
+        return self.read(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)

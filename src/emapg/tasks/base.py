@@ -56,9 +56,9 @@ class Task:
 
     name: str = "task"
     agent: AgentConfig | None = None
+    """The budgets of a multi-turn tool episode; None = one model turn per response."""
     zero_truncated: bool = False
     """A response that ran out of tokens scores 0 whatever it holds (rLLM's engine, under the paper's grader)."""
-    """The budgets of a multi-turn tool episode; None = one model turn per response."""
     ARGS: ClassVar[dict[str, tuple[Callable[[Any], bool], Any]]] = {}
     """The rules of the task's keyword arguments (its ``task_args``), written with the config's rule builders
     (``emapg.config.at_least``, ``one_of``, ``within``): :func:`emapg.tasks.make_task` checks them, with

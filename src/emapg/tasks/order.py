@@ -19,13 +19,17 @@ from emapg.tasks.base import Example, Task
 ORDERS = ("random", "epochs")
 
 
-def epoch_indices(size: int, per_step: int, seed: int, step: int) -> list[int]:
-    """The training-set indices of step ``step`` (1-based) in shuffled epochs of a set of ``size`` examples."""
+def _batches_per_epoch(size: int, per_step: int) -> int:
     batches = size // per_step
     if batches == 0:
         raise ValueError(f"data_order: epochs needs at least prompts_per_step ({per_step}) training examples, "
                          f"the task has {size}")
-    epoch, batch = divmod(step - 1, batches)
+    return batches
+
+
+def epoch_indices(size: int, per_step: int, seed: int, step: int) -> list[int]:
+    """The training-set indices of step ``step`` (1-based) in shuffled epochs of a set of ``size`` examples."""
+    epoch, batch = divmod(step - 1, _batches_per_epoch(size, per_step))
     g = torch.Generator().manual_seed(seed)
     for _ in range(2 * epoch):  # the sampler's generator runs on: each epoch draws two permutations (its order,
         torch.randperm(size, generator=g)  # then one cut to num_samples % n = 0 rows)
@@ -33,14 +37,17 @@ def epoch_indices(size: int, per_step: int, seed: int, step: int) -> list[int]:
     return order[batch * per_step : (batch + 1) * per_step].tolist()
 
 
-def check_order(task: Task, order: str, per_step: int) -> None:
-    """Before the first step: ``epochs`` needs a fixed training set of at least one step's prompts."""
-    if order != "epochs":
-        return
+def _pool(task: Task) -> list[Example]:
     pool = task.train_pool()
     if pool is None:
         raise ValueError(f"data_order: epochs needs a task with a fixed training set; {task.name!r} draws its examples")
-    epoch_indices(len(pool), per_step, 0, 1)  # the size check
+    return pool
+
+
+def check_order(task: Task, order: str, per_step: int) -> None:
+    """Before the first step: ``epochs`` needs a fixed training set of at least one step's prompts."""
+    if order == "epochs":
+        _batches_per_epoch(len(_pool(task)), per_step)
 
 
 def training_prompts(task: Task, order: str, seed: int, step: int, n: int, step_seed: int) -> list[Example]:
@@ -48,6 +55,5 @@ def training_prompts(task: Task, order: str, seed: int, step: int, n: int, step_
     of the shuffled epochs."""
     if order == "random":
         return task.train_examples(random.Random(step_seed), n)
-    pool = task.train_pool()
-    check_order(task, order, n)
+    pool = _pool(task)
     return [pool[i] for i in epoch_indices(len(pool), n, seed, step)]
