@@ -27,10 +27,31 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "evalsets"
     ("amc.jsonl", "What is $100+42$?", ["142"]),  # 142.0 in the file
     ("minerva.json", "A star is $10$ parsecs away. How far is it in parsecs?", ["10"]),
     ("olympiadbench.jsonl", "Find the smallest positive integer $n$ with $n^2 > 5$.", ["3"]),  # ["$3$"]
+    ("matharena_aime_2025.jsonl", "Find the number of positive divisors of $12$.", ["6"]),  # answer: 6 (int)
+    ("livemathbench_amc_en.jsonl", "What is $\\frac{1}{2}+\\frac{1}{4}$? Give your answer as a fraction.",
+     ["\\frac{3}{4}"]),  # "$\\frac{3}{4}$"
+    ("livemathbench_hard_en.jsonl", "Find the sum of the roots of $x^2 - 7x + 10 = 0$.", ["7"]),
+    ("minervamath.jsonl", "A planet orbits at $2$ AU. What is its orbital radius in AU?", ["2"]),
 ])
 def test_each_published_math_format_reads_its_problem_and_answer(name, problem, answers):
     row = math_rows(str(FIXTURES / name), "problem", "answer")[0]
     assert row["problem"] == problem and row["answer"] == answers
+
+
+def test_matharena_parquet_reads_as_its_jsonl(tmp_path):
+    """MathArena publishes parquet (`hf download` gives it): problem_idx and answer as int64, read as the JSONL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in (FIXTURES / "matharena_aime_2025.jsonl").read_text().splitlines()]
+    table = pa.table({"problem_idx": pa.array([r["problem_idx"] for r in rows], pa.int64()),
+                      "problem": [r["problem"] for r in rows],
+                      "answer": pa.array([r["answer"] for r in rows], pa.int64())})
+    pq.write_table(table, tmp_path / "train-00000-of-00001.parquet")
+    read = math_rows(str(tmp_path / "train-00000-of-00001.parquet"), "problem", "answer")
+    jsonl = math_rows(str(FIXTURES / "matharena_aime_2025.jsonl"), "problem", "answer")
+    assert [(r["problem"], r["answer"]) for r in read] == [(r["problem"], r["answer"]) for r in jsonl]
+    assert [r["answer"] for r in read] == [["6"], ["24"]]
 
 
 def test_olympiadbench_list_answers_score_right():

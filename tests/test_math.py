@@ -211,16 +211,33 @@ def test_the_shipped_gsm8k_reads_whole_and_a_gzipped_file_of_yours_reads_too(tmp
 
 def test_eval_protocol_paper_runs_the_published_sets_with_the_references_settings(tmp_path):
     """`emapg eval --protocol paper`: the reference's sampling (32 samples, T 0.8, top-p 0.9, 28,000 tokens, seed
-    429) and grader, on the published-format fixtures; an option given wins (here the budget and the samples, a
-    tiny model's context being 2,048 tokens) and is said to differ; the aggregate weighs sets by problems."""
+    429) and grader, on the 7 sets as scripts/paper_evalsets.py writes them from the published-format fixtures
+    (the reference's sources: LiveMathBench's AMC sets, MathArena's AIME 2025, math-ai's Minerva); an option
+    given wins (here the budget and the samples, a tiny model's context being 2,048 tokens) and is said to differ;
+    the aggregate weighs sets by problems."""
     import subprocess
     import sys
     from pathlib import Path
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import paper_evalsets
+
+    # scripts/paper_evalsets.py with the Hub replaced by the published-format fixtures of each source
     sets = Path(__file__).resolve().parent / "fixtures" / "evalsets"
-    data = [f"aime2024={sets / 'aime_2024.jsonl'}", f"aime2025={sets / 'aime_2025.jsonl'}",
-            f"amc={sets / 'amc.jsonl'}", f"math500={sets / 'math500.jsonl'}", f"minerva={sets / 'minerva.json'}",
-            f"olympiadbench={sets / 'olympiadbench.jsonl'}"]
+    files = {"HuggingFaceH4/aime_2024": "aime_2024.jsonl", "v202412_AMC_en": "livemathbench_amc_en.jsonl",
+             "HuggingFaceH4/MATH-500": "math500.jsonl", "math-ai/minervamath": "minervamath.jsonl",
+             "OE_TO_maths_en_COMP": "olympiadbench.jsonl", "MathArena/aime_2025": "matharena_aime_2025.jsonl",
+             "v202505_hard_en": "livemathbench_hard_en.jsonl"}
+    asked = []
+
+    def hub(repo, config, split, revision):
+        asked.append((repo, config, split, revision))
+        return [json.loads(line) for line in (sets / files[config or repo]).read_text().splitlines()]
+
+    written = paper_evalsets.fetch(tmp_path / "eval", hub, {"aime2025": "abc123"})
+    assert [n for n, _, _ in written] == list(paper_evalsets.SETS) and len(written) == 7
+    assert asked[5] == ("MathArena/aime_2025", None, "train", "abc123")
+    data = [f"{name}={path}" for name, _, path in written]
     res = subprocess.run([sys.executable, "-m", "emapg", "eval", "--protocol", "paper", "--model", "tiny-llama",
                           "--task", "math", "--data", *data, "--samples", "2", "--max-new-tokens", "8",
                           "--device", "cpu", "--out", str(tmp_path / "out")],
@@ -231,7 +248,7 @@ def test_eval_protocol_paper_runs_the_published_sets_with_the_references_setting
         "paper", 0.8, 0.9, 429, "reference")
     assert out["samples"] == 2 and out["max_new_tokens"] == 8
     assert "--samples 2: not the paper's protocol (32)" in res.stderr
-    assert len(out["rows"]) == 6 and "average, by problems" in res.stdout
+    assert len(out["rows"]) == 7 and "average, by problems" in res.stdout
     total = sum(r["problems"] for r in out["rows"])
     assert f"| tiny-llama | average, by problems | {total} |" in res.stdout
     bad = subprocess.run([sys.executable, "-m", "emapg", "eval", "--protocol", "paper", "--model", "tiny-llama",
