@@ -455,6 +455,119 @@ def test_a_prebuilt_search_r1_index_loads_without_encoding(tmp_path, embedder, m
     assert ranked(imported) == ranked(own)
 
 
+def test_import_dense_with_a_corpus_streams_it_without_a_bm25_build(tmp_path, embedder, monkeypatch, capsys):
+    """`index import-dense --corpus`: the corpus goes straight into a new folder's passages.jsonl (the bytes an
+    `index build` writes), row by row (no whole-corpus reader, no BM25); the folder serves dense retrieval equal
+    to the build-then-import path, and a later `index build` of the same corpus keeps the dense index."""
+    import faiss
+
+    import emapg.retrieval.passages as passages_module
+
+    rows = [{"id": str(i), "contents": (f'"{r["title"]}"\n' if "title" in r else "") + r["text"]}
+            for i, r in enumerate(CORPUS)]
+    corpus = write_jsonl(tmp_path / "wiki-18.jsonl", rows)
+    flat = faiss.IndexFlatIP(embedder.dim)
+    flat.add(embedder.encode([r["contents"] for r in rows], query=False))
+    faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+
+    def whole(*args, **kwargs):
+        raise AssertionError("the corpus was read whole")
+
+    with monkeypatch.context() as m:
+        m.setattr(passages_module, "read_corpus", whole)
+        m.setattr(passages_module, "load_rows", whole, raising=False)
+        m.setattr("emapg.retrieval.bm25._import_bm25s", whole)
+        assert cli.main(["index", "import-dense", "--index", str(tmp_path / "ix"), "--corpus", str(corpus),
+                         "--faiss", str(tmp_path / "e5_Flat.index"), "--embedder", "minilm"]) == 0
+    assert sorted(p.name for p in (tmp_path / "ix").iterdir()) == ["dense", "passages.jsonl"]
+    build_index(corpus, tmp_path / "built")
+    assert (tmp_path / "ix" / "passages.jsonl").read_bytes() == (tmp_path / "built" / "passages.jsonl").read_bytes()
+    queries = [q for q, _ in QUERIES]
+    streamed = DenseIndex.load(tmp_path / "ix")
+    assert streamed.devices == "queries encoded on cpu, faiss index on cpu"
+    cli.main(["index", "import-dense", "--index", str(tmp_path / "built"), "--faiss", str(tmp_path / "e5_Flat.index"),
+              "--embedder", "minilm"])
+    ranked = lambda index: [[p.id for p in hits] for hits in index.search(queries, 3)]  # noqa: E731
+    assert ranked(streamed) == ranked(DenseIndex.load(tmp_path / "built"))
+    assert build_index(corpus, tmp_path / "ix")["dense"] == "kept"  # BM25 added later, the dense index kept
+    assert ranked(open_retriever(index=str(tmp_path / "ix"), kind="hybrid").dense) == ranked(streamed)
+    capsys.readouterr()
+    assert cli.main(["index", "import-dense", "--index", str(tmp_path / "ix"), "--corpus", str(corpus),
+                     "--faiss", str(tmp_path / "e5_Flat.index"), "--embedder", "minilm"]) == 2
+    assert "ix: not empty; --corpus writes a new index folder" in capsys.readouterr().err
+
+
+def test_a_streamed_import_refuses_bad_corpora_and_leaves_no_passages(tmp_path, embedder):
+    import faiss
+
+    from emapg.data import DataError
+    from emapg.retrieval.dense import import_dense
+
+    flat = faiss.IndexFlatIP(embedder.dim)
+    flat.add(np.zeros((3, embedder.dim), dtype=np.float32))
+    faiss.write_index(flat, str(tmp_path / "three.index"))
+    dup = write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "text": "x"}, {"id": "b", "text": "y"},
+                                               {"id": "a", "text": "z"}])
+    with pytest.raises(DataError, match=r"dup.jsonl: duplicate id 'a' \(passages 1 and 3\)"):
+        import_dense(tmp_path / "d", tmp_path / "three.index", "minilm", corpus=dup)
+    two = write_jsonl(tmp_path / "two.jsonl", [{"id": "a", "text": "x"}, {"id": "b", "text": "y"}])
+    with pytest.raises(ValueError, match=r"3 vectors for the 2 passages of .*two.jsonl: not an index of this corpus"):
+        import_dense(tmp_path / "t", tmp_path / "three.index", "minilm", corpus=two)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "text": "x"}, {"id": "b", "title": "t"}])
+    with pytest.raises(DataError, match=r"bad.jsonl, line 2: missing field 'text'"):
+        import_dense(tmp_path / "b", tmp_path / "three.index", "minilm", corpus=bad)
+    for folder in ("d", "t", "b"):
+        assert not [p.name for p in (tmp_path / folder).iterdir()]  # nothing half-written is left
+
+
+def test_a_parquet_corpus_streams_in_batches(tmp_path):
+    """Parquet is read a batch at a time; the passages equal the whole-file reader's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from emapg.data import iter_rows
+    from emapg.retrieval.passages import read_corpus, stream_passages
+
+    ids = [str(i) for i in range(10)]
+    pq.write_table(pa.table({"id": ids, "contents": [f'"T{i}"\ntext {i}' for i in range(10)]}),
+                   tmp_path / "c.parquet", row_group_size=3)
+    assert [w for w, _ in iter_rows(tmp_path / "c.parquet")] == [f"row {i}" for i in range(10)]
+    count, _ = stream_passages(tmp_path / "c.parquet", tmp_path / "p.jsonl")
+    whole = read_corpus(tmp_path / "c.parquet")
+    lines = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert count == 10 and [(r["id"], r["title"], r["text"]) for r in lines] == list(
+        zip(whole.ids, whole.titles, whole.texts, strict=True))
+
+
+def test_a_gpu_device_is_asked_for_clearly(tiny, monkeypatch):
+    """`serve-retriever --device`: a device torch has not is one line naming it; BM25 takes none; with a GPU
+    build of faiss the index is sharded over every GPU, without one it stays on the CPU and says so."""
+    from emapg.retrieval.dense import _on_gpus
+
+    with pytest.raises(ValueError, match=r"device: 'cuda' is for a dense or hybrid retriever"):
+        open_retriever(index=str(tiny), kind="bm25", device="cuda")
+    if not __import__("torch").cuda.is_available():
+        assert cli.main(["serve-retriever", "--index", str(tiny), "--retriever", "dense", "--device", "cuda",
+                         "--port", "0"]) == 2
+
+    class CpuFaiss:
+        pass
+
+    class GpuFaiss:
+        def get_num_gpus(self):
+            return 2
+
+        class GpuMultipleClonerOptions:
+            shard = False
+
+        def index_cpu_to_all_gpus(self, ix, co):
+            return ("on gpus", ix, co.shard)
+
+    assert _on_gpus(CpuFaiss(), "ix") == ("ix", "cpu (this faiss has no GPU support: pip install faiss-gpu for a "
+                                                "GPU index)")
+    assert _on_gpus(GpuFaiss(), "ix") == (("on gpus", "ix", True), "2 GPU(s)")
+
+
 def test_an_import_that_does_not_fit_is_refused(tmp_path, embedder):
     import faiss
 

@@ -5,7 +5,7 @@
     emapg export RUN [--step N] [--out DIR]            a checkpoint's policy and anchor as Hugging Face folders
     emapg index build --corpus FILE --out DIR [--dense]  BM25 (and dense) index of a {id, title, text} corpus
     emapg index dense --index DIR [--embedder NAME]      add a dense (faiss) index to an index folder
-    emapg index import-dense --index DIR --faiss FILE --embedder DIR   take a prebuilt faiss index (Search-R1's)
+    emapg index import-dense --index DIR --faiss FILE --embedder DIR [--corpus FILE]   take a prebuilt faiss index
     emapg serve-retriever --index DIR [--retriever bm25|dense|hybrid] [--host H] [--port P]   Search-R1 /retrieve
     emapg kb make --out DIR [--seed S]                  the generated two-hop knowledge base as files
     emapg compare --spec FILE --out DIR [--quick] [--only NAME ...] [--jobs N] [--report-only]
@@ -252,14 +252,21 @@ def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     return models, cfg.task, merged_task_args(cfg.task_args, task_args)
 
 
+def corpus_fields(text: str | None) -> dict[str, str] | None:
+    """``--fields``: a JSON mapping of passage fields to the corpus's columns."""
+    try:
+        fields = json.loads(text) if text else None
+    except ValueError as e:
+        raise ConfigError(f"--fields: not JSON ({e})") from None
+    if fields is not None and not (isinstance(fields, dict) and all(isinstance(v, str) for v in fields.values())):
+        raise ConfigError('--fields: expected a JSON object of names to columns, e.g. \'{"text": "contents"}\'')
+    return fields
+
+
 def cmd_index_build(args: argparse.Namespace) -> int:
     from emapg.retrieval.bm25 import build_index
 
-    try:
-        fields = json.loads(args.fields) if args.fields else None
-    except ValueError as e:
-        raise ConfigError(f"--fields: not JSON ({e})") from None
-    meta = build_index(args.corpus, args.out, fields=fields)
+    meta = build_index(args.corpus, args.out, fields=corpus_fields(args.fields))
     print(f"emapg index: {meta['documents']} passages indexed into {args.out}", file=sys.stderr)
     if meta["dense"] == "dropped" and not args.dense:
         print(f"emapg index: warning: its dense index was encoded from other passages and is removed; encode "
@@ -302,7 +309,8 @@ def cmd_index_dense(args: argparse.Namespace) -> int:
 def cmd_index_import(args: argparse.Namespace) -> int:
     from emapg.retrieval.dense import import_dense
 
-    meta = import_dense(args.index, args.faiss, args.embedder, query_prefix=args.query_prefix, link=not args.copy)
+    meta = import_dense(args.index, args.faiss, args.embedder, corpus=args.corpus, fields=corpus_fields(args.fields),
+                        query_prefix=args.query_prefix, link=not args.copy)
     print(f"emapg index: {meta['documents']} vectors of {args.faiss} ({meta['dim']} dimensions, "
           f"{meta['factory']}) taken as {Path(args.index) / 'dense'}, queries encoded by {meta['embedder']} "
           f"with prefix {meta['query_prefix']!r}", file=sys.stderr)
@@ -315,7 +323,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import_plugins(args.plugins or [])
     serve(args.index, host=args.host, port=args.port, allow_remote=args.allow_remote, retriever=args.retriever,
-          search_params=search_params(args.search_param), max_queries=args.max_queries,
+          search_params=search_params(args.search_param), device=args.device, max_queries=args.max_queries,
           max_query_chars=args.max_query_chars, max_topk=args.max_topk,
           max_body_bytes=args.max_body_bytes)
     return 0
@@ -465,7 +473,11 @@ def _retrieval_parsers(sub) -> None:
     d.set_defaults(func=cmd_index_dense)
     im = ix.add_parser("import-dense", help="take an existing faiss index of the folder's passages (Search-R1's "
                                             "e5_Flat.index over wiki-18.jsonl) as its dense index, encoding nothing")
-    im.add_argument("--index", required=True, help="an index folder built by `emapg index build` from the same corpus")
+    im.add_argument("--index", required=True, help="an index folder built by `emapg index build` from the same "
+                                                   "corpus, or with --corpus a new folder")
+    im.add_argument("--corpus", help="the corpus the faiss index encodes (wiki-18.jsonl), streamed into a new --index "
+                                     "folder without a BM25 build")
+    im.add_argument("--fields", help='with --corpus: JSON column mapping, e.g. \'{"text": "contents"}\'')
     im.add_argument("--faiss", required=True, help="the faiss index file; row i = the corpus's passage i")
     im.add_argument("--embedder", required=True, help="the folder of the embedder that encoded it (e5-base-v2)")
     im.add_argument("--query-prefix", help="text before each query (default: e5's 'query: ' for an e5 folder)")
@@ -484,6 +496,10 @@ def _retrieval_parsers(sub) -> None:
                     help="bind a non-loopback address (the server has no authentication: anyone who reaches it "
                          "can query it)")
     _search_param_arg(sv, "over the index's own (dense, hybrid)")
+    sv.add_argument("--device", default="cpu",
+                    help="dense, hybrid: where queries are encoded (cpu, cuda, cuda:1); on cuda the faiss index goes "
+                         "to the GPUs too when faiss is a GPU build (faiss-gpu), else it stays on the CPU (said at "
+                         "start) (default: cpu)")
     lim = SERVER_LIMITS
     sv.add_argument("--max-queries", type=int, default=lim["max_queries"],
                     help="queries one request may carry (the paper's step: 2,560 a turn; clients that read "

@@ -12,6 +12,7 @@ import gzip
 import json
 import zlib
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 SHIPPED = Path(__file__).resolve().parent / "data_files"  # data the recipes need, named emapg:NAME
@@ -37,17 +38,17 @@ def resolve(path: str | Path) -> Path:
     return SHIPPED / f"{name}.jsonl.gz"
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
-    if path.suffix != ".gz":
-        return _jsonl_rows(path)
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+    """The rows of a JSONL file one at a time (a damaged .gz is a DataError naming it)."""
     try:
-        return _jsonl_rows(path)
+        yield from _jsonl_rows(path)
     except (OSError, EOFError, zlib.error) as e:  # a damaged .gz: gzip raises while it reads
+        if path.suffix != ".gz":
+            raise
         raise DataError(f"{path}: not a readable gzip file ({type(e).__name__}: {e})") from None
 
 
-def _jsonl_rows(path: Path) -> list[tuple[str, dict]]:
-    rows = []
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
     with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         for i, raw in enumerate(f, 1):
             try:
@@ -63,8 +64,40 @@ def _jsonl_rows(path: Path) -> list[tuple[str, dict]]:
                 raise DataError(f"{path}, line {i}: malformed JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
-            rows.append((f"line {i}", row))
-    return rows
+            yield f"line {i}", row
+
+
+def _iter_parquet(path: Path, batch_rows: int = 4096) -> Iterator[tuple[str, dict]]:
+    """A Parquet file's rows a batch at a time (pyarrow), never the whole table in memory."""
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's own error types for a file that is not Parquet
+        raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {str(e)[:200]})") from None
+    i = 0
+    for batch in reader.iter_batches(batch_size=batch_rows):
+        for row in batch.to_pylist():
+            yield f"row {i}", row
+            i += 1
+
+
+def iter_rows(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """A data file's raw rows, ``(where, row)``, one at a time: JSONL (plain or .gz) and Parquet are streamed
+    (memory flat in the file's size); a JSON list and a ``datasets`` folder are read whole first."""
+    path = resolve(path)
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist")
+    if path.is_dir():
+        return iter(_read_table(path))
+    if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
+        return _iter_jsonl(path)
+    if path.suffix == ".json":
+        return iter(_read_json(path))
+    if path.suffix == ".parquet":
+        return _iter_parquet(path)
+    raise DataError(f"{path}: unknown format {path.suffix!r}; "
+                    "expected .jsonl, .jsonl.gz, .json, .parquet or a datasets folder")
 
 
 def _read_json(path: Path) -> list[tuple[str, dict]]:
@@ -91,24 +124,17 @@ def _read_json(path: Path) -> list[tuple[str, dict]]:
 
 
 def _read_table(path: Path) -> list[tuple[str, dict]]:
-    if path.is_dir():
-        from datasets import load_from_disk
+    """A ``datasets`` folder saved to disk (``save_to_disk``): its train split, or its only one."""
+    from datasets import load_from_disk
 
-        ds = load_from_disk(str(path))
-        if hasattr(ds, "keys"):  # a DatasetDict: take the train split, or the only one
-            split = "train" if "train" in ds else next(iter(ds))
-            ds = ds[split]
-    else:
-        from datasets import Dataset
-
-        try:
-            ds = Dataset.from_parquet(str(path))
-        except Exception as e:  # pyarrow's own error types for a file that is not Parquet
-            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {str(e)[:200]})") from None
+    ds = load_from_disk(str(path))
+    if hasattr(ds, "keys"):  # a DatasetDict: take the train split, or the only one
+        split = "train" if "train" in ds else next(iter(ds))
+        ds = ds[split]
     return [(f"row {i}", dict(row)) for i, row in enumerate(ds)]
 
 
-def _check_text(value: Any, where: str) -> None:
+def check_text(value: Any, where: str) -> None:
     """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud83d", common in scraped data:
     JSON allows it, no tokenizer can encode it), naming where it is."""
     for text in value if isinstance(value, list) else [value]:
@@ -126,19 +152,7 @@ def load_rows(path: str | Path, fields: dict[str, str] | None = None, required: 
     ``required`` lists task field names every row must have (after renaming).
     """
     path = resolve(path)
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist")
-    if path.is_dir():
-        raw = _read_table(path)
-    elif path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
-        raw = _read_jsonl(path)
-    elif path.suffix == ".json":
-        raw = _read_json(path)
-    elif path.suffix == ".parquet":
-        raw = _read_table(path)
-    else:
-        raise DataError(f"{path}: unknown format {path.suffix!r}; "
-                        "expected .jsonl, .jsonl.gz, .json, .parquet or a datasets folder")
+    raw = list(iter_rows(path))
     if not raw:
         raise DataError(f"{path}: no rows (the file is empty)")
     fields = fields or {}
@@ -156,7 +170,7 @@ def load_rows(path: str | Path, fields: dict[str, str] | None = None, required: 
             if item[name] is None:
                 raise DataError(f"{path}, {where}: field {name!r} is null (expected a value)")
         for name in {*fields, *required}:
-            _check_text(item[name], f"{path}, {where}: field {name!r}")
+            check_text(item[name], f"{path}, {where}: field {name!r}")
         item.setdefault("id", where.replace(" ", "-"))
         item["_source"] = f"{path}, {where}"  # where a message about this row points
         out.append(item)

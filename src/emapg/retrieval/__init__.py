@@ -55,20 +55,21 @@ def _bm25(index: str, search_params: dict | None) -> Retriever:
     return BM25Index.load(index)
 
 
-def _dense(index: str, search_params: dict | None) -> Retriever:
+def _dense(index: str, search_params: dict | None, device: str = "cpu") -> Retriever:
     from emapg.retrieval.dense import DenseIndex  # only for the kinds that need it
 
-    return DenseIndex.load(index, search_params=search_params)
+    return DenseIndex.load(index, search_params=search_params, device=device)
 
 
-def _hybrid(index: str, search_params: dict | None) -> Retriever:
+def _hybrid(index: str, search_params: dict | None, device: str = "cpu") -> Retriever:
     from emapg.retrieval.bm25 import BM25Index
     from emapg.retrieval.dense import DenseIndex
     from emapg.retrieval.hybrid import HybridRetriever
 
     sparse = BM25Index.load(index)
     # one copy of the text, read and hashed once
-    return HybridRetriever(sparse, DenseIndex.load(index, passages=sparse.passages, search_params=search_params))
+    return HybridRetriever(sparse, DenseIndex.load(index, passages=sparse.passages, search_params=search_params,
+                                                   device=device))
 
 
 RETRIEVERS: dict[str, Callable[[str, dict | None], Retriever]] = {"bm25": _bm25, "dense": _dense, "hybrid": _hybrid}
@@ -109,11 +110,13 @@ def retriever_problem(kind: str, index: str | None, url: str | None, search_para
 
 
 def open_retriever(index: str | None = None, url: str | None = None, kind: str = "bm25",
-                   search_params: dict | None = None, timeout: float = 30.0) -> Retriever:
+                   search_params: dict | None = None, timeout: float = 30.0, device: str = "cpu") -> Retriever:
     """A retriever on a local index folder (``index``, as ``kind``: one of :data:`RETRIEVERS`) or a retrieval
     server (``url``, which chose its own kind); give exactly one of index and url. ``search_params``: the
     dense index's faiss search parameters (``{"nprobe": 64}``) over the ones it was built with. ``timeout``:
-    seconds a request to a server may take (a turn of the paper's batch asks 2,560 queries at once)."""
+    seconds a request to a server may take (a turn of the paper's batch asks 2,560 queries at once). ``device``:
+    where a dense or hybrid retriever encodes its queries (and holds its faiss index, with a GPU build of
+    faiss); a kind a plugin registered gets it as a third argument when it is not the CPU."""
     if (index is None) == (url is None):
         raise ValueError("open_retriever needs exactly one of index= (an index folder) "
                          "or url= (a retrieval server)")
@@ -124,7 +127,11 @@ def open_retriever(index: str | None = None, url: str | None = None, kind: str =
         from emapg.retrieval.client import HTTPRetriever
 
         return HTTPRetriever(url, timeout=timeout)
-    return RETRIEVERS[kind](index, search_params)
+    if device == "cpu":
+        return RETRIEVERS[kind](index, search_params)
+    if kind == "bm25":
+        raise ValueError(f"device: {device!r} is for a dense or hybrid retriever (BM25 runs on the CPU)")
+    return RETRIEVERS[kind](index, search_params, device)
 
 
 _LAZY = {"BM25Index": "bm25", "build_index": "bm25", "DenseIndex": "dense", "build_dense": "dense",

@@ -51,10 +51,12 @@ def _import_bm25s():
 
 
 def _replaceable(out: Path) -> bool:
-    """Whether ``out`` may be replaced: absent, an empty folder or an existing index."""
+    """Whether ``out`` may be replaced: absent, an empty folder, an existing index or a dense-only one
+    (``emapg index import-dense --corpus``: its passages and dense index, no BM25 yet)."""
     if not out.exists():
         return True
-    return out.is_dir() and ((out / META_FILE).is_file() or not any(out.iterdir()))
+    dense_only = has_dense(out) and (out / PASSAGES_FILE).is_file()
+    return out.is_dir() and ((out / META_FILE).is_file() or dense_only or not any(out.iterdir()))
 
 
 def _keep_dense(out: Path, tmp: Path) -> str | None:

@@ -30,7 +30,8 @@ import numpy as np
 from emapg.atomic import folder_atomic, write_error, write_json_atomic
 from emapg.retrieval import Passage
 from emapg.retrieval.embed import Embedder, weights_digest
-from emapg.retrieval.passages import DENSE_DIR, PASSAGES_FILE, Passages, passages_digest, read_meta, read_passages
+from emapg.retrieval.passages import (DENSE_DIR, PASSAGES_FILE, Passages, passages_count_digest, passages_digest,
+                                      read_meta, read_passages, stream_passages)
 from emapg.retrieval.passages import DENSE_META as META_FILE
 
 FORMAT_VERSION = 1
@@ -223,19 +224,28 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
     return meta
 
 
-def import_dense(index: str | Path, faiss_file: str | Path, embedder: str, *, query_prefix: str | None = None,
+def import_dense(index: str | Path, faiss_file: str | Path, embedder: str, *, corpus: str | Path | None = None,
+                 fields: dict[str, str] | None = None, query_prefix: str | None = None,
                  passage_prefix: str | None = None, link: bool = True) -> dict:
-    """Take an existing faiss index of the index folder's passages (Search-R1's ``e5_Flat.index`` over
-    ``wiki-18.jsonl``, built by its own scripts) as the folder's dense index, without encoding anything: row i
-    of the faiss index must be passage i of ``passages.jsonl`` (the corpus file's order, which ``emapg index
-    build`` keeps), encoded by ``embedder`` (its weights in a local folder; e5's ``query: `` prefix is
-    recognised from its name, or give ``query_prefix``). The faiss file is linked (``link``; copied
-    otherwise), never rewritten; its size and dimension are checked against the passages and the embedder."""
+    """Take an existing faiss index (Search-R1's ``e5_Flat.index`` over ``wiki-18.jsonl``, built by its own
+    scripts) as the folder's dense index, without encoding anything: row i of the faiss index must be passage i
+    (the corpus file's order, which ``emapg index build`` keeps), encoded by ``embedder`` (its weights in a local
+    folder; e5's ``query: `` prefix is recognised from its name, or give ``query_prefix``).
+
+    The passages come from the folder (an ``emapg index build`` of the same corpus) or, with ``corpus``, are
+    streamed from the corpus file into a new folder without a BM25 build (memory flat in the corpus's size: 8
+    bytes a passage for the duplicate-id check); a BM25 index can be added later with ``emapg index build`` of
+    the same corpus, which keeps this dense index. The faiss file is linked (``link``; copied otherwise), never
+    rewritten; its size and dimension are checked against the passages and the embedder before anything is
+    written."""
     faiss = _import_faiss()
     index, faiss_file = Path(index), Path(faiss_file)
-    if not (index / PASSAGES_FILE).is_file():
-        raise FileNotFoundError(f"{index} is not an emapg index folder (no {PASSAGES_FILE}); build it from the same "
-                                "corpus first: emapg index build --corpus wiki-18.jsonl --out DIR")
+    if corpus is None and not (index / PASSAGES_FILE).is_file():
+        raise FileNotFoundError(f"{index} is not an emapg index folder (no {PASSAGES_FILE}); give the corpus "
+                                "(--corpus wiki-18.jsonl) or build the folder from it first: emapg index build")
+    if corpus is not None and index.exists() and any(index.iterdir()):
+        raise FileExistsError(f"{index}: not empty; --corpus writes a new index folder (without --corpus the "
+                              "folder's own passages are used)")
     if not faiss_file.is_file():
         raise FileNotFoundError(f"--faiss {faiss_file}: no such file")
     try:
@@ -244,15 +254,17 @@ def import_dense(index: str | Path, faiss_file: str | Path, embedder: str, *, qu
         raise ValueError(f"--faiss {faiss_file}: not a faiss index faiss can read "
                          f"({str(e).strip().splitlines()[-1]})") from None
     emb = Embedder(embedder, query_prefix=query_prefix, passage_prefix=passage_prefix)
-    passages = read_passages(index)
-    if ix.ntotal != len(passages):
-        raise ValueError(f"--faiss {faiss_file}: {ix.ntotal} vectors for the {len(passages)} passages of {index}: "
-                         "not an index of this corpus")
     if ix.d != emb.dim:
         raise ValueError(f"--faiss {faiss_file}: vectors of dimension {ix.d}, the embedder {emb.name!r} makes "
                          f"{emb.dim}")
-    meta = {"format_version": FORMAT_VERSION, **emb.identity(), "passages_sha256": passages.sha256,
-            "documents": len(passages), "factory": f"imported ({type(ix).__name__})",
+    count, sha = _imported_passages(index, corpus, fields)
+    if ix.ntotal != count:
+        if corpus is not None:
+            (index / PASSAGES_FILE).unlink()
+        raise ValueError(f"--faiss {faiss_file}: {ix.ntotal} vectors for the {count} passages of "
+                         f"{corpus or index}: not an index of this corpus")
+    meta = {"format_version": FORMAT_VERSION, **emb.identity(), "passages_sha256": sha,
+            "documents": count, "factory": f"imported ({type(ix).__name__})",
             "faiss_version": faiss.__version__, "search_params": None, "trained_on": None,
             "imported_from": str(faiss_file.resolve()), "build_seconds": 0.0}
     with folder_atomic(index / DENSE_DIR) as tmp:
@@ -264,23 +276,53 @@ def import_dense(index: str | Path, faiss_file: str | Path, embedder: str, *, qu
     return meta
 
 
+def _imported_passages(index: Path, corpus: str | Path | None, fields: dict[str, str] | None) -> tuple[int, str]:
+    """The passages' number and digest: the folder's, read without holding them, or the corpus's, streamed into
+    the new folder's ``passages.jsonl`` (written under another name and renamed when complete)."""
+    if corpus is None:
+        return passages_count_digest(index)
+    index.mkdir(parents=True, exist_ok=True)
+    part = index / f".{PASSAGES_FILE}.part"
+    try:
+        count, sha = stream_passages(corpus, part, fields)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    part.replace(index / PASSAGES_FILE)
+    return count, sha
+
+
+def _on_gpus(faiss, ix) -> tuple[object, str]:
+    """The index copied to every visible GPU (sharded, as Search-R1's server does with ``faiss_gpu``) when faiss
+    is a GPU build with GPUs; otherwise the index itself, on the CPU."""
+    gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+    if not gpus or not hasattr(faiss, "index_cpu_to_all_gpus"):
+        return ix, "cpu (this faiss has no GPU support: pip install faiss-gpu for a GPU index)"
+    options = faiss.GpuMultipleClonerOptions()
+    options.shard = True
+    return faiss.index_cpu_to_all_gpus(ix, co=options), f"{gpus} GPU(s)"
+
+
 class DenseIndex:
     """A loaded dense index; ``search`` is safe to call from many threads (encoding is serialised)."""
 
     def __init__(self, path: Path, faiss_index, embedder: Embedder, passages, meta: dict,
-                 search_params: dict | None = None):
+                 search_params: dict | None = None, faiss_device: str = "cpu"):
         self.path, self.meta, self.embedder = path, meta, embedder
         self._index, self._passages = faiss_index, passages
         self.search_params = {**(meta.get("search_params") or {}), **(search_params or {})}
+        self.devices = f"queries encoded on {embedder.device}, faiss index on {faiss_device}"
         self._lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path, embedder: str | None = None, passages: Passages | None = None,
-             search_params: dict | None = None) -> DenseIndex:
+             search_params: dict | None = None, device: str = "cpu") -> DenseIndex:
         """Load ``path/dense`` (``path`` the index folder). ``embedder`` overrides where the recorded
         embedder is found (a moved folder); its weights must be the ones the passages were encoded with.
         ``passages``: the folder's passages when already read (a hybrid retriever shares BM25's).
-        ``search_params``: faiss search parameters over the ones it was built with (``{"nprobe": 64}``)."""
+        ``search_params``: faiss search parameters over the ones it was built with (``{"nprobe": 64}``).
+        ``device``: where queries are encoded; on a GPU the faiss index is copied to every GPU when faiss is
+        a GPU build (search parameters set before the copy), else it stays on the CPU (``devices`` says)."""
         faiss = _import_faiss()
         path = Path(path)
         dense = path / DENSE_DIR
@@ -297,7 +339,7 @@ class DenseIndex:
             raise ValueError(f"{dense}: encoded from other passages than {path / PASSAGES_FILE} holds now; "
                              f"rebuild it: emapg index dense --index {path}")
         emb = Embedder(embedder or meta["embedder"], query_prefix=meta["query_prefix"],
-                       passage_prefix=meta["passage_prefix"])
+                       passage_prefix=meta["passage_prefix"], device=device)
         if weights_digest(emb.folder) != meta["weights_sha256"]:
             raise ValueError(f"{dense}: its passages were encoded by other weights than embedder "
                              f"{emb.name!r} ({emb.folder}) holds; rebuild it or give the embedder it was built with")
@@ -310,7 +352,9 @@ class DenseIndex:
         if ix.ntotal != len(passages) or ix.d != emb.dim:
             raise ValueError(f"{dense}: {ix.ntotal} vectors of dimension {ix.d} for {len(passages)} passages and "
                              f"a {emb.dim}-dimensional embedder; rebuild it")
-        return cls(path, ix, emb, passages, meta, set_search_params(ix, search_params, f"{dense}: search_params"))
+        params = set_search_params(ix, search_params, f"{dense}: search_params")
+        ix, faiss_device = _on_gpus(faiss, ix) if device.startswith("cuda") else (ix, "cpu")
+        return cls(path, ix, emb, passages, meta, params, faiss_device)
 
     def __len__(self) -> int:
         return len(self._passages)

@@ -89,7 +89,13 @@ class Embedder:
         self.folder = model_folder(name)
         # a folder is recorded by its absolute path: a dense index loads from any working directory
         self.name = name if name in BUILTIN else str(self.folder.resolve())
-        self.model = SentenceTransformer(str(self.folder), device=device, local_files_only=True)
+        self.device = device
+        try:
+            self.model = SentenceTransformer(str(self.folder), device=device, local_files_only=True)
+        except (RuntimeError, AssertionError) as e:  # torch's refusal of a device it has not
+            if device == "cpu":
+                raise
+            raise ValueError(f"device: {device!r} is not available here ({str(e).strip().splitlines()[-1]})") from None
         auto = default_prefixes(name, dict(self.model.prompts or {}))
         self.prefixes = Prefixes(auto.query if query_prefix is None else query_prefix,
                                  auto.passage if passage_prefix is None else passage_prefix)

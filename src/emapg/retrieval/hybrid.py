@@ -32,6 +32,7 @@ class HybridRetriever:
         if depth < 1 or c < 0:
             raise ValueError(f"hybrid retrieval: depth must be >= 1 and c >= 0, got {depth}, {c}")
         self.sparse, self.dense, self.depth, self.c = sparse, dense, depth, c
+        self.devices = getattr(dense, "devices", None)
 
     def __len__(self) -> int:
         return len(self.sparse)  # type: ignore[arg-type]

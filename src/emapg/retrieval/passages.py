@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from emapg.data import DataError, load_rows
+from emapg.data import DataError, check_text, iter_rows
 
 PASSAGES_FILE = "passages.jsonl"
 DENSE_DIR, DENSE_META = "dense", "dense.json"
@@ -65,32 +67,102 @@ def _field(corpus: Path, pid: str, row: dict, name: str) -> str:
     raise DataError(f"{corpus}: passage id {pid!r}: field {name!r} must be a string, got {type(value).__name__}")
 
 
+def _passage(corpus: Path, row: dict, fields: dict[str, str]) -> tuple[str, str, str]:
+    """One corpus row as ``(id, title, text)``: ``{id, title?, text}`` or Search-R1's ``{id, contents}``
+    (columns renamed by ``fields``), every problem naming the file, the line and the field."""
+    from emapg.retrieval.client import parse_contents
+
+    where = row.pop("_where")
+    for name, column in fields.items():
+        if column not in row:
+            raise DataError(f"{corpus}, {where}: missing field {column!r} (mapped to {name!r}); the row has "
+                            f"{', '.join(sorted(row))}")
+    row = {**row, **{name: row[column] for name, column in fields.items()}}
+    row.setdefault("id", where.replace(" ", "-"))  # a corpus without ids: its line numbers
+    if "text" not in row and isinstance(row.get("contents"), str):  # Search-R1's layout
+        row["title"], row["text"] = parse_contents(row["contents"])
+    for name in ("id", "text"):
+        if row.get(name) is None:
+            raise DataError(f"{corpus}, {where}: missing field {name!r} (a passage is {{id, title, text}} or "
+                            f"{{id, contents}}); the row has {', '.join(sorted(row))}")
+    pid = str(row["id"])
+    title, text = _field(corpus, pid, row, "title"), _field(corpus, pid, row, "text")
+    check_text([pid, title, text], f"{corpus}, {where}")
+    return pid, title, text
+
+
+def iter_corpus(corpus: str | Path, fields: dict[str, str] | None = None) -> Iterator[tuple[str, str, str]]:
+    """A corpus's passages ``(id, title, text)`` in file order, one at a time (JSONL and Parquet streamed:
+    what a 21M-passage Wikipedia needs); ids are not checked for duplicates here."""
+    corpus = Path(corpus)
+    for where, row in iter_rows(corpus):
+        yield _passage(corpus, {**row, "_where": where}, fields or {})
+
+
 def read_corpus(corpus: str | Path, fields: dict[str, str] | None = None) -> Passages:
     """The passages of a JSONL/JSON/Parquet corpus (``fields`` renames columns as in ``emapg.data.load_rows``):
     ``{id, title?, text}`` rows, or Search-R1's ``{id, contents}`` (wiki-18.jsonl: ``"Title"`` on the first
     line of ``contents``, then the text), split so that a passage's contents are the row's, byte for byte.
     Raises DataError for a malformed row or a duplicate id."""
-    from emapg.retrieval.client import parse_contents
-
     corpus = Path(corpus)
-    rows = load_rows(corpus, fields)
-    for row in rows:
-        if "text" not in row and isinstance(row.get("contents"), str):  # Search-R1's layout
-            row["title"], row["text"] = parse_contents(row["contents"])
-        for name in ("id", "text"):
-            if row.get(name) is None:
-                raise DataError(f"{row['_source']}: missing field {name!r} (a passage is {{id, title, text}} or "
-                                f"{{id, contents}}); the row has {', '.join(sorted(k for k in row if k[0] != '_'))}")
     out = Passages([], [], [])
     seen: dict[str, int] = {}
-    for i, row in enumerate(rows):
-        pid = str(row["id"])
+    for i, (pid, title, text) in enumerate(iter_corpus(corpus, fields)):
         if pid in seen:
             raise DataError(f"{corpus}: duplicate id {pid!r} (passages {seen[pid] + 1} and {i + 1})")
         seen[pid] = i
         out.ids.append(pid)
-        out.titles.append(_field(corpus, pid, row, "title"))
-        out.texts.append(_field(corpus, pid, row, "text"))
+        out.titles.append(title)
+        out.texts.append(text)
+    if not out.ids:
+        raise DataError(f"{corpus}: no rows (the file is empty)")
+    return out
+
+
+def _id_key(pid: str) -> int:
+    return int.from_bytes(hashlib.blake2b(pid.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def stream_passages(corpus: str | Path, out: Path, fields: dict[str, str] | None = None) -> tuple[int, str]:
+    """Write a corpus's passages to the file ``out`` as they are read (the ``passages.jsonl`` ``write_passages``
+    writes, byte for byte), never holding the corpus: memory is 8 bytes a passage (a hash of its id, for the
+    duplicate check). Returns the number of passages and the file's sha256. Raises DataError for a malformed
+    row or a duplicate id (naming both passages)."""
+    corpus = Path(corpus)
+    keys, h, count = array("Q"), hashlib.sha256(), 0
+    with open(out, "wb") as f:
+        for pid, title, text in iter_corpus(corpus, fields):
+            line = (json.dumps({"id": pid, "title": title, "text": text}, ensure_ascii=False) + "\n").encode()
+            f.write(line)
+            h.update(line)
+            keys.append(_id_key(pid))
+            count += 1
+    if not count:
+        raise DataError(f"{corpus}: no rows (the file is empty)")
+    _check_unique(corpus, keys, out)
+    return count, h.hexdigest()
+
+
+def _check_unique(corpus: Path, keys: array, written: Path) -> None:
+    """Duplicate ids among the hashed ones: a repeated hash is confirmed on the written file (so a hash
+    collision is no error) and named by the two passages' numbers."""
+    import numpy as np
+
+    order = np.argsort(np.frombuffer(keys, dtype=np.uint64), kind="stable")
+    ranked = np.frombuffer(keys, dtype=np.uint64)[order]
+    for at in np.flatnonzero(ranked[1:] == ranked[:-1]):
+        first, second = sorted((int(order[at]), int(order[at + 1])))
+        ids = _ids_at(written, {first, second})
+        if ids[first] == ids[second]:
+            raise DataError(f"{corpus}: duplicate id {ids[first]!r} (passages {first + 1} and {second + 1})")
+
+
+def _ids_at(path: Path, rows: set[int]) -> dict[int, str]:
+    out = {}
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            if i in rows:
+                out[i] = json.loads(line)["id"]
     return out
 
 
@@ -116,8 +188,14 @@ def read_passages(folder: Path) -> Passages:
 
 def passages_digest(folder: Path) -> str:
     """sha256 of ``passages.jsonl``: what a dense index was encoded from (a rebuilt corpus invalidates it)."""
-    h = hashlib.sha256()
+    return passages_count_digest(folder)[1]
+
+
+def passages_count_digest(folder: Path) -> tuple[int, str]:
+    """The number of passages in ``passages.jsonl`` and its sha256, in one pass that holds no text."""
+    h, lines = hashlib.sha256(), 0
     with open(folder / PASSAGES_FILE, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return h.hexdigest()
+            lines += block.count(b"\n")
+    return lines, h.hexdigest()

@@ -337,9 +337,9 @@ def check_address(host: str, port: int, allow_remote: bool) -> None:
 
 def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, verbose: bool = False,
           allow_remote: bool = False, retriever: str = "bm25", search_params: dict | None = None,
-          **limits: int) -> None:
+          device: str = "cpu", **limits: int) -> None:
     """Serve an index folder until interrupted (Ctrl-C) as ``retriever`` (bm25, dense or hybrid; see
-    ``emapg.retrieval.open_retriever``, which also takes ``search_params``); loopback only unless
+    ``emapg.retrieval.open_retriever``, which also takes ``search_params`` and ``device``); loopback only unless
     ``allow_remote``."""
     from emapg.retrieval import open_retriever, retriever_problem
 
@@ -349,7 +349,15 @@ def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, v
     if problem:
         field, _, why = problem.partition(": ")  # named as the command's options
         raise ConfigError(f"{ {'search_params': '--search-param', 'retriever': '--retriever'}[field]}: {why}")
-    index = open_retriever(index=str(index_dir), kind=retriever, search_params=search_params)
+    try:
+        index = open_retriever(index=str(index_dir), kind=retriever, search_params=search_params, device=device)
+    except ValueError as e:
+        if not str(e).startswith("device: "):
+            raise
+        raise ConfigError(f"--device {str(e).removeprefix('device: ')}") from None
+    where = getattr(index, "devices", None)
+    if where:
+        print(f"emapg retrieval: {where}", file=sys.stderr, flush=True)
     try:
         server = make_server(index, host, port, verbose=verbose, **limits)
     except OSError as e:
