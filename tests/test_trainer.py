@@ -421,6 +421,31 @@ def test_every_estimator_family_logs_the_kl_its_reference_form_gives(tmp_path, e
     assert row["grad_norm"] > 0 and row["skipped_updates"] == 0
 
 
+def test_under_top_p_the_sampler_head_is_pi_olds_top_k_from_the_trainer(tmp_path):
+    """Under top-p the sampler's processed distribution has fewer than k ids at most positions (the rest of its
+    top-k are -inf ties in no order); the head is then pi_old's own top-k from the trainer's pi_old pass, as the
+    reference fork takes it: checked against each row's full softmax, recomputed here without padding."""
+    tr = Trainer(cfg("steps=1", "eval.size=0", "rollout.top_p=0.02", "algo.k=8"), tmp_path, progress=False)
+    mb = tr.rollout(1).micro_batches(tr.cfg.micro_batch_prompts)[0]
+    anc = tr.anchor_pass(mb)
+    valid = mb.response_mask.bool()
+    truth = []
+    with torch.no_grad():
+        for row in range(mb.response_ids.shape[0]):
+            p = row // mb.n
+            prompt = mb.prompt_ids[p][mb.prompt_mask[p].bool()]
+            n = int(valid[row].sum())
+            ids = torch.cat([prompt, mb.response_ids[row, :n]])
+            logits = tr.model(ids[None]).logits[0, len(prompt) - 1: len(prompt) - 1 + n].float()
+            truth.append(torch.softmax(logits / tr.cfg.rollout.temperature, -1))
+    probs = torch.cat(truth)
+    top = probs.topk(8, -1).values
+    got = probs.gather(-1, anc.head_ids).sort(-1, descending=True).values
+    torch.testing.assert_close(got, top, rtol=0, atol=1e-6)  # a true top-8 of pi_old (ties may swap ids)
+    sampler = probs.gather(-1, mb.samp_topk[valid]).sum(-1)
+    assert bool((sampler < top.sum(-1) - 1e-3).any())  # the sampler's own top-8 covered less of pi_old
+
+
 def test_two_ppo_epochs_with_top_p_recompute_pi_old(tmp_path, monkeypatch):
     """Under top-p the sampler's log-probs are not the policy's: the first update's ratio must be
     pi_theta / pi_old with pi_old recomputed (exactly 1), not pi_theta / pi_samp = 1 - the cut mass."""

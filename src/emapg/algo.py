@@ -82,15 +82,20 @@ class AnchorStats:
     head_mask: Tensor | None = None  # [N, k] which of head_ids are in the head (a union's repeats are not)
 
 
-def anchor_request(head: KLHead, mb: RolloutBatch, vocab: int) -> tuple[Tensor | None, int]:
-    """What the anchor pass gathers: ``(ids, k_self)``. q is pi_samp's top-k (recorded at sampling)
-    for a head that is the sampler's, the anchor's own top-k (``k_self``, found in the pass) for one
-    that is the anchor's, both for a union, every id for the exact estimators, nothing otherwise."""
+def anchor_request(head: KLHead, mb: RolloutBatch, vocab: int,
+                   old_topk: Tensor | None = None) -> tuple[Tensor | None, int]:
+    """What the anchor pass gathers: ``(ids, k_self)``. q is the sampler's top-k for a head that is the
+    sampler's: pi_old's own top-k from the trainer's pi_old pass when one ran (``old_topk``, [N, k]: what the
+    reference fork takes; under top-p the sampler's processed distribution has fewer than k ids at most
+    positions and the rest of its top-k are -inf ties in no order), else as recorded at sampling; the anchor's
+    own top-k (``k_self``, found in the pass) for one that is the anchor's, both for a union, every id for the
+    exact estimators, nothing otherwise."""
     valid = mb.response_mask.bool()
     if head.kind == "all":
         return torch.arange(vocab, device=valid.device).expand(int(valid.sum()), vocab), 0
     if head.kind in ("sampler_topk", "union"):
-        return mb.samp_topk[valid], head.k if head.kind == "union" else 0
+        ids = mb.samp_topk[valid] if old_topk is None else old_topk
+        return ids, head.k if head.kind == "union" else 0
     if head.kind == "anchor_topk":
         return None, head.k
     return None, 0

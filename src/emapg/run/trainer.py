@@ -183,16 +183,19 @@ class Trainer:
 
     @torch.no_grad()
     def anchor_pass(self, mb: RolloutBatch) -> AnchorStats:
-        """The no-grad passes of a micro-batch: the KL's reference (the anchor, or the teacher) at the
-        sampled tokens and at the head ids that :func:`emapg.algo.anchor_request` names; pi_old when it
-        needs a pass; the initial policy for the kl_to_init diagnostic."""
-        ids, k_self = algo.anchor_request(self.head, mb, self.model.get_output_embeddings().weight.shape[0])
+        """The no-grad passes of a micro-batch: pi_old when it needs a pass (with its top-k, the sampler's head
+        then); the KL's reference (the anchor, or the teacher) at the sampled tokens and at the head ids that
+        :func:`emapg.algo.anchor_request` names; the initial policy for the kl_to_init diagnostic."""
+        recompute = recomputes_old(self.cfg)
+        old = None  # pi_old's pass, where one is needed, also gives the sampler's head its top-k
+        if algo.needs_old_pass(self.cfg.algo, self.cfg.rollout.top_p, recompute):
+            old = self._logprobs(self.model, mb, k_self=self.head.sampler_k)
+        ids, k_self = algo.anchor_request(self.head, mb, self.model.get_output_embeddings().weight.shape[0],
+                                          None if old is None else old.topk_ids)
         ref = self.anchor.use(self.model) if self.teacher is None else contextlib.nullcontext(self.teacher)
         with ref as ref_model:
             st = self._logprobs(ref_model, mb, ids=ids, k_self=k_self)
-        recompute = recomputes_old(self.cfg)
-        old = self._logprobs(self.model, mb).logp_tok if algo.needs_old_pass(self.cfg.algo, self.cfg.rollout.top_p,
-                                                                              recompute) else None
+        old = None if old is None else old.logp_tok
         init = None
         if self.init_anchor is not None:
             with self.init_anchor.use(self.model) as init_model:
