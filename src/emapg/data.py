@@ -11,8 +11,8 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 SHIPPED = Path(__file__).resolve().parent / "data_files"  # data the recipes need, named emapg:NAME

@@ -30,8 +30,16 @@ import numpy as np
 from emapg.atomic import folder_atomic, write_error, write_json_atomic
 from emapg.retrieval import Passage
 from emapg.retrieval.embed import Embedder, weights_digest
-from emapg.retrieval.passages import (DENSE_DIR, PASSAGES_FILE, Passages, passages_count_digest, passages_digest,
-                                      read_meta, read_passages, stream_passages)
+from emapg.retrieval.passages import (
+    DENSE_DIR,
+    PASSAGES_FILE,
+    Passages,
+    passages_count_digest,
+    passages_digest,
+    read_meta,
+    read_passages,
+    stream_passages,
+)
 from emapg.retrieval.passages import DENSE_META as META_FILE
 
 FORMAT_VERSION = 1
@@ -249,7 +257,9 @@ def import_dense(index: str | Path, faiss_file: str | Path, embedder: str, *, co
     if not faiss_file.is_file():
         raise FileNotFoundError(f"--faiss {faiss_file}: no such file")
     try:
-        ix = faiss.read_index(str(faiss_file), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+        # memory-mapped, the vectors never read (IO_FLAG_MMAP_IFC maps a flat index's codes too; faiss >= 1.8)
+        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY | getattr(faiss, "IO_FLAG_MMAP_IFC", 0)
+        ix = faiss.read_index(str(faiss_file), flags)
     except RuntimeError as e:
         raise ValueError(f"--faiss {faiss_file}: not a faiss index faiss can read "
                          f"({str(e).strip().splitlines()[-1]})") from None
