@@ -196,7 +196,7 @@ def test_search_qa_task_errors(tmp_path):
     from emapg.tasks.search_qa import SearchQATask
 
     bad = tmp_path / "qa.jsonl"
-    bad.write_text('{"id": "1", "question": "q?", "answers": ["a"]}\n{"id": "2", "question": "r?"}\n')
+    bad.write_text('{"id": "1", "question": "q?", "answers": ["x"]}\n{"id": "2", "question": "r?"}\n')
     with pytest.raises(DataError, match=r"qa.jsonl, line 2: missing field 'answers'"):
         SearchQATask(eval_file=str(bad), index="x")
     with pytest.raises(ValueError, match="exactly one of"):

@@ -151,8 +151,28 @@ def test_two_models_of_one_folder_name_write_apart():
 def test_an_empty_answer_is_named(tmp_path):
     f = tmp_path / "olympiad.jsonl"
     f.write_text('{"question": "q", "final_answer": []}\n')
-    with pytest.raises(DataError, match=r"olympiad.jsonl, line 1: an empty answer"):
+    with pytest.raises(DataError, match=r"olympiad.jsonl, line 1: field 'final_answer': an empty answer"):
         math_rows(str(f), "problem", "answer")
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ('{"question": "q", "final_answer": [null]}', r"line 1: field 'final_answer': an answer is None"),  # was "None"
+    ('{"problem": "q", "answer": null}', r"line 1: field 'answer' is null \(expected the answer\)"),
+    ('{"problem": 5, "answer": "1"}', r"line 1: field 'problem' is int, expected text"),
+    ('{"problem": "x\\ud83d", "answer": "1"}', r"line 1: field 'problem' or 'answer': not valid Unicode"),
+])
+def test_a_math_row_no_grader_could_use_is_named(tmp_path, row, message):
+    f = tmp_path / "m.jsonl"
+    f.write_text(row + "\n")
+    with pytest.raises(DataError, match=message):
+        math_rows(str(f), "problem", "answer")
+    assert math_rows(str(_write(tmp_path / "ok.jsonl", '{"problem": "q", "answer": 1972}')), "problem",
+                     "answer")[0]["answer"] == ["1972"]
+
+
+def _write(path, line):
+    path.write_text(line + "\n")
+    return path
 
 
 def test_parse_sets():

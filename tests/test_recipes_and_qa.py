@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -98,4 +99,36 @@ def test_qa_normalisation_em_and_f1():
     assert qa_f1("Paris, France", ["Paris"]) == pytest.approx(2 * 0.5 * 1 / 1.5)
     assert qa_f1("London", ["Paris", "london"]) == 1.0
     assert qa_f1("", ["Paris"]) == 0.0
-    assert qa_f1("the", ["a"]) == 1.0  # both normalise to empty
+    # a prediction that normalises to nothing earns nothing, even against a gold that does too (the SQuAD
+    # script would give 1: an empty <answer> </answer> would then be right for a gold "the")
+    assert qa_f1("the", ["a"]) == 0.0 and qa_em("", ["the"]) == 0.0 and qa_em(" . ", ["The."]) == 0.0
+
+
+@pytest.mark.parametrize(("answers", "message"), [
+    ([], r"q.jsonl, line 1: field 'golden_answers': no gold answers \(an empty list\)"),
+    ([None], r"q.jsonl, line 1: field 'golden_answers': an answer is None \(NoneType\)"),
+    (["the", "."], r"every gold answer \('the', '.'\) normalises to nothing"),
+    ([["nested"]], r"an answer is \['nested'\] \(list\)"),
+])
+def test_gold_answers_no_prediction_could_match_are_refused_at_load(tmp_path, answers, message):
+    from emapg.data import DataError
+    from emapg.tasks.search_qa import qa_rows
+
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"id": 1, "question": "who?", "golden_answers": answers}) + "\n")
+    with pytest.raises(DataError, match=message):
+        qa_rows(str(path))
+
+
+def test_gold_answers_numbers_and_empty_forms(tmp_path):
+    from emapg.tasks.search_qa import qa_rows
+
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"id": 1, "question": "when?", "golden_answers": [1972, "The", "MCMLXXII"]}) + "\n"
+                    + json.dumps({"id": 2, "question": "x\ud83d?", "golden_answers": ["a b"]}) + "\n")
+    from emapg.data import DataError
+
+    with pytest.raises(DataError, match=r"q.jsonl, line 2: field 'question' or 'golden_answers': not valid Unicode"):
+        qa_rows(str(path))
+    path.write_text(path.read_text().splitlines()[0] + "\n")
+    assert qa_rows(str(path))[0]["answers"] == ["1972", "MCMLXXII"]  # the int read as text; "The" dropped

@@ -26,10 +26,26 @@ def closing_brace(text: str, start: int, depth: int = 0) -> int | None:
     return None
 
 
+def brace_pairs(text: str) -> dict[int, int]:
+    """Each ``{`` that closes, by its index, to the index of its ``}``: one pass with a stack (linear in the
+    text, whatever a model writes; a runaway completion of 10,000 unclosed ``\\boxed{`` costs one scan)."""
+    pairs, open_at = {}, []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            open_at.append(i)
+        elif ch == "}" and open_at:
+            pairs[open_at.pop()] = i
+    return pairs
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, or None."""
-    for start in reversed([m.end() for m in _BOXED.finditer(text)]):
-        end = closing_brace(text, start, depth=1)
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    pairs = brace_pairs(text)
+    for start in reversed(starts):
+        end = pairs.get(start - 1)
         if end is not None:
             return text[start:end]
     return None

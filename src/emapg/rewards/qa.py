@@ -17,10 +17,12 @@ def normalize_answer(text: str) -> str:
 
 
 def qa_em(prediction: str, answers: list[str] | str) -> float:
-    """1.0 if the normalised prediction equals any normalised gold answer."""
+    """1.0 if the normalised prediction equals any normalised gold answer. A prediction that normalises to
+    nothing (empty, or only articles and punctuation) matches no gold, even one that normalises to nothing
+    ("the"): an empty ``<answer> </answer>`` earns no credit."""
     golds = [answers] if isinstance(answers, str) else answers
     pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(g) for g in golds))
+    return float(bool(pred) and any(pred == normalize_answer(g) for g in golds))
 
 
 def qa_f1(prediction: str, answers: list[str] | str) -> float:
@@ -31,10 +33,30 @@ def qa_f1(prediction: str, answers: list[str] | str) -> float:
     for g in golds:
         gold = normalize_answer(g).split()
         common = sum((Counter(pred) & Counter(gold)).values())
-        if not pred or not gold:
-            best = max(best, float(pred == gold))
+        if not pred or not gold:  # nothing to match: no credit (an empty answer matches no gold)
             continue
         if common:
             p, r = common / len(pred), common / len(gold)
             best = max(best, 2 * p * r / (p + r))
     return best
+
+
+def gold_answers(value: object, where: str) -> list[str]:
+    """A row's gold answers as a list of strings (a string or a number alone is one answer), refusing what no
+    prediction could match: no answers, a null, a non-text item, or only answers that normalise to nothing.
+    Answers that normalise to nothing beside others are dropped. Errors name ``where`` (file, line, field)."""
+    from emapg.data import DataError
+
+    items = value if isinstance(value, list | tuple) else [value]
+    out = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, str | int | float):
+            raise DataError(f"{where}: an answer is {item!r} ({type(item).__name__}); expected text or a number")
+        out.append(str(int(item)) if isinstance(item, float) and item.is_integer() else str(item))
+    if not out:
+        raise DataError(f"{where}: no gold answers (an empty list): no prediction could be scored right")
+    kept = [a for a in out if normalize_answer(a)]
+    if not kept:
+        raise DataError(f"{where}: every gold answer ({', '.join(map(repr, out))}) normalises to nothing (articles "
+                        "and punctuation are dropped): no prediction could match it")
+    return kept

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from emapg.config import at_least, one_of
-from emapg.data import DataError, load_rows
+from emapg.data import DataError, check_text, load_rows
 from emapg.rewards.math import boxed_format_reward, math_reward
 from emapg.rewards.math_reference import reference_math_reward
 from emapg.tasks.base import Example, Task
@@ -39,6 +39,8 @@ def gold_answers(value, together: bool = False) -> list[str]:
         return [", ".join(gold_answers(items))]
     out = []
     for v in items:
+        if v is None or isinstance(v, bool) or not isinstance(v, str | int | float):
+            raise DataError(f"an answer is {v!r} ({type(v).__name__}); expected text or a number")
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         text = str(v).strip()
@@ -55,16 +57,28 @@ def math_rows(path: str, problem_field: str, answer_field: str, alternatives: bo
     (the reference grader's rule); otherwise such a row's items are one answer, all of them."""
     rows = load_rows(path)
     for row in rows:
+        columns = {}
         for name, given, known in (("problem", problem_field, PROBLEM_FIELDS), ("answer", answer_field, ANSWER_FIELDS)):
             column = given if given in row else next((k for k in known if k in row), None)
-            if column is None or row[column] is None:
+            if column is None:
                 tried = ", ".join(dict.fromkeys((given, *known)))
                 raise DataError(f"{row['_source']}: no {name} (looked for {tried}); the row has "
                                 f"{', '.join(sorted(k for k in row if not k.startswith('_')))}")
-            row[name] = row[column]
-        row["answer"] = gold_answers(row["answer"], together=row.get("is_multiple_answer") is True and not alternatives)
+            if row[column] is None:
+                raise DataError(f"{row['_source']}: field {column!r} is null (expected the {name})")
+            row[name], columns[name] = row[column], column
+        if not isinstance(row["problem"], str):
+            raise DataError(f"{row['_source']}: field {columns['problem']!r} is {type(row['problem']).__name__}, "
+                            "expected text")
+        try:
+            row["answer"] = gold_answers(row["answer"],
+                                         together=row.get("is_multiple_answer") is True and not alternatives)
+        except DataError as e:
+            raise DataError(f"{row['_source']}: field {columns['answer']!r}: {e}") from None
         if not row["answer"] or not all(row["answer"]):
-            raise DataError(f"{row['_source']}: an empty answer")
+            raise DataError(f"{row['_source']}: field {columns['answer']!r}: an empty answer")
+        check_text([row["problem"], *row["answer"]], f"{row['_source']}: field {columns['problem']!r} or "
+                                                     f"{columns['answer']!r}")
     return rows
 
 

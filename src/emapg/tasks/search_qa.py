@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from emapg.config import at_least, one_of, within
-from emapg.data import DataError, load_rows
+from emapg.data import DataError, check_text, load_rows
 from emapg.models.zoo import cache_dir
 from emapg.retrieval import DENSE_KINDS, RETRIEVERS, open_retriever, retriever_problem
 from emapg.retrieval.passages import has_dense
-from emapg.rewards.qa import qa_em, qa_f1
+from emapg.rewards.qa import gold_answers, qa_em, qa_f1
 from emapg.tags import INVALID_ACTION, extract_answer
 from emapg.tasks.base import AgentConfig, Example, Task
 from emapg.tasks.multihop_kb import make_kb
@@ -76,6 +76,8 @@ def qa_rows(path: str, question_field: str = "question", answers_field: str = "a
             if "Question: " not in content:
                 raise DataError(f"{row['_source']}: the prompt holds no 'Question: ' to take the question from")
             row["question"] = content.partition("Question: ")[2].rstrip("\n")
+            row["answers"] = gold_answers(row["answers"], f"{row['_source']}: reward_model.ground_truth.target")
+            check_text([row["question"], *row["answers"]], f"{row['_source']}: prompt or target")
             index = (row.get("extra_info") or {}).get("index", row["id"])
             row["id"] = f"{row.get('data_source', 'row')}-{index}"
             continue
@@ -86,6 +88,11 @@ def qa_rows(path: str, question_field: str = "question", answers_field: str = "a
                 raise DataError(f"{row['_source']}: missing field {wanted}; the row has "
                                 f"{', '.join(sorted(k for k in row if not k.startswith('_')))}")
             row[name] = row[column]
+        row["answers"] = gold_answers(row["answers"], f"{row['_source']}: field {answers!r}")
+        if not isinstance(row["question"], str):
+            raise DataError(f"{row['_source']}: field {question_field!r} is {type(row['question']).__name__}, "
+                            "expected text")
+        check_text([row["question"], *row["answers"]], f"{row['_source']}: field {question_field!r} or {answers!r}")
     return rows
 
 
