@@ -261,3 +261,101 @@ def test_a_full_disk_while_building_an_index_names_the_folder(tmp_path):
     (line,) = [x for x in err.splitlines() if x.startswith("emapg: error:")]
     assert line.startswith(f"emapg: error: {tmp_path / 'ix'}: ") and ("File too large" in line or "cut short" in line)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ix")]  # the temporary folder is gone
+
+
+def _two_steps(tmp_path):
+    out = tmp_path / "run"
+    assert train("--config", str(SMOKE), "--out", str(out), *FAST) == 0
+    return out
+
+
+def test_files_read_back_are_checked_by_type_and_a_bad_one_falls_back_or_is_named(tmp_path, capsys):
+    """state.json's keys are checked for their types (a string where a count is: the older checkpoint is
+    used, not a TypeError mid-step); `latest` must name a step folder of this run (a number, or a path into
+    another run, is damaged: the newest complete checkpoint is used); a backup folder beside the checkpoints
+    blocks nothing."""
+    import shutil
+
+    out = _two_steps(tmp_path)
+    ckpts = out / "checkpoints"
+    shutil.copytree(ckpts / "step_000002", ckpts / "step_000002.bak")  # a user's backup
+    state = json.loads((ckpts / "step_000002" / "state.json").read_text())
+    (ckpts / "step_000002" / "state.json").write_text(json.dumps({**state, "skipped_steps": "abc"}))
+    (ckpts / "latest").write_text(json.dumps({"checkpoint": 5}))
+    capsys.readouterr()
+    assert train("--resume", str(out), "steps=3") == 0
+    err = capsys.readouterr().err
+    assert "latest is damaged: it names 5, not a checkpoint folder of this run" in err
+    assert "step_000002/state.json is damaged: skipped_steps is 'abc', expected a whole number >= 0" in err
+    assert "resuming from" in err and "step_000001" in err and "Traceback" not in err
+    assert json.loads((ckpts / "latest").read_text())["step"] == 3
+    other = _two_steps(tmp_path / "other")
+    (ckpts / "latest").write_text(json.dumps({"checkpoint": "../../other/run/checkpoints/step_000002"}))
+    from emapg.run.checkpoint import CheckpointError, latest_checkpoint
+
+    try:
+        latest_checkpoint(out)
+        raise AssertionError("a latest into another run was followed")
+    except CheckpointError as e:
+        assert "not a checkpoint folder of this run" in str(e)
+    assert other.is_dir()
+
+
+def test_a_metrics_file_is_read_line_by_line_and_a_cut_last_line_is_dropped(tmp_path, capsys):
+    """A row that is not an object with a whole step is named with its file and line (was an AttributeError);
+    a last line cut short by a kill is dropped with a warning and the resume goes on (was a JSON error naming
+    no file)."""
+    out = _two_steps(tmp_path)
+    metrics = out / "metrics.jsonl"
+    good = metrics.read_text()
+    metrics.write_text(good + '{"step": 3, "reward_mean": 0.')  # killed mid-write
+    capsys.readouterr()
+    assert train("--resume", str(out), "steps=3") == 0
+    err = capsys.readouterr().err
+    assert "metrics.jsonl, line 3: cut short (a write was interrupted); dropped" in err
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+    metrics.write_text(good.splitlines()[0] + "\n[1, 2]\n")
+    assert train("--resume", str(out), "steps=4") == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl, line 2: not a metrics row (a JSON list" in err and "Traceback" not in err
+    assert metrics.read_text() == good.splitlines()[0] + "\n[1, 2]\n"  # nothing rewritten
+
+
+def test_a_resume_that_cannot_start_changes_no_file(tmp_path, capsys):
+    """Validate first, write after: a --force change whose model does not load, and a resume of a folder
+    without a checkpoint, leave config.yaml and resumes.jsonl as they were."""
+    out = _two_steps(tmp_path)
+    config = (out / "config.yaml").read_text()
+    capsys.readouterr()
+    assert train("--resume", str(out), "--force", "model=/nonexistent/model", "steps=3") == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert (out / "config.yaml").read_text() == config and not (out / "resumes.jsonl").exists()
+    import shutil
+
+    shutil.rmtree(out / "checkpoints")
+    assert train("--resume", str(out), "steps=3", "save_every=2") == 2
+    assert (out / "config.yaml").read_text() == config and not (out / "resumes.jsonl").exists()
+
+
+def test_a_resume_of_a_run_whose_end_was_cut_short_finishes_it(tmp_path, capsys, monkeypatch):
+    """Killed after its last checkpoint but during its end (export, evaluation table, plots): the resume the
+    message suggests finishes the end instead of saying "nothing to train"; once finished, it says so."""
+    import emapg.run.trainer as trainer_mod
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_mod, "export_models", killed)
+    out = tmp_path / "run"
+    assert train("--config", str(SMOKE), "--out", str(out), "steps=2", "eval.size=0", "save_every=1") == 130
+    assert "resume with: emapg train --resume" in capsys.readouterr().err
+    assert not (out / "eval.json").exists() and not (out / "finished.json").exists()
+    monkeypatch.undo()
+    assert train("--resume", str(out)) == 0
+    assert "reached step 2, but its end (export, evaluation table, plots) did not finish: finishing it" in \
+        capsys.readouterr().err
+    assert (out / "eval.json").exists() and (out / "export" / "policy").is_dir()
+    assert json.loads((out / "finished.json").read_text()) == {"step": 2}
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert train("--resume", str(out)) == 0
+    assert "is at step 2 already (steps: 2): nothing to train" in capsys.readouterr().err

@@ -58,7 +58,7 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from emapg.run.checkpoint import has_checkpoint
-    from emapg.run.folder import claim_run_folder, lock_run, record_resume, unlock_run
+    from emapg.run.folder import check_resume, claim_run_folder, lock_run, unlock_run
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and not (args.out or args.resume):
@@ -73,23 +73,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
+    change = None
     try:  # the run folder's one writer from here to the end of the command (rank 0: the others only read)
         if rank0 and args.resume:
             lock_run(run_dir)
             if not _steps_left(run_dir, cfg.steps):
                 return 0
-            record_resume(run_dir, cfg_file, cfg, args.overrides, force=args.force)
+            change = check_resume(run_dir, cfg_file, cfg, args.overrides, force=args.force)
         elif rank0:
             claim_run_folder(run_dir, has_checkpoint(run_dir))
-        return _train_locked(args, cfg, run_dir, launched)
+        return _train_locked(args, cfg, run_dir, launched, change)
     finally:
         unlock_run(run_dir)
 
 
 def _steps_left(run_dir: Path, steps: int) -> bool:
-    """Whether a resume of ``run_dir`` to ``steps`` has steps to train: at the checkpoint's step it says so
-    (nothing is touched); before it, it is refused."""
+    """Whether a resume of ``run_dir`` to ``steps`` has work: steps to train, or, at the checkpoint's step, a
+    run's end (export, evaluation table, plots) that did not finish; with neither it says so (nothing is
+    touched); a resume to before the checkpoint is refused."""
     from emapg.run.checkpoint import resume_step
+    from emapg.run.folder import run_finished
 
     done = resume_step(run_dir)
     if done is None or steps > done:
@@ -97,13 +100,18 @@ def _steps_left(run_dir: Path, steps: int) -> bool:
     if steps < done:
         raise ConfigError(f"steps: {steps} is before step {done}, where {run_dir} stopped; a resume trains on to a "
                           "later step (nothing was changed)")
+    if not run_finished(run_dir, done):
+        print(f"emapg: {run_dir} reached step {done}, but its end (export, evaluation table, plots) did not "
+              "finish: finishing it", file=sys.stderr)
+        return True
     print(f"emapg: {run_dir} is at step {done} already (steps: {steps}): nothing to train; give steps=N with N > "
           f"{done} to continue (nothing was changed)", file=sys.stderr)
     return False
 
 
-def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool) -> int:
-    """``emapg train`` once its run folder is claimed (or its resume recorded) by this process."""
+def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool, change=None) -> int:
+    """``emapg train`` once its run folder is claimed (or its resume checked: ``change``, recorded once the
+    trainer is built, so a resume that cannot start changes no file) by this process."""
     from emapg.models import distributed
     from emapg.run.checkpoint import has_checkpoint
     from emapg.run.trainer import Trainer
@@ -111,6 +119,8 @@ def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool) 
     if args.nproc > 1 and not launched:
         return _launch(args, run_dir)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), force=args.force)
+    if change is not None:
+        change.record()
     if trainer.main:
         print(f"emapg: run folder {run_dir} ({trainer.dist.world} process(es), {trainer.dist.device})",
               file=sys.stderr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import sys
 from collections.abc import Iterator, Mapping
@@ -116,14 +117,22 @@ def _shared_folder(final: Path, main: bool) -> Iterator[Path]:
         yield tmp
 
 
+STEP_DIR = re.compile(r"step_(\d+)")  # a checkpoint folder's name, exactly (a backup "step_000004.bak" is not one)
+
+
 def _step_of(path: Path) -> int:
-    return int(path.name.split("_")[1])
+    return int(STEP_DIR.fullmatch(path.name).group(1))
+
+
+def _step_dirs(ckpt_dir: Path) -> list[Path]:
+    """The checkpoint folders of ``ckpt_dir`` (names ``step_N``; anything else there is not one), by step."""
+    return sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()), key=_step_of)
 
 
 def _prune(ckpt_dir: Path, keep: int, current: int) -> None:
     """Keep the ``keep`` newest checkpoints up to ``current`` (which ``latest`` names). Folders of later
     steps belong to a future this run abandoned by resuming from an earlier checkpoint: remove them."""
-    done = sorted((p for p in ckpt_dir.glob("step_*") if p.is_dir()), key=_step_of)
+    done = _step_dirs(ckpt_dir)
     for p in done:
         if _step_of(p) > current:
             shutil.rmtree(p, ignore_errors=True)
@@ -137,7 +146,7 @@ def _prune(ckpt_dir: Path, keep: int, current: int) -> None:
 
 def _complete(ckpt_dir: Path) -> list[Path]:
     """Complete checkpoint folders (state.json is written last, before the atomic rename), oldest first."""
-    return sorted((p for p in ckpt_dir.glob("step_*") if (p / "state.json").exists()), key=_step_of)
+    return [p for p in _step_dirs(ckpt_dir) if (p / "state.json").exists()]
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -156,6 +165,9 @@ def latest_checkpoint(run_dir: Path) -> Path:
         name = json.loads(pointer.read_text())["checkpoint"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{pointer} is damaged ({type(e).__name__}: {e})") from None
+    if not isinstance(name, str) or not STEP_DIR.fullmatch(name):  # never a path out of this folder
+        raise CheckpointError(f"{pointer} is damaged: it names {name!r}, not a checkpoint folder of this run "
+                              "(step_N)")
     path = ckpt_dir / name
     if not (path / "state.json").exists():
         raise FileNotFoundError(f"--resume {run_dir}: {pointer} names {name}, which is incomplete or missing")
@@ -231,6 +243,34 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 RUN_STATE_KEYS = ("skipped_steps", "scheduler")  # what the trainer's state.json must hold to resume
 
 
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# each key of the trainer's state.json: (its check, what it must be); the optional ones are checked when present
+RUN_STATE_TYPES = {
+    "skipped_steps": (_whole, "a whole number >= 0"),
+    "scheduler": (lambda v: isinstance(v, dict) and _whole(v.get("last_epoch")), "the schedule's state"),
+    "initial_eval": (lambda v: v is None or isinstance(v, dict), "an evaluation's result or null"),
+    "initial_eval_settings": (lambda v: v is None or isinstance(v, dict | list), "evaluation settings or null"),
+    "anchor_is_initial": (lambda v: isinstance(v, bool), "true or false"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+    "world": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
+    "teacher_sha256": (lambda v: v is None or isinstance(v, str), "a digest or null"),
+}
+
+
+def run_state_problem(state: dict[str, Any]) -> str | None:
+    """What is wrong with a trainer's state.json (a key missing, or of the wrong type), or None."""
+    absent = [k for k in RUN_STATE_KEYS if k not in state]
+    if absent:
+        return f"no {', '.join(absent)}"
+    for key, (ok, want) in RUN_STATE_TYPES.items():
+        if key in state and not ok(state[key]):
+            return f"{key} is {state[key]!r}, expected {want}"
+    return None
+
+
 def tied_names(model: nn.Module) -> set[str]:
     """State-dict names that share storage with an earlier name (a tied LM head): not saved separately."""
     seen, tied = {}, set()
@@ -258,9 +298,9 @@ def intact_checkpoint(run_dir: Path, names: set[str], warn: bool = True, what: s
             missing = sorted(names - set(ckpt["policy"]))
             if missing:
                 raise CheckpointError(f"{path / 'policy.safetensors'} is damaged: no {', '.join(missing[:3])}")
-            absent = [k for k in RUN_STATE_KEYS if k not in ckpt["state"]]
-            if absent:
-                raise CheckpointError(f"{path / 'state.json'} is damaged: no {', '.join(absent)}")
+            problem = run_state_problem(ckpt["state"])
+            if problem:
+                raise CheckpointError(f"{path / 'state.json'} is damaged: {problem}")
         except CheckpointError as e:
             damaged.append(str(e))
             if warn:

@@ -16,9 +16,11 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from emapg.atomic import write_json_atomic
 from emapg.config import ConfigError, TrainConfig, load_config, save_config, to_dict
 from emapg.run.metrics import PLOTS
 
@@ -29,7 +31,7 @@ _HELD: dict[Path, IO] = {}
 # What a run writes into its folder (removed when a run that never checkpointed starts again;
 # anything else there, such as emapg compare's log of the run, stays).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "resumes.jsonl", "tensorboard", "checkpoints", "export", "vllm",
-             "eval.json", "eval.md", "wandb", "wandb_id", *(f"{name}.png" for name in PLOTS))
+             "eval.json", "eval.md", "finished.json", "wandb", "wandb_id", *(f"{name}.png" for name in PLOTS))
 # What a resume may change without altering the steps it replays: how long, how often to save or
 # evaluate, how to export, how many threads, where the metrics go.
 REPLAY_SAFE = ("steps", "save_every", "keep_checkpoints", "export", "threads", "eval.", "report_to", "wandb_project")
@@ -130,9 +132,27 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def record_resume(run_dir: Path, cfg_file: Path, cfg: TrainConfig, overrides: list[str], force: bool) -> None:
-    """Check a resume's overrides against the run's config, then record them. Raises ConfigError
-    (nothing written) for changes that alter the replay, unless ``force``."""
+@dataclass
+class ResumeChange:
+    """A resume's changes to its run's config, checked; written (:meth:`record`) only once the run is known to
+    start (its model and checkpoint loaded), so a resume that fails leaves config.yaml and resumes.jsonl alone."""
+
+    run_dir: Path
+    cfg_file: Path
+    cfg: TrainConfig
+    overrides: list[str]
+    changed: dict[str, list[Any]]
+    forced: bool
+
+    def record(self) -> None:
+        if self.changed:
+            log_resume(self.run_dir, self.overrides, self.changed, forced=self.forced)
+            save_config(self.cfg, self.cfg_file)
+
+
+def check_resume(run_dir: Path, cfg_file: Path, cfg: TrainConfig, overrides: list[str], force: bool) -> ResumeChange:
+    """A resume's overrides against the run's config. Raises ConfigError (nothing written) for changes that
+    alter the replay, unless ``force``."""
     before, after = _flat(to_dict(load_config(cfg_file))), _flat(to_dict(cfg))
     changed = {k: [before.get(k), after[k]] for k in after if before.get(k) != after[k]}
     unsafe = [k for k in changed if not k.startswith(REPLAY_SAFE)]
@@ -140,10 +160,26 @@ def record_resume(run_dir: Path, cfg_file: Path, cfg: TrainConfig, overrides: li
         listed = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in unsafe)
         raise ConfigError(f"--resume {run_dir}: {listed} would change what the resumed steps replay; pass --force "
                           "to accept (it is recorded in resumes.jsonl), or start a new run (nothing was changed)")
-    if not changed:
-        return
-    log_resume(run_dir, list(overrides), changed, forced=bool(unsafe))
-    save_config(cfg, cfg_file)
+    return ResumeChange(run_dir, cfg_file, cfg, list(overrides), changed, bool(unsafe))
+
+
+FINISHED = "finished.json"  # the run's end (export, evaluation table, plots) done, at its step
+
+
+def mark_finished(run_dir: Path, step: int) -> None:
+    write_json_atomic(Path(run_dir) / FINISHED, {"step": step})
+
+
+def run_finished(run_dir: Path, step: int) -> bool:
+    """Whether the run's end (export, evaluation table, plots) completed at ``step``. A run folder written
+    before emapg kept the mark counts as finished when it holds eval.json."""
+    mark = Path(run_dir) / FINISHED
+    if not mark.exists():
+        return (Path(run_dir) / "eval.json").exists()
+    try:
+        return json.loads(mark.read_text()).get("step") == step
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return False
 
 
 def log_resume(run_dir: Path, overrides: list[str], changed: dict[str, list[Any]], forced: bool) -> None:

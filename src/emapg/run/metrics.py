@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -90,8 +91,7 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # Drop rows past the checkpoint we resume from: those steps are re-run.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [line for line, row in metrics_lines(self.path) if row["step"] <= resume_step]
             write_text_atomic(self.path, "".join(line + "\n" for line in kept))  # a kill keeps the old file
         self.tb = self.wandb = None
         if "tensorboard" in report_to:
@@ -156,9 +156,41 @@ def _wandb_run(run_dir: Path, config: dict[str, Any], project: str):
                       resume="allow")
 
 
+class MetricsError(ValueError):
+    """A metrics.jsonl that is not what a run writes (named with its line)."""
+
+
+def metrics_lines(path: Path, warn: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    """The rows of a metrics.jsonl with their text, each a JSON object with a whole ``step`` >= 0; anything else
+    is a MetricsError naming the file and the line. A last line cut short (a kill while it was written: no
+    newline at its end) is dropped with a warning: its step is re-run on resume."""
+    raw = Path(path).read_bytes()
+    lines = raw.decode("utf-8", errors="replace").split("\n")
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if i == len(lines) and not raw.endswith(b"\n"):  # the last line, unfinished
+                if warn:
+                    print(f"emapg: warning: {path}, line {i}: cut short (a write was interrupted); dropped",
+                          file=sys.stderr)
+                break
+            raise MetricsError(f"{path}, line {i}: not JSON ({e})") from None
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(row, dict) or not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            what = f"step {step!r}" if isinstance(row, dict) else f"a JSON {type(row).__name__}"
+            raise MetricsError(f"{path}, line {i}: not a metrics row ({what}; each line is an object with a "
+                               "whole step >= 0)")
+        out.append((line, row))
+    return out
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A run folder's metrics rows, checked (:func:`metrics_lines`)."""
+    return [row for _, row in metrics_lines(Path(run_dir) / "metrics.jsonl")]
 
 
 def plot_run(run_dir: Path) -> list[Path]:

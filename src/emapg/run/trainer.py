@@ -41,6 +41,7 @@ from emapg.run.assembly import assemble
 from emapg.run.checkpoint import save_training
 from emapg.run.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.run.export import export_models
+from emapg.run.folder import mark_finished
 from emapg.run.metrics import add_stats, peak_memory_row, rollout_row, update_row
 from emapg.tasks.order import training_prompts
 from emapg.tasks.scoring import score_completions
@@ -112,7 +113,11 @@ class Trainer:
         if cfg.export:
             export_models(self.run_dir / "export", self.model, self.anchor, self.tokenizer,
                           sharded=self.dist.enabled, main=self.main, plain_model=lambda: policy_model(cfg)[0])
-        return self.metrics.finish(self.initial_eval) if self.main else None
+        if not self.main:
+            return None
+        table = self.metrics.finish(self.initial_eval)
+        mark_finished(self.run_dir, self.step)  # a resume of a run whose end was cut short finishes it
+        return table
 
     def train_step(self, step: int) -> dict[str, Any]:
         """Rollout, then :meth:`update`; the metrics row of the step."""
