@@ -196,3 +196,27 @@ def test_a_registered_name_cannot_be_taken_twice():
         register_task("math", TASKS["arithmetic"])
     with pytest.raises(TypeError, match="expected a subclass of emapg.tasks.base.Task"):
         register_task("not_a_task", dict)
+
+
+def test_a_run_folders_config_imports_no_plugin_unless_trusted_on_the_command_line(tmp_path):
+    """Plugins are code: a config.yaml read from a run folder (someone else's, say) imports none for eval,
+    export or a resume unless --trust-plugins is given; the refusal names the plugin and the flag, and the
+    plugin's code never ran. A plugin that exits on import is named, not taken for emapg's own exit."""
+    res = run("train", "--config", str(SMOKE), "--out", "run", "steps=1", "eval.size=0", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (tmp_path / "evil.py").write_text("open('RAN', 'w').write('x')\n")
+    config = tmp_path / "run" / "config.yaml"
+    config.write_text(config.read_text() + "plugins: [evil.py]\n")
+    for args in (("eval", "--run", "run", "--size", "2", "--max-new-tokens", "2", "--device", "cpu"),
+                 ("export", "run"), ("train", "--resume", "run", "steps=2")):
+        res = run(*args, cwd=tmp_path)
+        assert res.returncode == 2, (args, res.stderr[-2000:])
+        assert "it names plugins (evil.py), which are code run on import" in res.stderr and \
+            "--trust-plugins" in res.stderr and "Traceback" not in res.stderr
+        assert not (tmp_path / "RAN").exists()
+    res = run("export", "run", "--trust-plugins", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "RAN").exists()
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\n")
+    res = run("train", "--config", str(SMOKE), "--out", "run2", "plugins=[quits.py]", cwd=tmp_path)
+    assert res.returncode == 2 and "plugins: importing quits.py exited (SystemExit 0)" in res.stderr

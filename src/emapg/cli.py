@@ -48,6 +48,7 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
            "-m", "emapg", "train"]
     cmd += ["--resume", str(run_dir)] if args.resume else ["--out", str(run_dir)]
     cmd += ["--force"] if args.force else []
+    cmd += ["--trust-plugins"] if args.trust_plugins else []
     if args.config:
         cmd += ["--config", str(recipe_path(args.config))]
     from emapg.run.folder import LOCK_ENV
@@ -69,7 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg_file = run_dir / "config.yaml"
         if not cfg_file.exists():
             raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
-        cfg = load_config(cfg_file, args.overrides)
+        cfg = load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins)
     else:
         cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
@@ -146,7 +147,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.step is not None and args.step < 0:
         raise ConfigError(f"--step: must be >= 0, got {args.step}")
-    out = export_checkpoint(Path(args.run), out=args.out, step=args.step)
+    out = export_checkpoint(Path(args.run), out=args.out, step=args.step, trust_plugins=args.trust_plugins)
     print(f"emapg: wrote {out / 'policy'} and {out / 'anchor'}")
     return 0
 
@@ -252,7 +253,7 @@ def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     run = Path(args.run)
     if not (run / "config.yaml").exists():
         raise ConfigError(f"--run {run}: no config.yaml there (is this a run folder?)")
-    cfg = load_config(run / "config.yaml")
+    cfg = load_config(run / "config.yaml", trust_plugins=args.trust_plugins)
     if args.task and args.task != cfg.task:
         raise ConfigError(f"--task {args.task}: the run {run} trained on {cfg.task}")
     models = args.model or [str(run / "export" / m) for m in ("policy", "anchor")]
@@ -390,6 +391,9 @@ def _train_parser(sub) -> None:
     t.add_argument("--force", action="store_true",
                    help="with --resume: accept changes to what the resumed steps replay (overrides of seed, "
                         "algo...; a teacher whose weights changed)")
+    t.add_argument("--trust-plugins", action="store_true",
+                   help="import the plugins a run folder's config.yaml names (they are code: read them first; without "
+                        "this flag a run folder's config imports none)")
     t.add_argument("--nproc", type=int, default=1,
                    help="data-parallel processes on this machine (runs torchrun; or launch torchrun yourself)")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.eta=0.95 steps=100")
@@ -402,6 +406,9 @@ def _plan_parser(sub) -> None:
     ex.add_argument("run", help="the run folder")
     ex.add_argument("--step", type=int, help="the checkpoint's step (default: the newest complete checkpoint)")
     ex.add_argument("--out", help="where OUT/policy and OUT/anchor go (default: RUN/export-step_NNNNNN)")
+    ex.add_argument("--trust-plugins", action="store_true",
+                    help="import the plugins a run folder's config.yaml names (they are code: read them first; without "
+                         "this flag a run folder's config imports none)")
     ex.set_defaults(func=cmd_export)
     pl = sub.add_parser("plan", help="the memory a run needs per device, phase by phase (config.json only, no weights)")
     pl.add_argument("--config", help="YAML config file, or the name of a shipped recipe")
@@ -420,6 +427,9 @@ def _eval_parser(sub) -> None:
     e.add_argument("--task", help="math, search_qa, arithmetic, ...")
     e.add_argument("--run", help="a run folder: its exported policy and anchor (unless --model), its task and "
                                  "task_args (retriever, template...), which --task-args entries override")
+    e.add_argument("--trust-plugins", action="store_true",
+                   help="import the plugins a run folder's config.yaml names (they are code: read them first; without "
+                        "this flag a run folder's config imports none)")
     e.add_argument("--task-args", help='JSON, e.g. \'{"digits": 2}\' or \'{"retriever_url": "http://127.0.0.1:8000"}\'')
     e.add_argument("--data", nargs="+", metavar="[NAME=]FILE",
                    help="eval sets in a published format (math: MATH-500, AIME, AMC, Minerva, OlympiadBench; "

@@ -428,8 +428,14 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {key!r}: {part!r} is not a section")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML config (or the defaults), apply overrides, validate, and return it."""
+TRUST_FLAG = "--trust-plugins"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                trust_plugins: bool = True) -> TrainConfig:
+    """Read a YAML config (or the defaults), apply overrides, validate, and return it. A config's ``plugins``
+    are code: one read from a run folder (``trust_plugins=False``: a folder another person may have written)
+    imports none unless the user asked on the command line (``--trust-plugins``); it is refused, naming them."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -452,6 +458,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _extended(data, Path(path), seen=(Path(path).resolve(),))
     for item in overrides or []:
         apply_override(data, item)
+    if not trust_plugins and data.get("plugins"):
+        raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, data['plugins']))}), which "
+                          f"are code run on import; a config read from a run folder imports none unless you pass "
+                          f"{TRUST_FLAG} (read them first)")
     try:
         import_plugins(data.get("plugins") or [])
         try:
@@ -505,6 +515,9 @@ def import_plugins(names: Any) -> None:
                 importlib.import_module(name)
         except ConfigError:
             raise
+        except SystemExit as e:  # a plugin's own sys.exit or argparse error: not emapg's exit
+            raise ConfigError(f"plugins: importing {name} exited (SystemExit {e.code!r}): a plugin must not exit or "
+                              "parse the command line on import") from None
         except ModuleNotFoundError as e:
             raise ConfigError(f"plugins: {name}: {e}") from None
         except Exception as e:  # the plugin's own error, named in one line

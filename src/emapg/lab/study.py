@@ -148,7 +148,8 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
             cmd = [sys.executable, "-m", "emapg", "train", "--config", str(spec.base), "--out", str(run),
                    *spec.overrides, *over, f"seed={seed}", *([f"threads={threads}"] if jobs > 1 else [])]
             if has_checkpoint(run):
-                cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run)]
+                # its config.yaml came from the user's spec: its plugins are the user's own
+                cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run), "--trust-plugins"]
             elif run.exists():  # stopped before its first checkpoint: start it again, its leftovers set aside
                 stale = run.with_name(run.name + ".stale")  # (the last failure's log stays readable there)
                 shutil.rmtree(stale, ignore_errors=True)

@@ -35,7 +35,8 @@ def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool,
     distributed.barrier()
 
 
-def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None = None) -> Path:
+def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None = None,
+                      trust_plugins: bool = False) -> Path:
     """Write checkpoint ``step`` of ``run_dir`` (default: its newest intact one) as ``OUT/policy`` and
     ``OUT/anchor`` (default ``OUT``: ``RUN/export-step_NNNNNN``), each replaced atomically. The policy is
     built on the CPU from the run's config.yaml (its model and LoRA settings), and the checkpoint's tensors
@@ -46,7 +47,7 @@ def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None =
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{run_dir}: {cfg_file} does not exist (is this a run folder?)")
-    cfg = load_config(cfg_file)
+    cfg = load_config(cfg_file, trust_plugins=trust_plugins)
     path = _checkpoint_folder(run_dir, step)
     ckpt = load_checkpoint(path)
     step = ckpt["state"]["step"]
