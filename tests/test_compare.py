@@ -66,6 +66,16 @@ def test_spec_quick_only_and_errors(tmp_path):
     # a bad value in the second config is found before the first config's runs start
     with pytest.raises(ConfigError, match=r"configs.b: .*algo.eta"):
         load_spec(write_spec(tmp_path, SPEC.replace("b: [algo.eta=0.5]", "b: [algo.eta=7]")))
+    # a repeated seed would delete and rerun a finished run, and count it twice
+    with pytest.raises(ConfigError, match=r"seeds: \[0, 0\] repeats a seed"):
+        load_spec(write_spec(tmp_path, SPEC.replace("seeds: [0, 1]", "seeds: [0, 0]")))
+    # a config's name is a folder under --out, never a path out of it
+    with pytest.raises(ConfigError, match=r"configs: '../../x' is not a plain name"):
+        load_spec(write_spec(tmp_path, SPEC.replace("b: [algo.eta=0.5]", "../../x: [algo.eta=0.5]")))
+    # overrides are a list (a number was a TypeError; one string was split into its characters)
+    for bad in ("overrides: 5", "overrides: steps=2"):
+        with pytest.raises(ConfigError, match=r"overrides: expected a list of KEY=VALUE overrides"):
+            load_spec(write_spec(tmp_path, SPEC.replace("overrides: [steps=2, export=false]", bad)))
 
 
 def test_mean_and_spread_over_seeds(tmp_path):

@@ -206,17 +206,27 @@ def test_eval_of_a_merged_search_r1_file_prints_a_row_per_source(tmp_path):
         {"id": "2", "title": "Brimwater Canal", "text": "The Brimwater Canal carries barges of salt."}]))
     build_index(corpus, tmp_path / "index")
     write_search_r1_parquet(tmp_path / "test.parquet", QUESTIONS)
+    write_search_r1_parquet(tmp_path / "more.parquet", [QUESTIONS[0], QUESTIONS[2]])
     res = subprocess.run([sys.executable, "-m", "emapg", "eval", "--model", "tiny-llama", "--task", "search_qa",
                           "--task-args", json.dumps({"index": str(tmp_path / "index"), "max_turns": 1,
                                                      "max_turn_tokens": 4, "max_total_tokens": 64}),
-                          "--data", str(tmp_path / "test.parquet"), "--device", "cpu", "--out", str(tmp_path / "out")],
+                          "--data", str(tmp_path / "test.parquet"), str(tmp_path / "more.parquet"), "--device",
+                          "cpu", "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads((tmp_path / "out" / "eval.json").read_text())
-    assert [(r["dataset"], r["problems"]) for r in out["rows"]] == [("nq", 2), ("hotpotqa", 1)]
+    # a second file with the same data_source is a set of its own (it overwrote the first's samples before)
+    assert [(r["dataset"], r["problems"]) for r in out["rows"]] == [("nq", 2), ("hotpotqa", 1), ("nq-2", 1),
+                                                                   ("hotpotqa-2", 1)]
     assert "| tiny-llama | nq | 2 | 1 |" in res.stdout
-    assert "| model | nq | hotpotqa | average, by problems |" in res.stdout
-    assert (tmp_path / "out" / "nq.samples.jsonl").exists() and (tmp_path / "out" / "hotpotqa.samples.jsonl").exists()
+    assert "| model | nq | hotpotqa | nq-2 | hotpotqa-2 | average, by problems |" in res.stdout
+    assert {p.name for p in (tmp_path / "out").glob("*.samples.jsonl")} == {
+        "nq.samples.jsonl", "hotpotqa.samples.jsonl", "nq-2.samples.jsonl", "hotpotqa-2.samples.jsonl"}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".emapg-run").write_text("a run folder of emapg train\n")
+    res = subprocess.run([sys.executable, "-m", "emapg", "eval", "--model", "tiny-llama", "--task", "math",
+                          "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "run: a run folder, whose eval.json and eval.md are its training's" in res.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -259,7 +269,8 @@ def test_a_runs_evaluation_takes_its_task_settings_with_the_retriever_given(tmp_
     (run / "export" / "policy").mkdir(parents=True)
     (run / "export" / "anchor").mkdir(parents=True)
     save_config(load_config(root / "recipes" / "search_cpu.yaml"), run / "config.yaml")
-    args = argparse.Namespace(run=str(run), model=None, task=None, task_args='{"index": "wiki-bm25"}')
+    args = argparse.Namespace(run=str(run), model=None, task=None, task_args='{"index": "wiki-bm25"}',
+                              trust_plugins=False)
     models, task, task_args = eval_subject(args)
     assert task == "search_qa" and models == [str(run / "export" / "policy"), str(run / "export" / "anchor")]
     assert task_args["index"] == "wiki-bm25" and "synthetic" not in task_args

@@ -359,3 +359,54 @@ def test_a_resume_of_a_run_whose_end_was_cut_short_finishes_it(tmp_path, capsys,
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert train("--resume", str(out)) == 0
     assert "is at step 2 already (steps: 2): nothing to train" in capsys.readouterr().err
+
+
+def _writers(run):
+    """PIDs of live processes writing under ``run``'s lock through a launcher (EMAPG_RUN_LOCK names it)."""
+    import os
+
+    mine = f"EMAPG_RUN_LOCK={Path(run).resolve()}".encode()
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if mine in environ.split(b"\0") and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def _gone(run, seconds=90):
+    import time
+
+    end = time.monotonic() + seconds
+    while _writers(run):
+        assert time.monotonic() < end, f"processes still writing {run}: {_writers(run)}"
+        time.sleep(0.5)
+
+
+def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
+    """`train --nproc 2`: the launcher holds the folder's lock for its torchrun workers; SIGKILLed, it takes
+    them with it (they ran on unlocked and a resume raced them), so the resume admitted next is the only
+    writer and its metrics hold each step once."""
+    import signal
+
+    run = tmp_path / "run"
+    first = _emapg("train", "--config", "smoke", "--out", str(run), "--nproc", "2", "steps=400", "save_every=1",
+                   "eval.size=0", "export=false")
+    try:
+        _wait_for(run / "checkpoints" / "latest", seconds=300)
+        assert _writers(run)  # the workers (and torchrun) run under the launcher's lock
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    _gone(run)
+    from emapg.run.checkpoint import resume_step
+
+    third = _emapg("train", "--resume", str(run), f"steps={resume_step(run) + 1}")
+    _, err = third.communicate(timeout=300)
+    assert third.returncode == 0, err
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))

@@ -51,17 +51,23 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     cmd += ["--trust-plugins"] if args.trust_plugins else []
     if args.config:
         cmd += ["--config", str(recipe_path(args.config))]
-    from emapg.run.folder import LOCK_ENV
+    from emapg.run.folder import LOCK_ENV, die_with_parent, stop_child
 
     env = {**os.environ, LOCK_ENV: str(run_dir.resolve())}  # this process holds the folder's lock for them
-    return subprocess.call(cmd + list(args.overrides), env=env)
+    proc = subprocess.Popen(cmd + list(args.overrides), env=env, preexec_fn=die_with_parent)  # noqa: PLW1509
+    try:
+        return proc.wait()
+    finally:  # interrupted or terminated: the workers end before the lock is let go
+        stop_child(proc)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from emapg.run.checkpoint import has_checkpoint
-    from emapg.run.folder import check_resume, claim_run_folder, lock_run, unlock_run
+    from emapg.run.folder import LOCK_ENV, check_resume, claim_run_folder, die_with_parent, lock_run, unlock_run
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and os.environ.get(LOCK_ENV):  # a worker of `--nproc`: it ends with torchrun, which ends with
+        die_with_parent()                      # the launcher holding the lock
     if launched and not (args.out or args.resume):
         raise ConfigError("--out: needed with more than one process (each would pick its own default folder)")
     rank0 = not launched or os.environ.get("RANK", "0") == "0"  # rank 0 alone: the others may see its files
@@ -201,6 +207,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     batch_size=args.batch_size, size=args.size, seed=args.seed, protocol=args.protocol)
     out = Path(args.out) if args.out else None
     if out is not None:
+        from emapg.run.folder import MARKER
+
+        if (out / MARKER).exists():  # its eval.json is the run's own (compare reads it): never overwritten here
+            raise ConfigError(f"--out {out}: a run folder, whose eval.json and eval.md are its training's; write "
+                              f"the evaluation elsewhere (e.g. --out {out / 'eval'})")
         out.mkdir(parents=True, exist_ok=True)
     rows = run(plan, out)
     from emapg.models import distributed
@@ -570,8 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = [x for x in extra if not ("=" in x and not x.startswith("-"))]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    # a scheduler's SIGTERM stops a run as Ctrl-C does (its resume hint), exit 143
-    before = signal.signal(signal.SIGTERM, _terminated) if args.command == "train" else None
+    # a scheduler's SIGTERM stops a run (or a comparison and its runs) as Ctrl-C does (its resume hint), exit 143
+    before = signal.signal(signal.SIGTERM, _terminated) if args.command in ("train", "compare") else None
     try:
         return args.func(args)
     except Terminated:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import yaml
 
 from emapg.config import ConfigError, load_config
 from emapg.run.checkpoint import has_checkpoint
-from emapg.run.folder import LOCK_ENV, MARKER, claim_run_folder, unlock_run
+from emapg.run.folder import LOCK_ENV, MARKER, claim_run_folder, die_with_parent, stop_child, unlock_run
 
 
 @dataclass
@@ -58,15 +59,22 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
                           f"{type(raw['configs']).__name__}")
     configs = {}
     for name, spec in raw["configs"].items():
+        if isinstance(spec, dict):
+            _overrides(path, f"configs.{name}.overrides", spec.get("overrides", []))
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", str(name)):  # a folder's name under --out, nothing more
+            raise ConfigError(f"{path}: configs: {name!r} is not a plain name (letters, digits, _ . + -): it names "
+                              "the runs' folder under --out")
         over = spec.get("overrides", []) if isinstance(spec, dict) else spec
         if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
             raise ConfigError(f"{path}: configs.{name}: expected a list of KEY=VALUE overrides")
         configs[str(name)] = over
     labels = {str(n): s.get("label", n) for n, s in raw["configs"].items() if isinstance(s, dict)}
-    overrides, seeds = list(raw.get("overrides", [])), raw.get("seeds", [0])
+    overrides, seeds = _overrides(path, "overrides", raw.get("overrides", [])), raw.get("seeds", [0])
     if quick:
         q = raw.get("quick") or {}
-        overrides += q.get("overrides", [])
+        if not isinstance(q, dict):
+            raise ConfigError(f"{path}: quick: expected a mapping (overrides, seeds, only), got {q!r}")
+        overrides += _overrides(path, "quick.overrides", q.get("overrides", []))
         seeds = q.get("seeds", seeds)
         only = only or q.get("only")
     if only:
@@ -76,6 +84,8 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
         configs = {n: configs[n] for n in only}
     if not isinstance(seeds, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds):
         raise ConfigError(f"{path}: seeds: expected a list of whole numbers, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{path}: seeds: {seeds} repeats a seed (each seed is one run per config)")
     base = Path(raw["base"])
     if not base.is_absolute():
         base = (path.parent / base).resolve()
@@ -171,7 +181,8 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
                     claim_run_folder(run, has_checkpoint=False)
                     env[LOCK_ENV] = str(run.resolve())
                 err = open(run / "compare_stderr.log", "w")  # closed by _finish
-                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                        preexec_fn=die_with_parent)  # noqa: PLW1509 (it dies with this process)
                 running.append((run, proc, time.perf_counter(), err))
             time.sleep(0.2)
             for item in [r for r in running if r[1].poll() is not None]:
@@ -185,7 +196,7 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
                 f"removed {stop}: it came after the last run had started")
     finally:
         for run, proc, _, err in running:  # interrupted: stop the runs; their checkpoints let the next call resume
-            proc.terminate()
+            stop_child(proc)  # ended before its folder's lock is let go
             err.close()
             unlock_run(run)
 
@@ -199,3 +210,10 @@ def _finish(run: Path, proc: subprocess.Popen, t0: float, err) -> None:
         raise RuntimeError(f"run {run} failed (exit {proc.returncode}):\n{tail}")
     prev = json.loads((run / "compute.json").read_text())["seconds"] if (run / "compute.json").exists() else 0
     (run / "compute.json").write_text(json.dumps({"seconds": prev + seconds}))
+
+
+def _overrides(path: Path, field: str, value: Any) -> list[str]:
+    """A spec's list of KEY=VALUE overrides, or a ConfigError naming the field (a bare string is not a list)."""
+    if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
+        raise ConfigError(f"{path}: {field}: expected a list of KEY=VALUE overrides, got {value!r}")
+    return list(value)

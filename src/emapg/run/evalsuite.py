@@ -46,16 +46,24 @@ def parse_sets(items: list[str] | None) -> list[tuple[str, str | None]]:
     """``--data`` items: ``NAME=FILE`` or ``FILE`` (named by its stem, numbered when a name repeats)."""
     if not items:
         return [("heldout", None)]
-    out: list[tuple[str, str | None]] = []
+    named = []
     for item in items:
         name, eq, path = item.partition("=")
         if not eq or "/" in name or not name:
             name, path = Path(item).name.split(".")[0], item
-        taken = {n for n, _ in out}
+        named.append((name, path))
+    return list(zip(unique_names([n for n, _ in named]), [p for _, p in named], strict=True))
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """The names in order, a repeated one numbered (``nq``, ``nq-2``): two sets never share a row of the table
+    or a samples file (two Search-R1 files with the same ``data_source`` are two sets)."""
+    out: list[str] = []
+    for name in names:
         unique, i = name, 2
-        while unique in taken:
+        while unique in out:
             unique, i = f"{name}-{i}", i + 1
-        out.append((unique, path))
+        out.append(unique)
     return out
 
 
@@ -106,6 +114,7 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
     labels = model_labels(plan.models)
     rank, world, device = eval_processes(plan.device)
     seed = plan.seed + RANK_SEED_STRIDE * rank  # rank 0 (and one process) samples with the seed itself
+    named = unique_names([name for set_name, task in tasks for name, _ in sets_of(task, set_name, plan.size)])
     for model_name in plan.models:
         torch.manual_seed(plan.seed)
         model, tok = load_model(model_name, plan.dtype)
@@ -114,9 +123,10 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
             model, tok, [t for _, t in tasks], plan.spec, device=device, dtype=plan.dtype, seed=seed,
             rows=plan.batch_size * plan.spec.n)
         try:
+            names = iter(named)
             for set_name, task in tasks:
                 fit_prompts(task, tok, context_length(model), plan.spec.max_new_tokens, "error")
-                for name, examples in sets_of(task, set_name, plan.size):
+                for (_, examples), name in zip(sets_of(task, set_name, plan.size), names, strict=False):
                     torch.manual_seed(seed)
                     res = evaluate(model, tok, task, examples[rank::world], plan.spec, batch_size=plan.batch_size,
                                    progress=f"eval {name} ({len(examples)} problems)" if rank == 0 else None,

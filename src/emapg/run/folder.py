@@ -66,6 +66,36 @@ def lock_run(run_dir: Path) -> None:
             debris.unlink()
 
 
+def die_with_parent() -> None:
+    """Ask the OS to send this process SIGTERM when its parent ends (Linux's PR_SET_PDEATHSIG): a process that
+    writes under its launcher's lock never outlives it, however the launcher ends (SIGKILL too). For
+    ``subprocess``'s ``preexec_fn`` and for a launched worker itself; nothing on other systems."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent ended before the request: end now, as it would have made us
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_child(proc) -> None:
+    """Stop a child process that writes under this process's lock, and wait for it to end (SIGTERM, then
+    SIGKILL after 60 s), so the lock is released only when nothing writes under it."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def unlock_run(run_dir: Path) -> None:
     """Let go of ``run_dir``'s lock if this process holds it (a command's end; the process's end does it too)."""
     f = _HELD.pop(Path(run_dir).resolve(), None)
