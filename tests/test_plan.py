@@ -146,3 +146,27 @@ def test_plan_on_one_device_runs_the_checks_train_runs():
     big = load_config(ROOT / "recipes" / "search_qwen2p5_3b.yaml", [*_recipe_models("search"), "offload=false"])
     out = P.report(big, gpus=1, gpu_memory_gb=24, prompt_tokens=1024)
     assert "lora.r > 0" in out and "offload=true" in out
+
+
+@pytest.mark.parametrize(("change", "args", "message"), [
+    ({"hidden_size": 0}, [], "model: its config.json's hidden_size is 0, expected a whole number >= 1"),
+    ({"num_hidden_layers": 0}, [], "num_hidden_layers is 0, expected a whole number >= 1"),  # was an IndexError
+    ({}, ["--gpu-memory", "nan"], "--gpu-memory: must be a finite number > 0, got nan"),  # was accepted
+    ({}, ["--gpus", "0"], "--gpus: must be a finite number > 0, got 0"),
+])
+def test_the_plan_refuses_what_no_run_could_be(tmp_path, change, args, message):
+    """A config.json no model could have, or a device that cannot be, is one line naming the field (a plan of
+    "0.00B parameters, fits" before)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = json.loads((ROOT / "tests/fixtures/model_configs/qwen2.5-3b/config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    res = subprocess.run([sys.executable, "-m", "emapg", "plan", "--config", "smoke", f"model={folder}", *args],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_model_name_that_is_nowhere_is_named_not_a_connection_error():
+    res = subprocess.run([sys.executable, "-m", "emapg", "plan", "--config", "smoke", "model=Qwen/Qwen2.5-0.5B-Typo"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 2 and "model: Qwen/Qwen2.5-0.5B-Typo: no model config there" in res.stderr

@@ -164,8 +164,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
     for name, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory),
                         ("--prompt-tokens", args.prompt_tokens), ("--response-tokens", args.response_tokens or 1)):
-        if value <= 0:
-            raise ConfigError(f"{name}: must be > 0, got {value}")
+        if not value > 0 or value == float("inf"):  # NaN compares false: refused too
+            raise ConfigError(f"{name}: must be a finite number > 0, got {value}")
     print(report(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, prompt_tokens=args.prompt_tokens,
                  response_tokens=args.response_tokens))
     return 0

@@ -65,20 +65,35 @@ def model_config(name: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     path = models.smollm2_folder() if name == "smollm2-135m" else name
-    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # no folder, no config.json, a Hub name not cached while offline
+        from emapg.errors import ConfigError
+
+        raise ConfigError(f"model: {name}: no model config there (a folder with config.json, a built-in name: "
+                          f"{', '.join(models.BUILTIN)}, or a Hub name; {str(e).strip().splitlines()[0]})") from None
 
 
 def shape_of(config) -> ModelShape:
-    """The counts of a config: the model built on the meta device (no memory, no weights)."""
+    """The counts of a config: the model built on the meta device (no memory, no weights). A config whose sizes
+    are not whole numbers >= 1 is a ConfigError naming the field."""
     from transformers import AutoModelForCausalLM
+
+    from emapg.errors import ConfigError
+
+    text = getattr(config, "text_config", None) or config
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        value = getattr(text, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"model: its config.json's {name} is {value!r}, expected a whole number >= 1")
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     from emapg.models.lm import decoder_and_head
 
+    text = getattr(config, "text_config", None) or config
     decoder, head = decoder_and_head(model)
     layer = decoder.layers[0]
-    text = getattr(config, "text_config", None) or config
     heads = text.num_attention_heads
     return ModelShape(
         params=sum(p.numel() for p in model.parameters()), layer_params=sum(p.numel() for p in layer.parameters()),
