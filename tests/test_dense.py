@@ -491,6 +491,11 @@ def test_import_dense_with_a_corpus_streams_it_without_a_bm25_build(tmp_path, em
     assert ranked(streamed) == ranked(DenseIndex.load(tmp_path / "built"))
     assert build_index(corpus, tmp_path / "ix")["dense"] == "kept"  # BM25 added later, the dense index kept
     assert ranked(open_retriever(index=str(tmp_path / "ix"), kind="hybrid").dense) == ranked(streamed)
+    (tmp_path / "e5_Flat.index").rename(tmp_path / "moved.index")  # the linked file moved away
+    with pytest.raises(FileNotFoundError, match=r"index.faiss links to .*e5_Flat.index, which is gone: put the faiss "
+                                                r"file back, or take it again"):
+        DenseIndex.load(tmp_path / "ix")
+    (tmp_path / "moved.index").rename(tmp_path / "e5_Flat.index")
     capsys.readouterr()
     assert cli.main(["index", "import-dense", "--index", str(tmp_path / "ix"), "--corpus", str(corpus),
                      "--faiss", str(tmp_path / "e5_Flat.index"), "--embedder", "minilm"]) == 2

@@ -410,3 +410,17 @@ def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
     assert third.returncode == 0, err
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1))
+
+
+def test_options_that_would_be_ignored_are_refused(tmp_path, capsys):
+    """`--nproc 0` ran one process; `--out` and `--config` beside `--resume` were ignored silently; a config
+    that is not UTF-8 named no file."""
+    assert train("--config", str(SMOKE), "--out", str(tmp_path / "a"), "--nproc", "0") == 2
+    assert "--nproc: must be >= 1, got 0" in capsys.readouterr().err
+    assert train("--resume", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--config", str(SMOKE)) == 2
+    assert "--out and --config: not with --resume, which continues" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"model: tiny-llama\nsteps: \xff\n")
+    assert train("--config", str(bad), "--out", str(tmp_path / "c")) == 2
+    assert "bad.yaml, line 2: not UTF-8 text (byte 0xff)" in capsys.readouterr().err
+    assert not any((tmp_path / n).exists() for n in "abc")

@@ -65,6 +65,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from emapg.run.checkpoint import has_checkpoint
     from emapg.run.folder import LOCK_ENV, check_resume, claim_run_folder, die_with_parent, lock_run, unlock_run
 
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
+    if args.resume and (args.out or args.config):  # a resume continues its folder with its own config.yaml
+        given = " and ".join(o for o, v in (("--out", args.out), ("--config", args.config)) if v)
+        raise ConfigError(f"{given}: not with --resume, which continues {args.resume} with its own config.yaml "
+                          "(change settings with KEY=VALUE overrides)")
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and os.environ.get(LOCK_ENV):  # a worker of `--nproc`: it ends with torchrun, which ends with
         die_with_parent()                      # the launcher holding the lock

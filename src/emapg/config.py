@@ -441,9 +441,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         source = str(path)
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_bytes().decode("utf-8")
         except OSError as e:
             raise ConfigError(f"config file {path}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            line = e.object[: e.start].count(b"\n") + 1
+            byte = e.object[e.start]
+            raise ConfigError(f"config file {path}, line {line}: not UTF-8 text (byte {byte:#04x})") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:

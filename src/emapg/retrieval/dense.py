@@ -336,6 +336,11 @@ class DenseIndex:
         faiss = _import_faiss()
         path = Path(path)
         dense = path / DENSE_DIR
+        link = dense / FAISS_FILE
+        if link.is_symlink() and not link.exists():  # an imported index whose file moved: nothing to re-encode
+            raise FileNotFoundError(f"{link} links to {os.readlink(link)}, which is gone: put the faiss file back, or "
+                                    f"take it again from where it is: emapg index import-dense --index {path} "
+                                    "--faiss FILE --embedder DIR")
         if not (dense / META_FILE).is_file() or not (dense / FAISS_FILE).is_file():
             raise FileNotFoundError(f"{path} has no dense index ({DENSE_DIR}/{META_FILE} and "
                                     f"{DENSE_DIR}/{FAISS_FILE}); build one with: emapg index dense --index {path}")
