@@ -460,8 +460,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
         data = _extended(data, Path(path), seen=(Path(path).resolve(),))
+    unapplied = []  # an override that cannot apply (an unknown key) is reported with every other problem
     for item in overrides or []:
-        apply_override(data, item)
+        try:
+            apply_override(data, item)
+        except ConfigError as e:
+            unapplied.append(str(e))
     if not trust_plugins and data.get("plugins"):
         raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, data['plugins']))}), which "
                           f"are code run on import; a config read from a run folder imports none unless you pass "
@@ -480,10 +484,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         validate(cfg)
     except ConfigError as e:  # each problem blamed on where its value came from: the file or an override
         blames = [_blamed(p, source, overrides or []) for p in e.problems]
-        if len(set(blames)) == 1:  # one place to fix: named once
+        if len(set(blames)) == 1 and not unapplied:  # one place to fix: named once
             head = f"{blames[0]}: " + (f"{len(blames)} problems: " if len(blames) > 1 else "")
             raise ConfigError(head + "; ".join(e.problems), [f"{blames[0]}: {p}" for p in e.problems]) from None
-        raise _all_of([f"{b}: {p}" for b, p in zip(blames, e.problems, strict=True)]) from None
+        raise _all_of(unapplied + [f"{b}: {p}" for b, p in zip(blames, e.problems, strict=True)]) from None
+    if unapplied:
+        raise _all_of(unapplied)
     return cfg
 
 
@@ -762,11 +768,26 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Check every field by :data:`RULES`, then :data:`CONSISTENCY`; raise ConfigError naming the field."""
-    check_fields({name: _value(cfg, name) for name in RULES})  # first: the rules across fields assume these
+    """Check every field by :data:`RULES`, then :data:`CONSISTENCY`, and the task's ``task_args`` by the task's own
+    signature and rules (before any model or data loads); raise one ConfigError naming every field wrong."""
+    try:
+        check_fields({name: _value(cfg, name) for name in RULES})  # first: the rules across fields assume these
+    except ConfigError as e:
+        raise _all_of(e.problems + _task_args_problems(cfg)) from None
     problems = [f"{name}: {message(cfg)}" for name, ok, message in CONSISTENCY if not ok(cfg)]
+    problems += _task_args_problems(cfg)
     if problems:
         raise _all_of(problems)
+
+
+def _task_args_problems(cfg: TrainConfig) -> list[str]:
+    """What the task's signature and ``ARGS`` rules find wrong in ``task_args`` (an unknown task: nothing here,
+    the task field's own rule says so)."""
+    from emapg.tasks import TASKS, task_args_problems
+
+    if cfg.task not in TASKS or not isinstance(cfg.task_args, dict):
+        return []
+    return task_args_problems(cfg.task, cfg.task_args)
 
 
 def check_world(cfg: TrainConfig, world: int) -> None:
