@@ -73,6 +73,27 @@ def test_init_from_a_folder_without_a_checkpoint_is_one_line(tmp_path):
         Trainer(cfg("steps=2", f"init_from={tmp_path / 'nowhere'}"), tmp_path / "run2", progress=False)
 
 
+def test_init_from_a_run_of_another_model_says_so(tmp_path):
+    """A healthy checkpoint of another model is not "damaged": its names (another family) or its shapes (another
+    width of the same family) are named, in one line, and no older checkpoint is tried."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from emapg.models.zoo import load_model
+
+    Trainer(cfg("steps=1", "save_every=1", "eval.size=0"), tmp_path / "llama", progress=False).train()
+    with pytest.raises(ConfigError, match=r"init_from: .*llama: step_000001 holds another model's weights \(no "):
+        Trainer(cfg("steps=2", "model=tiny-qwen2", "eval.size=0", f"init_from={tmp_path / 'llama'}"),
+                tmp_path / "qwen", progress=False)
+    model, tok = load_model("tiny-llama")
+    wide = AutoConfig.for_model(**{**model.config.to_dict(), "intermediate_size": model.config.intermediate_size * 2})
+    AutoModelForCausalLM.from_config(wide).save_pretrained(tmp_path / "wide-llama")
+    tok.save_pretrained(tmp_path / "wide-llama")
+    with pytest.raises(ConfigError, match=r"holds weights of another shape \(model.layers.0.mlp.*there, .* in this "
+                                          r"run's model: another size of the model\?\)"):
+        Trainer(cfg("steps=2", f"model={tmp_path / 'wide-llama'}", "eval.size=0", f"init_from={tmp_path / 'llama'}"),
+                tmp_path / "wide", progress=False)
+
+
 def test_warmup_ratio_is_verls_constant_schedule_by_training_step():
     c = TrainConfig(steps=1005, warmup_ratio=0.285)  # the search script: int(0.285 x 1005) = 286 steps
     # verl: min(1, t / max(1, W)) at its scheduler's t-th step (0 first), stepped once per training step

@@ -61,7 +61,8 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
         fit(run.task)
         check_memory(cfg, run.model, run.tokenizer, run.task, run.dist)
         run.evaluator = RunEvaluator(cfg, run.task, run.tokenizer, run.run_dir, run.dist, progress, fit)
-    names = set(run.model.state_dict()) - tied_names(run.model)  # before sharding: plain names
+    tied = tied_names(run.model)  # before sharding: plain names and whole shapes
+    names = {n: list(t.shape) for n, t in run.model.state_dict().items() if n not in tied}
     ckpt = checkpoint_to_start(run.run_dir, cfg, names, resume, warn=run.main)
     since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
     run.teacher, run.teacher_sha256 = build_teacher(run.model, run.tokenizer, cfg, run.dist, run.run_dir,
@@ -210,7 +211,7 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, steps_don
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, steps_done()))
 
 
-def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: set[str], resume: bool, warn: bool):
+def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: dict[str, list[int]], resume: bool, warn: bool):
     """The checkpoint a run starts from: its own newest intact one (resume), or another run's (``init_from``:
     a new run that starts where that one stands), or None."""
     if resume:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from emapg.atomic import OLD, TMP, folder_atomic, fsync_dir, is_ours, write_json_atomic
+from emapg.errors import ConfigError
 from emapg.models import distributed
 from emapg.run import shards
 
@@ -281,11 +282,30 @@ def tied_names(model: nn.Module) -> set[str]:
     return tied
 
 
-def intact_checkpoint(run_dir: Path, names: set[str], warn: bool = True, what: str = "--resume") -> dict[str, Any]:
+def _other_model(ckpt: dict[str, Any], names: Mapping[str, list[int]] | set[str]) -> str | None:
+    """How a readable checkpoint's policy differs from the model's (``names``: its tensors' names, with their
+    shapes when a mapping): another model's names (some missing, others there instead) or another shape of a
+    name both have; None when it fits or is only short of names (a damaged file)."""
+    policy = ckpt["policy"]
+    missing, foreign = sorted(set(names) - set(policy)), sorted(set(policy) - set(names))
+    if missing and foreign:
+        return f"another model's weights (no {missing[0]}; {foreign[0]} instead)"
+    if isinstance(names, Mapping):
+        for name in sorted(set(names) & set(policy)):
+            if list(policy.shape(name)) != list(names[name]):
+                return (f"weights of another shape ({name} is {list(policy.shape(name))} there, {list(names[name])} "
+                        "in this run's model: another size of the model?)")
+    return None
+
+
+def intact_checkpoint(run_dir: Path, names: Mapping[str, list[int]] | set[str], warn: bool = True,
+                      what: str = "--resume") -> dict[str, Any]:
     """The contents of the newest checkpoint of the run folder that reads whole and holds every policy
-    tensor in ``names``. A damaged one (a truncated tensor file, garbage JSON, a missing key) is named in
-    a warning and skipped; none intact is a CheckpointError naming every damaged file. A ``latest`` that
-    names a missing or incomplete checkpoint, or cannot be read, is named in a warning too."""
+    tensor in ``names`` (with its shape, when a mapping). A damaged one (a truncated tensor file, garbage JSON,
+    a missing key) is named in a warning and skipped; none intact is a CheckpointError naming every damaged
+    file. A ``latest`` that names a missing or incomplete checkpoint, or cannot be read, is named in a warning
+    too. A checkpoint of another model (other names, other shapes) is not damaged: it is refused at once,
+    saying so."""
     damaged = []
     if warn and (Path(run_dir) / "checkpoints" / LATEST).exists():
         try:
@@ -295,7 +315,11 @@ def intact_checkpoint(run_dir: Path, names: set[str], warn: bool = True, what: s
     for path in resume_candidates(run_dir):
         try:
             ckpt = load_checkpoint(path)
-            missing = sorted(names - set(ckpt["policy"]))
+            other = _other_model(ckpt, names)
+            if other:
+                raise ConfigError(f"{what} {run_dir}: {path.name} holds {other}: it needs a run of this run's "
+                                  "model, as config.yaml's model and lora settings build it")
+            missing = sorted(set(names) - set(ckpt["policy"]))
             if missing:
                 raise CheckpointError(f"{path / 'policy.safetensors'} is damaged: no {', '.join(missing[:3])}")
             problem = run_state_problem(ckpt["state"])
