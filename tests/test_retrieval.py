@@ -161,6 +161,11 @@ def test_build_errors_name_file_line_and_field(tmp_path):
     dup = write_jsonl(tmp_path / "dup.jsonl", [CORPUS[0], CORPUS[1], {**CORPUS[2], "id": "p1"}])
     with pytest.raises(DataError, match="duplicate id 'p1'"):
         build_index(dup, tmp_path / "i3")
+    # a lone surrogate (JSON allows it, no tokenizer encodes it) is named with its line, not an encode error
+    broken = tmp_path / "surrogate.jsonl"
+    broken.write_text(json.dumps(CORPUS[0]) + "\n" + '{"id": "s", "title": "T", "text": "bad \\ud83d here"}\n')
+    with pytest.raises(DataError, match=r"surrogate\.jsonl, line 2: not valid Unicode text"):
+        build_index(broken, tmp_path / "i4")
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary folders left behind
 
 

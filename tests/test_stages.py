@@ -144,6 +144,11 @@ def test_extends_merges_section_by_section(tmp_path):
         load_config(tmp_path / "loop.yaml")
     (tmp_path / "mine.yaml").write_text("extends: smoke\nsteps: 9\n")  # a shipped recipe's name, from anywhere
     assert load_config(tmp_path / "mine.yaml").model == "tiny-llama"
+    # another task than the parent's: the parent's task_args (arithmetic's digits) are not carried over
+    (tmp_path / "other.yaml").write_text("extends: smoke\ntask: multihop_kb\n")
+    assert load_config(tmp_path / "other.yaml").task_args == {}
+    (tmp_path / "same.yaml").write_text("extends: smoke\ntask_args: {digits: 2}\n")
+    assert load_config(tmp_path / "same.yaml").task_args == {"digits": 2, "ops": "+", "terms": 2}
     (tmp_path / "lost.yaml").write_text("extends: nothing-here\n")
     with pytest.raises(ConfigError, match=r"lost.yaml: extends: .*nothing-here.yaml: No such file"):
         load_config(tmp_path / "lost.yaml")

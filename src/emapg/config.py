@@ -555,7 +555,8 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     """A config with ``extends: OTHER`` (a file beside it, or a shipped recipe's name): OTHER's keys, then
-    this file's over them, so a recipe's variant states only what differs."""
+    this file's over them, so a recipe's variant states only what differs. A file that sets another task than
+    OTHER's takes none of OTHER's ``task_args`` (they are that task's)."""
     if "extends" not in data:
         return data
     name = data.pop("extends")
@@ -575,7 +576,10 @@ def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[
         raise ConfigError(f"config file {path}: extends: {base}: invalid YAML: {getattr(e, 'problem', e)}") from None
     if not isinstance(parent, dict):
         raise ConfigError(f"config file {base}: expected a mapping at the top level")
-    return _merge(_extended(parent, base, (*seen, base.resolve())), data)
+    parent = _extended(parent, base, (*seen, base.resolve()))
+    if "task" in data and data["task"] != parent.get("task"):  # another task: the parent's task_args are not its
+        parent = {k: v for k, v in parent.items() if k != "task_args"}
+    return _merge(parent, data)
 
 
 # ---- the validation table -------------------------------------------------------------------------
