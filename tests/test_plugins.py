@@ -181,6 +181,25 @@ def test_a_plugin_that_cannot_be_imported_is_named_in_one_line(tmp_path, plugins
     assert not (tmp_path / "run").exists()
 
 
+def test_a_task_that_takes_any_keyword_gets_its_task_args_unchecked_by_name():
+    """A plugin task whose __init__ has **kwargs takes keys its signature does not list (it was refused); its
+    named parameters are still type-checked."""
+    from emapg.tasks import TASKS, Task, task_args_problems
+
+    class Open(Task):
+        name = "open_kwargs_task"
+
+        def __init__(self, size: int = 3, **options):
+            self.options = options
+
+    TASKS["open_kwargs_task"] = Open
+    try:
+        assert task_args_problems("open_kwargs_task", {"size": 2, "anything": [1]}) == []
+        assert task_args_problems("open_kwargs_task", {"size": "x"}) == ["task_args.size: expected an integer, got 'x'"]
+    finally:
+        del TASKS["open_kwargs_task"]
+
+
 def test_a_registered_name_cannot_be_taken_twice():
     from emapg.backends import Backend, register_backend
     from emapg.retrieval import register_retriever

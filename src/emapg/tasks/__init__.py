@@ -37,11 +37,12 @@ def task_args_problems(name: str, kwargs: dict[str, Any]) -> list[str]:
     rules refuse (checked like the config's own fields)."""
     cls = TASKS[name]
     params = inspect.signature(cls.__init__).parameters
-    known = [p for p in params if p != "self"]
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # **kwargs takes any key
+    known = [p for p, v in params.items() if p != "self" and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)]
     hints = typing.get_type_hints(cls.__init__)
     problems, typed = [], {}
     for key, value in kwargs.items():
-        if key not in params:
+        if key not in known and not open_ended:
             problems.append(f"task_args.{key}: unknown for the {name} task; it takes {', '.join(known)}")
             continue
         want = hints.get(key)
