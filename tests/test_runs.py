@@ -424,3 +424,16 @@ def test_options_that_would_be_ignored_are_refused(tmp_path, capsys):
     assert train("--config", str(bad), "--out", str(tmp_path / "c")) == 2
     assert "bad.yaml, line 2: not UTF-8 text (byte 0xff)" in capsys.readouterr().err
     assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def test_a_full_disk_while_logging_names_the_file(tmp_path):
+    """metrics.jsonl (or outcomes, resumes, an atomic JSON) that cannot grow: one line naming the file, not a bare
+    "File too large" / "No space left on device"."""
+    run = tmp_path / "run"
+    cmd = ["train", "--config", "smoke", "--out", str(run), "steps=40", "save_every=0", "export=false",
+           "eval.size=0", "report_to=[]"]
+    proc = _emapg(*cmd, preexec_fn=_file_size_limit(8_000))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert f"emapg: error: {run / 'metrics.jsonl'}: File too large" in err.splitlines(), err[-2000:]
+    assert "Traceback" not in err

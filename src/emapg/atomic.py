@@ -25,11 +25,24 @@ def write_text_atomic(path: Path, text: str) -> None:
     or the new one, never a part."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a full disk: the old file stays, the partial one goes, the message names the file
+        tmp.unlink(missing_ok=True)
+        raise (write_error(e, path) or e) from None
     os.replace(tmp, path)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line to ``path`` (metrics, outcomes); a failed write (a full disk) names the file."""
+    try:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        raise (write_error(e, Path(path)) or e) from None
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

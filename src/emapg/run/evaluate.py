@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from emapg.atomic import write_json_atomic, write_text_atomic
+from emapg.atomic import append_line, write_json_atomic, write_text_atomic
 from emapg.models import distributed
 from emapg.rollout import rollout_for_task
 from emapg.rollout.sampling import SamplingSpec
@@ -226,5 +226,5 @@ class RunEvaluator:
             return
         solved = res["solved"]
         digits = "".join(str(min(9, solved[ex.id])) for ex in self.sets[name][1])
-        with open(self.folder / "outcomes.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "set": name, "model": which, "solved": digits}) + "\n")
+        append_line(self.folder / "outcomes.jsonl", json.dumps({"step": step, "set": name, "model": which,
+                                                                  "solved": digits}))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from emapg.atomic import write_json_atomic
+from emapg.atomic import append_line, write_json_atomic
 from emapg.config import ConfigError, TrainConfig, load_config, save_config, to_dict
 from emapg.run.metrics import PLOTS
 
@@ -215,8 +215,7 @@ def run_finished(run_dir: Path, step: int) -> bool:
 def log_resume(run_dir: Path, overrides: list[str], changed: dict[str, list[Any]], forced: bool) -> None:
     """Append one resume's changes to the run's ``resumes.jsonl``."""
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": overrides, "changed": changed, "forced": forced}
-    with open(Path(run_dir) / "resumes.jsonl", "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    append_line(Path(run_dir) / "resumes.jsonl", json.dumps(entry))
 
 
 def check_teacher(run_dir: Path, name: str, recorded: str | None, now: str, force: bool, main: bool) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from emapg.atomic import write_json_atomic, write_text_atomic
+from emapg.atomic import append_line, write_json_atomic, write_text_atomic
 from emapg.models import distributed
 from emapg.run.outcomes import anchor_against_policy
 
@@ -102,8 +102,7 @@ class MetricsWriter:
             self.wandb = _wandb_run(Path(run_dir), config or {}, wandb_project)
 
     def write(self, row: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_line(self.path, json.dumps(row))
         scalars = {k: v for k, v in row.items()
                    if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
         if self.tb is not None:
