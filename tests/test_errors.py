@@ -117,3 +117,36 @@ def test_a_prompt_longer_than_the_context_is_refused_or_cut_before_the_first_ste
     short, cut = tr.task.prompt_pools()[0]
     assert short.messages[-1]["content"].startswith("What is 1 + 1?\n")  # short ones untouched
     assert "[...]" in cut.messages[-1]["content"] and cut.messages[-1]["content"].endswith("\\boxed{}.")
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default(capsys):
+    """`--help` explains each flag and says its default (eval's --max-new-tokens 32 truncated math silently);
+    `emapg recipes` lists every shipped recipe with what it is for; plan's table has no HTML for a terminal."""
+    import argparse
+
+    from emapg.cli import build_parser, main
+    from emapg.config import SHIPPED_RECIPES
+
+    def parsers(p):
+        yield p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    for parser in parsers(build_parser()):
+        for action in parser._actions:
+            if action.option_strings and action.dest not in ("help", "version"):
+                assert action.help, f"{parser.prog} {action.option_strings[0]}: no help"
+        text = parser.format_help()
+        assert "(default: None)" not in text and "(default: False)" not in text
+    help_text = next(p for p in parsers(build_parser()) if p.prog.endswith(" serve-retriever")).format_help()
+    assert "(default: 8000)" in " ".join(help_text.split())
+    assert main(["recipes"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert sorted(line.split()[0] for line in listed) == sorted(p.stem for p in SHIPPED_RECIPES.glob("*.yaml"))
+    assert all(len(line.split()) > 2 for line in listed)  # each with its purpose
+    from emapg.models.plan import Phase, Plan, render
+
+    assert "&nbsp;" not in render(Plan({"policy weights": 2**30}, [Phase("update", {"saved activations": 2**30})],
+                                       {}, []))

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from emapg.config import SHIPPED_RECIPES as RECIPES
 from emapg.config import ConfigError, load_config, merged_task_args
@@ -391,13 +392,42 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Help(argparse.HelpFormatter):
+    """Every option's default in its help, where it has one (not for flags, nor where the help states it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: {default})" if text else f"default: {default}"
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
+    p = _Parser(prog="emapg", description="EMA Policy Gradient for language models. Every config key is "
+                "documented where it is declared (src/emapg/config.py) and in docs/USAGE.md; `emapg recipes` lists "
+                "the shipped configs.")
     p.add_argument("--version", action="version", version=f"emapg {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_train_parser, _plan_parser, _eval_parser, _retrieval_parsers, _compare_parser):
         add(sub)
+    r = sub.add_parser("recipes", help="list the shipped recipes (for --config NAME) with what each is for")
+    r.set_defaults(func=cmd_recipes)
     return p
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    """Each shipped recipe's name and the first line of its leading comment."""
+    for path in sorted(RECIPES.glob("*.yaml")):
+        first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
+        print(f"{path.stem:34s} {first}")
+    return 0
 
 
 def _train_parser(sub) -> None:
@@ -481,7 +511,7 @@ def _eval_parser(sub) -> None:
 def _dense_args(p) -> None:
     p.add_argument("--embedder", default="minilm",
                    help="minilm (all-MiniLM-L6-v2, shipped in emapg[dense]) or a sentence-transformers folder")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64, help="passages encoded at once")
     p.add_argument("--factory", default="Flat", help="a faiss index_factory string (default Flat: exact search)")
     p.add_argument("--device", default="auto", help="where passages are encoded: auto (a GPU if any), cpu, cuda")
     _search_param_arg(p, "kept with the index")
@@ -498,8 +528,9 @@ def _search_param_arg(p, when: str) -> None:
 def _retrieval_parsers(sub) -> None:
     ix = sub.add_parser("index", help="retrieval indexes").add_subparsers(dest="index_command", required=True)
     b = ix.add_parser("build", help="build a BM25 index (bm25s + PyStemmer) from a JSONL corpus of {id, title, text}")
-    b.add_argument("--corpus", required=True)
-    b.add_argument("--out", required=True)
+    b.add_argument("--corpus", required=True, help="the corpus file: {id, title?, text} or {id, contents} rows "
+                                                  "(JSONL, JSON or Parquet)")
+    b.add_argument("--out", required=True, help="the index folder to write (new, empty, or an index to replace)")
     b.add_argument("--fields", help='JSON column mapping, e.g. \'{"text": "contents"}\'')
     b.add_argument("--dense", action="store_true", help="also encode a dense index (as `emapg index dense`)")
     _dense_args(b)
@@ -521,14 +552,14 @@ def _retrieval_parsers(sub) -> None:
     im.add_argument("--copy", action="store_true", help="copy the faiss file into the folder instead of linking it")
     im.set_defaults(func=cmd_index_import)
     sv = sub.add_parser("serve-retriever", help="serve an index over HTTP in Search-R1's /retrieve format")
-    sv.add_argument("--index", required=True)
+    sv.add_argument("--index", required=True, help="an index folder (emapg index build / dense / import-dense)")
     sv.add_argument("--retriever", default="bm25",
                     help="bm25, dense (needs `emapg index dense`), hybrid (both, reciprocal-rank fusion), or a kind "
                          "a plugin registered")
     sv.add_argument("--plugins", nargs="+", metavar="MODULE",
                     help="your modules (names or .py files) that register retrievers")
     sv.add_argument("--host", default="127.0.0.1", help="default loopback only")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=int, default=8000, help="the port to listen on (0: any free one)")
     sv.add_argument("--allow-remote", action="store_true",
                     help="bind a non-loopback address (the server has no authentication: anyone who reaches it "
                          "can query it)")
@@ -548,8 +579,8 @@ def _retrieval_parsers(sub) -> None:
     kb = sub.add_parser("kb", help="the generated multi-hop knowledge base").add_subparsers(dest="kb_command",
                                                                                          required=True)
     mk = kb.add_parser("make", help="write corpus.jsonl, train.jsonl and eval.jsonl")
-    mk.add_argument("--out", required=True)
-    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--out", required=True, help="the folder for corpus.jsonl, train.jsonl and eval.jsonl")
+    mk.add_argument("--seed", type=int, default=0, help="the generated knowledge base's seed")
     mk.set_defaults(func=cmd_kb_make)
 
 

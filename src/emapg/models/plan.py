@@ -334,7 +334,7 @@ def render(p: Plan, capacity: float | None = None) -> str:
     lines += [f"| {k} | {v / GIB:.2f} |" for k, v in p.resident.items() if v]
     for ph in p.phases:
         lines.append(f"| **{ph.name}** (on top) | {ph.total / GIB:.2f} |")
-        lines += [f"| &nbsp;&nbsp;{k} | {v / GIB:.2f} |" for k, v in ph.parts.items() if v]
+        lines += [f"| · {k} | {v / GIB:.2f} |" for k, v in ph.parts.items() if v]
     lines.append(f"| **peak ({p.peak_phase})** | **{p.peak / GIB:.2f}** |")
     if capacity:
         lines.append(f"| device memory | {capacity / GIB:.2f} |")
