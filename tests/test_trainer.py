@@ -775,3 +775,23 @@ def test_a_run_in_epochs_resumes_mid_epoch_as_it_would_have_run(tmp_path):
     for ra, rb in zip(a, b, strict=True):
         for key in set(ra) & set(rb):
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
+
+
+def test_run_plots_label_their_units_and_show_coinciding_series():
+    """accuracy in % with its unit, whole-number steps, and an anchor equal to its policy drawn dashed and named
+    "(= policy)" rather than hidden under it; the KL's axis says a step's estimate may be negative."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from emapg.run.metrics import run_figure
+
+    rows = [{"step": s, "eval/policy_accuracy": 0.25, "eval/anchor_accuracy": 0.25, "kl": -1e-4 * s} for s in (1, 2, 3)]
+    fig = run_figure(rows, "accuracy")
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "accuracy (%)" and ax.get_xlabel() == "step"
+    policy, anchor = ax.get_lines()
+    assert list(policy.get_ydata()) == [25.0, 25.0, 25.0] and anchor.get_linestyle() == "--"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["policy", "EMA anchor (= policy)"]
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    assert "may be < 0" in run_figure(rows, "kl").axes[0].get_title()
+    assert run_figure(rows, "entropy") is None  # nothing to draw: no empty panel

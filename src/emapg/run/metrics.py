@@ -21,6 +21,15 @@ PLOTS = {
     "kl": ["kl", "kl_to_init"],
     "entropy": ["entropy"],
 }
+# each plot's title and y-axis (the unit), and the factor its values are shown at (accuracy in %)
+PLOT_AXES = {
+    "reward": ("mean reward of the step's responses", "reward", 1.0),
+    "accuracy": ("held-out accuracy", "accuracy (%)", 100.0),
+    "kl": ("KL to the anchor, per token (an estimate: a step's value may be < 0)", "nats per token", 1.0),
+    "entropy": ("policy entropy, per token", "nats per token", 1.0),
+}
+LABELS = {"reward_mean": "reward", "eval/policy_accuracy": "policy", "eval/anchor_accuracy": "EMA anchor",
+          "kl": "KL to the anchor", "kl_to_init": "KL to the initial policy", "entropy": "entropy"}
 
 
 def add_stats(total: dict[str, float], part: dict[str, float]) -> None:
@@ -193,7 +202,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: Path) -> list[Path]:
-    """PNG plots of reward, held-out accuracy, KL and entropy against step. Returns the files."""
+    """PNG plots of reward, held-out accuracy (%), KL and entropy against step (:func:`run_figure`). Returns the
+    files."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,25 +211,47 @@ def plot_run(run_dir: Path) -> list[Path]:
 
     rows = read_metrics(run_dir)
     out = []
-    for name, keys in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        drawn = False
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o" if len(pts) < 30 else None, ms=3, label=key)
-                drawn = True
-        if drawn:
-            ax.set_xlabel("step")
-            ax.set_title(name)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-            fig.tight_layout()
+    for name in PLOTS:
+        fig = run_figure(rows, name)
+        if fig is not None:
             path = Path(run_dir) / f"{name}.png"
             fig.savefig(path, dpi=100)
+            plt.close(fig)
             out.append(path)
-        plt.close(fig)
     return out
+
+
+def run_figure(rows: list[dict[str, Any]], name: str):
+    """One of :data:`PLOTS` as a matplotlib figure (None when no row has its values): the axis labelled with its
+    unit, steps as whole numbers; a series that coincides with one drawn before it is drawn dashed with hollow
+    markers and marked "(= ...)" in the legend, so it does not vanish behind it."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    title, unit, scale = PLOT_AXES[name]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    drawn: list[tuple[str, list]] = []
+    for key in PLOTS[name]:
+        pts = [(r["step"], scale * r[key]) for r in rows
+               if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+        if not pts:
+            continue
+        same = next((label for label, prev in drawn if prev == pts), None)
+        label = LABELS.get(key, key) + (f" (= {same})" if same else "")
+        style = dict(ls="--", mfc="none") if same else {}
+        ax.plot(*zip(*pts, strict=True), marker="o" if len(pts) < 30 else None, ms=4, label=label, **style)
+        drawn.append((LABELS.get(key, key), pts))
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel(unit)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def write_eval_table(run_dir: Path, table: dict[str, dict[str, Any] | None], note: str | None = None) -> str:
