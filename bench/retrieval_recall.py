@@ -9,7 +9,7 @@ Two corpora:
   next, "<search> Kadrin </search>"); ``hop 2 (question)``: the follow-up asked as a question ("In which
   country is Kadrin?" / "In which city was Mira Tolk born?"); ``hop 2 (typo)``: the name with two
   adjacent letters swapped (a small policy copies the invented names it reads imperfectly).
-* the shared Wikipedia sample (``../shared/data/corpus/flashrag_wiki_sample.jsonl``, 1000 passages): a
+* the Wikipedia sample (``tests/fixtures/corpus/flashrag_wiki_sample.jsonl``, 1000 passages, in the repository): a
   passage's title as the query, for titles that name one passage only, and the same title with a typo.
 
     python bench/retrieval_recall.py                 # all of it (a few minutes on 2 cores)
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WIKI = ROOT.parent / "shared" / "data" / "corpus" / "flashrag_wiki_sample.jsonl"
+WIKI = ROOT / "tests" / "fixtures" / "corpus" / "flashrag_wiki_sample.jsonl"
 KINDS = ("bm25", "dense", "hybrid")
 
 
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     corpora = {"generated KB": (kb["corpus"], kb_queries(kb))}
     if not args.no_wiki:
         if not WIKI.is_file():
-            sys.exit(f"retrieval_recall: the Wikipedia sample {WIKI} is not there (the README's Wikipedia rows need "
-                     "it, from ../shared beside the clone); --no-wiki measures the generated corpus alone")
+            sys.exit(f"retrieval_recall: the Wikipedia sample {WIKI} is not there (it ships in the repository); "
+                     "--no-wiki measures the generated corpus alone")
         corpora["Wikipedia sample"] = (WIKI, wiki_queries(WIKI))
     with tempfile.TemporaryDirectory() as tmp:
         for name, (rows, probes) in corpora.items():

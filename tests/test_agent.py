@@ -255,7 +255,7 @@ def test_tiny_search_agent_trains_end_to_end(tmp_path, monkeypatch):
 def test_scripted_agent_over_a_real_bm25_index(tmp_path):
     from emapg.retrieval.bm25 import BM25Index, build_index
 
-    corpus = ROOT / "tests" / "fixtures" / "corpus" / "flashrag_wiki_sample_200.jsonl"
+    corpus = ROOT / "tests" / "fixtures" / "corpus" / "flashrag_wiki_sample.jsonl"
     build_index(corpus, tmp_path / "index")
     index = BM25Index.load(tmp_path / "index")
     first = json.loads(corpus.read_text().splitlines()[0])

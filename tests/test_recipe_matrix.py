@@ -125,7 +125,7 @@ def retriever(tmp_path_factory):
 
     ix = tmp_path_factory.mktemp("index") / "wiki"
     subprocess.run([sys.executable, "-m", "emapg", "index", "build", "--corpus",
-                    str(FIXTURES / "corpus" / "flashrag_wiki_sample_200.jsonl"), "--out", str(ix)],
+                    str(FIXTURES / "corpus" / "flashrag_wiki_sample.jsonl"), "--out", str(ix)],
                    env=ENV, check=True, capture_output=True, timeout=120)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,7 +24,7 @@ from emapg.retrieval.bm25 import BM25Index, build_index  # noqa: E402
 from emapg.retrieval.client import HTTPRetriever, parse_contents  # noqa: E402
 from emapg.retrieval.server import make_server  # noqa: E402
 
-SAMPLE = Path(__file__).resolve().parent / "fixtures" / "corpus" / "flashrag_wiki_sample_200.jsonl"  # Wikipedia
+SAMPLE = Path(__file__).resolve().parent / "fixtures" / "corpus" / "flashrag_wiki_sample.jsonl"  # Wikipedia
 
 CORPUS = [
     {"id": "p1", "title": "Zorvath Kellbrook",
@@ -194,7 +194,7 @@ def test_build_replaces_an_index_only_after_success(tmp_path):
 def test_wikipedia_passages_title_queries(tmp_path):
     meta = build_index(SAMPLE, tmp_path / "wiki")
     index = BM25Index.load(tmp_path / "wiki")
-    assert meta["documents"] == len(index) == 200
+    assert meta["documents"] == len(index) == 1000
     rows = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines() if line.strip()]
     counts = collections.Counter(r["title"] for r in rows)
     unique = [r for r in rows if counts[r["title"]] == 1]
