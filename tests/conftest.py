@@ -11,9 +11,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# The real vLLM engine's tests need vLLM (its CPU build lives in .venv-vllm, where scripts/test.sh runs
-# them); without it, the module is not collected at all (its tests are marked vllm and deselected here).
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["test_vllm_engine.py"]
 
 # scripts/gpu_check.sh runs the unit tests with EMAPG_TEST_DEVICE=cuda: every tensor a test makes
 # without naming a device is then made on the GPU.

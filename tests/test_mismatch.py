@@ -110,5 +110,6 @@ def test_a_run_with_recompute_and_tis_trains_and_logs_the_weights(tmp_path):
     from emapg.run.metrics import read_metrics
 
     rows = [r for r in read_metrics(tmp_path) if "reward_mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]  # every step wrote its row (all() of no rows would pass)
     # one sampler and trainer (the same fp32 model): the weights are 1, up to the rounding of two passes
     assert all(abs(r["tis_weight"] - 1.0) < 1e-4 and r["tis_capped_frac"] == 0.0 for r in rows)

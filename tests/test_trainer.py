@@ -83,6 +83,7 @@ def test_frozen_anchor_is_the_initial_model(tmp_path):
     tr = Trainer(cfg("algo.eta=1.0", "algo.kl=k3"), tmp_path, progress=False)
     w0 = tr.model.model.layers[0].mlp.up_proj.weight.detach().clone()
     tr.train()
+    assert not torch.equal(tr.model.model.layers[0].mlp.up_proj.weight, w0)  # the policy moved: a check that bites
     assert torch.equal(tr.anchor.module.model.layers[0].mlp.up_proj.weight, w0)
 
 
