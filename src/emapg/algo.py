@@ -61,10 +61,12 @@ def kl_head(a: AlgoConfig) -> KLHead:
     return KLHead(est.head)
 
 
-def rollout_sampling(r: RolloutConfig, head: KLHead) -> SamplingSpec:
-    """How training rollouts sample: the rollout config, recording the head's ids when it is the sampler's."""
+def rollout_sampling(r: RolloutConfig, head: KLHead, old_pass: bool = False) -> SamplingSpec:
+    """How training rollouts sample: the rollout config, recording the head's ids when it is the sampler's and
+    no pi_old pass gives them (``old_pass``: its top-k is the head then, :func:`anchor_request`; the sampler
+    records none, which spares vLLM k + 1 log-prob objects per token)."""
     return SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                        k=head.sampler_k)
+                        k=0 if old_pass else head.sampler_k)
 
 
 @dataclass

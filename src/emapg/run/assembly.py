@@ -19,7 +19,7 @@ import torch
 from emapg import algo
 from emapg.anchor import EMAAnchor
 from emapg.backends import BACKENDS
-from emapg.config import ConfigError, TrainConfig, check_world, save_config
+from emapg.config import ConfigError, TrainConfig, check_world, recomputes_old, save_config
 from emapg.models import distributed
 from emapg.models.forward import SHARD_METHODS
 from emapg.models.zoo import teacher_model, training_policy, weights_digest
@@ -49,7 +49,8 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
     check_shared_folder(run.run_dir, run.dist)
     torch.manual_seed(cfg.seed)
     run.head = algo.kl_head(cfg.algo)  # the estimator's head and both sampling specs, read once
-    run.sampling = algo.rollout_sampling(cfg.rollout, run.head)
+    run.sampling = algo.rollout_sampling(cfg.rollout, run.head,
+                                         algo.needs_old_pass(cfg.algo, cfg.rollout.top_p, recomputes_old(cfg)))
     with distributed.rank_zero_first(run.dist):  # rank 0 fills the caches (a converted model, an index)
         run.model, run.tokenizer = training_policy(cfg, run.dist.device)
         run.task = make_task(cfg.task, **cfg.task_args)
@@ -62,8 +63,9 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
         check_memory(cfg, run.model, run.tokenizer, run.task, run.dist)
         run.evaluator = RunEvaluator(cfg, run.task, run.tokenizer, run.run_dir, run.dist, progress, fit)
     tied = tied_names(run.model)  # before sharding: plain names and whole shapes
-    names = {n: list(t.shape) for n, t in run.model.state_dict().items() if n not in tied}
-    ckpt = checkpoint_to_start(run.run_dir, cfg, names, resume, warn=run.main)
+    state = run.model.state_dict()
+    names = {n: list(t.shape) for n, t in state.items() if n not in tied}
+    ckpt = checkpoint_to_start(run.run_dir, cfg, names, resume, warn=run.main, known=set(state))
     since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
     run.teacher, run.teacher_sha256 = build_teacher(run.model, run.tokenizer, cfg, run.dist, run.run_dir,
                                                       ckpt, force)  # None: the KL is to the anchor
@@ -211,12 +213,16 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, steps_don
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s, steps_done()))
 
 
-def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: dict[str, list[int]], resume: bool, warn: bool):
+def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: dict[str, list[int]], resume: bool, warn: bool,
+                        known: set[str] | None = None):
     """The checkpoint a run starts from: its own newest intact one (resume), or another run's (``init_from``:
-    a new run that starts where that one stands), or None."""
+    a new run that starts where that one stands), or None. ``names``: the tensors a checkpoint must hold, by
+    shape; ``known``: every name of the model (a tied head's too)."""
     if resume:
-        return intact_checkpoint(run_dir, names, warn=warn)
-    return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn) if cfg.init_from else None
+        return intact_checkpoint(run_dir, names, warn=warn, known=known)
+    if not cfg.init_from:
+        return None
+    return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn, known=known)
 
 
 def restore_schedule(scheduler, state: dict, lr: float) -> None:

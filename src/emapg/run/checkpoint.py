@@ -282,14 +282,16 @@ def tied_names(model: nn.Module) -> set[str]:
     return tied
 
 
-def _other_model(ckpt: dict[str, Any], names: Mapping[str, list[int]] | set[str]) -> str | None:
-    """How a readable checkpoint's policy differs from the model's (``names``: its tensors' names, with their
-    shapes when a mapping): another model's names (some missing, others there instead) or another shape of a
-    name both have; None when it fits or is only short of names (a damaged file)."""
+def _other_model(ckpt: dict[str, Any], names: Mapping[str, list[int]] | set[str], known: set[str]) -> str | None:
+    """How a readable checkpoint's policy differs from the model's (``names``: the tensors it must hold, with
+    their shapes when a mapping; ``known``: every name the model has, a tied head's too): another model's names
+    (some missing, others there instead) or another shape of a name both have; None when it fits or is only
+    short of names (a damaged file)."""
     policy = ckpt["policy"]
-    missing, foreign = sorted(set(names) - set(policy)), sorted(set(policy) - set(names))
-    if missing and foreign:
-        return f"another model's weights (no {missing[0]}; {foreign[0]} instead)"
+    missing, foreign = sorted(set(names) - set(policy)), sorted(set(policy) - set(names) - known)
+    if foreign:  # a damaged file loses tensors, it never gains some
+        return f"another model's weights ({foreign[0]}, which this run's model has not" + (
+            f"; no {missing[0]})" if missing else ")")
     if isinstance(names, Mapping):
         for name in sorted(set(names) & set(policy)):
             if list(policy.shape(name)) != list(names[name]):
@@ -299,7 +301,7 @@ def _other_model(ckpt: dict[str, Any], names: Mapping[str, list[int]] | set[str]
 
 
 def intact_checkpoint(run_dir: Path, names: Mapping[str, list[int]] | set[str], warn: bool = True,
-                      what: str = "--resume") -> dict[str, Any]:
+                      what: str = "--resume", known: set[str] | None = None) -> dict[str, Any]:
     """The contents of the newest checkpoint of the run folder that reads whole and holds every policy
     tensor in ``names`` (with its shape, when a mapping). A damaged one (a truncated tensor file, garbage JSON,
     a missing key) is named in a warning and skipped; none intact is a CheckpointError naming every damaged
@@ -315,7 +317,7 @@ def intact_checkpoint(run_dir: Path, names: Mapping[str, list[int]] | set[str], 
     for path in resume_candidates(run_dir):
         try:
             ckpt = load_checkpoint(path)
-            other = _other_model(ckpt, names)
+            other = _other_model(ckpt, names, set(names) if known is None else known)
             if other:
                 raise ConfigError(f"{what} {run_dir}: {path.name} holds {other}: it needs a run of this run's "
                                   "model, as config.yaml's model and lora settings build it")
@@ -338,12 +340,13 @@ def intact_checkpoint(run_dir: Path, names: Mapping[str, list[int]] | set[str], 
     raise CheckpointError(f"{what} {run_dir}: no intact checkpoint to {purpose} ({why})")
 
 
-def starting_checkpoint(run_dir: Path, names: set[str], steps: int, warn: bool = True) -> dict[str, Any]:
+def starting_checkpoint(run_dir: Path, names: Mapping[str, list[int]] | set[str], steps: int, warn: bool = True,
+                        known: set[str] | None = None) -> dict[str, Any]:
     """``init_from``: the newest intact checkpoint of another run folder, which a new run starts from and
     trains on to ``steps`` (a checkpoint at or past it is refused: nothing would train)."""
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"init_from: {run_dir} is not a run folder")
-    ckpt = intact_checkpoint(Path(run_dir), names, warn=warn, what="init_from:")
+    ckpt = intact_checkpoint(Path(run_dir), names, warn=warn, what="init_from:", known=known)
     if ckpt["state"]["step"] >= steps:
         raise CheckpointError(f"steps: {steps} is not past step {ckpt['state']['step']} of init_from {run_dir}, "
                               "where this run starts: nothing to train (give a larger steps=)")
