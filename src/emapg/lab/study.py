@@ -54,20 +54,7 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
     for key in ("base", "configs"):
         if key not in raw:
             raise ConfigError(f"{path}: missing field {key!r}")
-    if not isinstance(raw["configs"], dict):
-        raise ConfigError(f"{path}: configs: expected a mapping of name -> list of KEY=VALUE overrides, got "
-                          f"{type(raw['configs']).__name__}")
-    configs = {}
-    for name, spec in raw["configs"].items():
-        if isinstance(spec, dict):
-            _overrides(path, f"configs.{name}.overrides", spec.get("overrides", []))
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", str(name)):  # a folder's name under --out, nothing more
-            raise ConfigError(f"{path}: configs: {name!r} is not a plain name (letters, digits, _ . + -): it names "
-                              "the runs' folder under --out")
-        over = spec.get("overrides", []) if isinstance(spec, dict) else spec
-        if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
-            raise ConfigError(f"{path}: configs.{name}: expected a list of KEY=VALUE overrides")
-        configs[str(name)] = over
+    configs = _configs(path, raw["configs"])
     labels = {str(n): s.get("label", n) for n, s in raw["configs"].items() if isinstance(s, dict)}
     overrides, seeds = _overrides(path, "overrides", raw.get("overrides", [])), raw.get("seeds", [0])
     if quick:
@@ -217,3 +204,22 @@ def _overrides(path: Path, field: str, value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
         raise ConfigError(f"{path}: {field}: expected a list of KEY=VALUE overrides, got {value!r}")
     return list(value)
+
+
+def _configs(path: Path, raw: Any) -> dict[str, list[str]]:
+    """A spec's ``configs``: each a plain name (its runs' folder under --out) with its list of overrides."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: configs: expected a mapping of name -> list of KEY=VALUE overrides, got "
+                          f"{type(raw).__name__}")
+    configs = {}
+    for name, spec in raw.items():
+        if isinstance(spec, dict):
+            _overrides(path, f"configs.{name}.overrides", spec.get("overrides", []))
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", str(name)):  # a folder's name under --out, nothing more
+            raise ConfigError(f"{path}: configs: {name!r} is not a plain name (letters, digits, _ . + -): it names "
+                              "the runs' folder under --out")
+        over = spec.get("overrides", []) if isinstance(spec, dict) else spec
+        if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
+            raise ConfigError(f"{path}: configs.{name}: expected a list of KEY=VALUE overrides")
+        configs[str(name)] = over
+    return configs
