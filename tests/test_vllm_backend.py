@@ -60,6 +60,39 @@ def test_to_sampled_reads_the_sampled_log_prob_and_the_top_k_in_rank_order():
         vb.to_sampled([SimpleNamespace(token_ids=[1], logprobs=None)], k=0, pad_id=0)
 
 
+class Flat(list):
+    """vLLM's FlatLogprobs as it lays positions out: the sampled token, then the top-k by rank (a sampled token in
+    the top-k listed twice), in flat primitive lists with each position's start and end."""
+
+    def __init__(self, positions):
+        super().__init__(positions)
+        self.start_indices, self.end_indices, self.token_ids, self.logprobs, self.ranks = [], [], [], [], []
+        for sampled, head in positions:
+            self.start_indices.append(len(self.token_ids))
+            for tid, (value, rank) in [sampled, *head]:
+                self.token_ids.append(tid)
+                self.logprobs.append(value)
+                self.ranks.append(rank)
+            self.end_indices.append(len(self.token_ids))
+
+
+def test_flat_log_probs_read_as_the_dicts_do():
+    """vLLM's flat log-probs (one object per request, not k + 1 per token) give the same ids, log-probs and
+    top-k as the per-token dicts; a layout that is not k + 1 per token is refused, naming the completion."""
+    a = SimpleNamespace(token_ids=[7, 3], logprobs=Flat([((7, (-3.0, 6)), [(4, (-0.2, 1)), (9, (-0.5, 2))]),
+                                                         ((3, (-0.1, 1)), [(3, (-0.1, 1)), (8, (-2.5, 2))])]))
+    b = SimpleNamespace(token_ids=[5], logprobs=Flat([((5, (-1.5, 2)), [(6, (-0.4, 1)), (5, (-1.5, 2))])]))
+    dicts = [SimpleNamespace(token_ids=c.token_ids, logprobs=[{tid: lp(v, r) for tid, (v, r) in [s, *h]}
+                                                             for s, h in c.logprobs]) for c in (a, b)]
+    flat, slow = vb.to_sampled([a, b], k=2, pad_id=0), vb.to_sampled(dicts, k=2, pad_id=0)
+    assert torch.equal(flat.ids, slow.ids) and torch.equal(flat.logp, slow.logp) and torch.equal(flat.topk, slow.topk)
+    assert flat.topk.tolist() == [[[4, 9], [3, 8]], [[6, 5], [0, 0]]]
+    with pytest.raises(ValueError, match="completion 0: vLLM's flat log-probs are not 4 per token"):
+        vb.to_sampled([a], k=3, pad_id=0)
+    only = SimpleNamespace(token_ids=[7], logprobs=Flat([((7, (-3.0, 6)), [])]))
+    assert vb.to_sampled([only], k=0, pad_id=0).logp.tolist() == [[-3.0]]
+
+
 def test_vllm_names_drop_wrappers():
     assert vb.vllm_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
         "model.layers.0.self_attn.q_proj.weight"

@@ -124,6 +124,19 @@ class TestTinyRandomEngine:
         check_against_reference(model, engine, make_task("arithmetic", digits=2).eval_examples(4), k,
                                 temperature=0.8)
 
+    def test_flat_log_probs_equal_the_per_token_dicts(self, setup, monkeypatch):
+        """The same draws read from vLLM's flat log-probs and from its per-token dicts: equal ids, log-probs
+        and top-32 ids (the flat path builds no Python object per token)."""
+        _, _, engine = setup
+        examples = make_task("arithmetic", digits=2).eval_examples(3)
+        spec = SamplingSpec(n=4, temperature=0.9, max_new_tokens=12, k=32)
+        assert vb.FLAT_LOGPROBS  # this vLLM has them, and emapg asks for them
+        flat = engine.generate(examples, spec, seed=5)
+        monkeypatch.setattr(vb, "FLAT_LOGPROBS", False)
+        dicts = engine.generate(examples, spec, seed=5)
+        assert torch.equal(flat.response_ids, dicts.response_ids) and torch.equal(flat.samp_topk, dicts.samp_topk)
+        assert torch.equal(flat.samp_logp, dicts.samp_logp)
+
     def test_seeds_reproduce_and_differ_across_steps_and_rows(self, setup):
         _, _, engine = setup
         examples = make_task("arithmetic", digits=2).eval_examples(3)

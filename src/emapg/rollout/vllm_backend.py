@@ -131,7 +131,40 @@ def sampling_kwargs(spec: SamplingSpec, *, stop_token_ids: Sequence[int], stop: 
     )
     if stop:
         kw.update(stop=list(stop), include_stop_str_in_output=True)
+    if FLAT_LOGPROBS:  # flat primitive lists, not a dict of Logprob objects per token (vLLM >= 0.12)
+        kw["flat_logprobs"] = True
     return kw
+
+
+def _has_flat_logprobs() -> bool:
+    try:
+        from vllm import SamplingParams
+    except ImportError:
+        return False
+    return "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()) or hasattr(SamplingParams,
+                                                                                          "flat_logprobs")
+
+
+FLAT_LOGPROBS = _has_flat_logprobs()
+
+
+def _flat_row(i: int, flat: Any, toks: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One completion's sampled log-probs [L] and top-k ids [L, k] from vLLM's ``FlatLogprobs``: per position
+    the sampled token, then the top-k in rank order (k + 1 entries, a sampled token in the top-k listed twice),
+    read as tensors without a Python object per token. Anything else is refused, naming the completion."""
+    n, stride = len(toks), k + 1
+    if len(flat.token_ids) < n * stride or list(flat.start_indices[:2]) not in ([0, stride], [0]):
+        raise ValueError(f"completion {i}: vLLM's flat log-probs are not {stride} per token (the sampled token and "
+                         f"its top-{k}; is the engine's max_logprobs below k?)")
+    ids = torch.tensor(flat.token_ids[: n * stride], dtype=torch.long).view(n, stride)
+    logp = torch.tensor(flat.logprobs[: n * stride], dtype=torch.float32).view(n, stride)
+    if not torch.equal(ids[:, 0], torch.tensor(toks, dtype=torch.long)):
+        raise ValueError(f"completion {i}: vLLM's flat log-probs do not start each position with the sampled token")
+    if k:
+        ranks = torch.tensor(flat.ranks[: n * stride], dtype=torch.long).view(n, stride)[:, 1:]
+        if not torch.equal(ranks, torch.arange(1, stride).expand(n, k)):
+            raise ValueError(f"completion {i}: vLLM's flat log-probs hold no top-{k} in rank order")
+    return logp[:, 0], ids[:, 1:]
 
 
 def to_sampled(completions: Sequence[Any], k: int, pad_id: int) -> Sampled:
@@ -148,6 +181,11 @@ def to_sampled(completions: Sequence[Any], k: int, pad_id: int) -> Sampled:
         if c.logprobs is None or len(c.logprobs) < len(toks):
             raise ValueError(f"completion {i}: vLLM returned no log-prob for some tokens (logprobs not requested?)")
         ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        if hasattr(c.logprobs, "start_indices"):  # vLLM's FlatLogprobs: whole rows at once
+            logp[i, : len(toks)], head = _flat_row(i, c.logprobs, toks, k)
+            if topk is not None:
+                topk[i, : len(toks)] = head
+            continue
         for t, tok in enumerate(toks):
             pos = c.logprobs[t]
             logp[i, t] = float(pos[tok].logprob)
