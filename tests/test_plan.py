@@ -105,7 +105,7 @@ def test_the_plan_command(capsys):
     out = capsys.readouterr().out
     assert "| **peak (" in out and "fits: peak" in out
     assert main(["plan", "--config", "smoke", "--gpus", "0"]) == 2
-    assert "--gpus: must be > 0" in capsys.readouterr().err
+    assert "--gpus: must be a finite number > 0" in capsys.readouterr().err
 
 
 PAPER_MODELS = {"math": CONFIGS / "deepseek-r1-distill-qwen-1.5b", "search": CONFIGS / "qwen2.5-3b",

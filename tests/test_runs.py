@@ -164,8 +164,8 @@ def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(tmp_path):
     try:
         _wait_for(run / "checkpoints" / "latest")
         metrics = (run / "metrics.jsonl").read_text()
-        for args in (["--out", str(run)], ["--resume", str(run)]):
-            second = _emapg("train", "--config", "smoke", *args, "steps=2", "eval.size=0")
+        for args in (["--config", "smoke", "--out", str(run)], ["--resume", str(run)]):
+            second = _emapg("train", *args, "steps=2", "eval.size=0")
             _, err = second.communicate(timeout=120)
             assert second.returncode == 2, err
             assert f"another emapg process (PID {first.pid}) is writing this run folder" in err

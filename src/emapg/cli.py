@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import emapg.tasks  # noqa: F401 (registers the task_args check a config's loading runs)
 from emapg.config import SHIPPED_RECIPES as RECIPES
 from emapg.config import ConfigError, load_config, merged_task_args
 from emapg.retrieval import SERVER_LIMITS

@@ -784,14 +784,16 @@ def validate(cfg: TrainConfig) -> None:
         raise _all_of(problems)
 
 
-def _task_args_problems(cfg: TrainConfig) -> list[str]:
-    """What the task's signature and ``ARGS`` rules find wrong in ``task_args`` (an unknown task: nothing here,
-    the task field's own rule says so)."""
-    from emapg.tasks import TASKS, task_args_problems
+TASK_ARGS_CHECKS: list[Callable[[str, dict[str, Any]], list[str]]] = []
+"""Checks of a config's ``task_args`` against its task, ``check(task, task_args) -> problems``: emapg.tasks
+registers its own when imported (the tasks build on this module, not the other way round)."""
 
-    if cfg.task not in TASKS or not isinstance(cfg.task_args, dict):
+
+def _task_args_problems(cfg: TrainConfig) -> list[str]:
+    """What the registered task checks find wrong in ``task_args`` (by the task's signature and ``ARGS`` rules)."""
+    if not isinstance(cfg.task_args, dict):
         return []
-    return task_args_problems(cfg.task, cfg.task_args)
+    return [p for check in TASK_ARGS_CHECKS for p in check(cfg.task, cfg.task_args)]
 
 
 def check_world(cfg: TrainConfig, world: int) -> None:

@@ -6,7 +6,7 @@ import inspect
 import typing
 from typing import Any
 
-from emapg.config import rule_problems
+from emapg.config import TASK_ARGS_CHECKS, rule_problems
 from emapg.errors import ConfigError
 from emapg.tasks.arithmetic import ArithmeticTask
 from emapg.tasks.base import Example, Task
@@ -66,5 +66,12 @@ def make_task(name: str, **kwargs: Any) -> Task:
         raise ConfigError("; ".join(problems), problems)
     return TASKS[name](**kwargs)
 
+
+def _config_check(name: str, kwargs: dict[str, Any]) -> list[str]:
+    """The config's early check of ``task_args`` (an unknown task: nothing here, the task field's rule says so)."""
+    return task_args_problems(name, kwargs) if name in TASKS else []
+
+
+TASK_ARGS_CHECKS.append(_config_check)  # a config is checked with its task's arguments, before any model loads
 
 __all__ = ["Example", "Task", "TASKS", "make_task", "register_task", "task_args_problems"]
