@@ -419,20 +419,27 @@ def test_a_load_reads_the_passages_once(tiny, monkeypatch):
     assert len(reads) == 2 and hybrid.search(["anything"], topk=1)[0]
 
 
-def test_a_prebuilt_search_r1_index_loads_without_encoding(tmp_path, embedder, monkeypatch):
-    """Search-R1's layout: wiki-18.jsonl rows {id, contents} and e5_Flat.index (faiss Flat, inner product, row i
-    = line i), built by its own scripts: here by hand the same way, with the packaged MiniLM as the embedder."""
+def _search_r1_files(tmp_path, embedder):
+    """Search-R1's layout, built by hand as its scripts build it: wiki-18.jsonl rows {id, contents} and
+    e5_Flat.index (faiss Flat, inner product, row i = line i), here with the packaged MiniLM as the embedder."""
     import faiss
 
     rows = [{"id": str(i), "contents": (f'"{r["title"]}"\n' if "title" in r else "") + r["text"]}
             for i, r in enumerate(CORPUS)]
     corpus = write_jsonl(tmp_path / "wiki-18.jsonl", rows)
-    assert cli.main(["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "ix")]) == 0  # no --fields
-    passages = read_passages(tmp_path / "ix")
-    assert [passages.contents(i) for i in range(len(rows))] == [r["contents"] for r in rows]  # byte for byte
     flat = faiss.IndexFlatIP(embedder.dim)
     flat.add(embedder.encode([r["contents"] for r in rows], query=False))
     faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+    return rows, corpus
+
+
+def test_a_prebuilt_search_r1_index_loads_without_encoding(tmp_path, embedder, monkeypatch):
+    """Search-R1's layout: wiki-18.jsonl rows {id, contents} and e5_Flat.index (faiss Flat, inner product, row i
+    = line i), built by its own scripts: here by hand the same way, with the packaged MiniLM as the embedder."""
+    rows, corpus = _search_r1_files(tmp_path, embedder)
+    assert cli.main(["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "ix")]) == 0  # no --fields
+    passages = read_passages(tmp_path / "ix")
+    assert [passages.contents(i) for i in range(len(rows))] == [r["contents"] for r in rows]  # byte for byte
 
     def no_encoding(*args, **kwargs):
         raise AssertionError("a passage was encoded")
@@ -459,16 +466,9 @@ def test_import_dense_with_a_corpus_streams_it_without_a_bm25_build(tmp_path, em
     """`index import-dense --corpus`: the corpus goes straight into a new folder's passages.jsonl (the bytes an
     `index build` writes), row by row (no whole-corpus reader, no BM25); the folder serves dense retrieval equal
     to the build-then-import path, and a later `index build` of the same corpus keeps the dense index."""
-    import faiss
-
     import emapg.retrieval.passages as passages_module
 
-    rows = [{"id": str(i), "contents": (f'"{r["title"]}"\n' if "title" in r else "") + r["text"]}
-            for i, r in enumerate(CORPUS)]
-    corpus = write_jsonl(tmp_path / "wiki-18.jsonl", rows)
-    flat = faiss.IndexFlatIP(embedder.dim)
-    flat.add(embedder.encode([r["contents"] for r in rows], query=False))
-    faiss.write_index(flat, str(tmp_path / "e5_Flat.index"))
+    _, corpus = _search_r1_files(tmp_path, embedder)
 
     def whole(*args, **kwargs):
         raise AssertionError("the corpus was read whole")
