@@ -83,13 +83,14 @@ def blocks() -> list[Block]:
 
 
 def table_commands() -> list[tuple[str, str]]:
-    """(where, command) for each command of the README's results table (its last column)."""
+    """(where, command) for each command of the results tables (their last column): README's and RESULTS'."""
     out = []
-    for n, line in enumerate((ROOT / "README.md").read_text(encoding="utf-8").splitlines(), 1):
-        if line.startswith("|") and line.count("|") >= 4:
-            for span in re.findall(r"`([^`]+)`", line.rstrip(" |").rsplit("|", 1)[-1]):
-                if re.match(r"(emapg|python|bash|torchrun) ", span):
-                    out.append((f"README.md:{n}", span))
+    for doc in (ROOT / "README.md", ROOT / "docs" / "RESULTS.md"):
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            if line.startswith("|") and line.count("|") >= 4:
+                for span in re.findall(r"`([^`]+)`", line.rstrip(" |").rsplit("|", 1)[-1]):
+                    if re.match(r"(emapg|python|bash|torchrun) ", span):
+                        out.append((f"{doc.name}:{n}", span))
     return out
 
 
@@ -239,6 +240,7 @@ def test_the_docs_have_blocks_and_the_readme_table_has_commands():
     docs = {b.doc.name for b in BLOCKS}
     assert {"README.md", "USAGE.md", "REPRODUCE.md"} <= docs
     assert sum(b.doc.name == "USAGE.md" for b in BLOCKS) >= 8 and len(table_commands()) >= 10
+    assert sum(where.startswith("README.md") for where, _ in table_commands()) >= 4
 
 
 # ---- runs: the blocks that run here ---------------------------------------------------------------------
