@@ -239,3 +239,11 @@ def test_a_run_folders_config_imports_no_plugin_unless_trusted_on_the_command_li
     (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\n")
     res = run("train", "--config", str(SMOKE), "--out", "run2", "plugins=[quits.py]", cwd=tmp_path)
     assert res.returncode == 2 and "plugins: importing quits.py exited (SystemExit 0)" in res.stderr
+
+
+def test_a_plugin_named_as_a_module_and_as_its_file_is_imported_once(tmp_path, plugin):
+    """`plugins: [my_plugin, my_plugin.py]` is one plugin: imported once, its names registered once (twice was a
+    "'echo' is already registered" error)."""
+    res = run("train", "--config", str(SMOKE), "--out", "run", "plugins=[my_plugin, my_plugin.py]", "task=echo",
+              "task_args={letter: b}", "steps=1", "export=false", "eval.size=0", "save_every=0", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -507,7 +507,7 @@ def import_plugins(names: Any) -> None:
             if name.endswith(".py"):
                 path = Path(name).resolve()
                 key = f"emapg_plugin_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}_{path.stem}"
-                if key in sys.modules:
+                if key in sys.modules or _imported_from(path):  # once, by file or as a module
                     continue
                 if not path.is_file():
                     raise ConfigError(f"plugins: {name}: no such file (relative to {Path.cwd()})")
@@ -522,6 +522,9 @@ def import_plugins(names: Any) -> None:
             else:
                 if str(Path.cwd()) not in sys.path and "" not in sys.path:
                     sys.path.append(str(Path.cwd()))  # as `python -m` finds a module in the working directory
+                spec = importlib.util.find_spec(name)
+                if spec is not None and spec.origin and name not in sys.modules and _imported_from(Path(spec.origin)):
+                    continue  # the same file was imported as a .py plugin already
                 importlib.import_module(name)
         except ConfigError:
             raise
@@ -532,6 +535,19 @@ def import_plugins(names: Any) -> None:
             raise ConfigError(f"plugins: {name}: {e}") from None
         except Exception as e:  # the plugin's own error, named in one line
             raise ConfigError(f"plugins: importing {name} failed: {type(e).__name__}: {e}") from None
+
+
+def _imported_from(path: Path) -> bool:
+    """Whether a module imported already was loaded from ``path`` (a plugin named once as a module and once as
+    its file is the same plugin: importing it twice would register its names twice)."""
+    import sys
+
+    target = path.resolve()
+    for module in list(sys.modules.values()):
+        origin = getattr(module, "__file__", None)
+        if origin and origin.endswith(".py") and Path(origin).resolve() == target:
+            return True
+    return False
 
 
 def _blamed(message: str, source: str, overrides: list[str]) -> str:
