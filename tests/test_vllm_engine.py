@@ -195,8 +195,9 @@ def trainer(tmp_path, *overrides):
     return Trainer(cfg, tmp_path, progress=False)
 
 
-def engine_vs_policy(tr, examples, k=8):
-    """The engine's samples (no sync) against the policy's own log-probs of them."""
+def engine_vs_policy(tr, examples, k=0):
+    """The engine's samples (no sync) against the policy's own log-probs of them (the sampled tokens': a run whose
+    pi_old pass gives the head asks its engine for no top-k, so the engine serves none)."""
     batch = tr.engine.generate(examples, SamplingSpec(n=2, temperature=1.0, max_new_tokens=12, k=k), seed=5,
                                device=DEVICE)
     valid = batch.response_mask.bool()

@@ -1,0 +1,141 @@
+"""The step's compute floor against the measured step, phase by phase: how far emapg's RL step is from what its
+matrix products alone cost on this machine.
+
+    python bench/floor.py [--steps 4] [--out docs/results/floor.json]
+
+The work is bench/vs_trl.py's EMA-PG side: SmolLM2-135M-Instruct (fp32, CPU), 8 two-digit-addition prompts x 4
+samples, at most 32 new tokens, the EMA anchor and the top-k reverse KL (k = 32), one micro-batch. Per step,
+from the rollout's own token counts:
+
+* FLOPs by phase, from the model's config: generation (each prompt's prefill once, then one token per row per
+  step: the layers' matrix products, attention over the cache, and the LM head, whose logits every decoding
+  step needs), the anchor's no-grad pass (each prompt once with prefix sharing, then the responses; the head
+  only at response positions), the policy's forward and backward (3x the forward);
+* the machine's fp32 GEMM rate, measured in the same run at each phase's shapes (the layers' products at the
+  phase's rows, and the head's [rows, hidden] x [hidden, vocabulary]);
+* the floor: each phase's FLOPs at its measured rate; beside it the measured seconds (metrics' gen_seconds,
+  anchor_seconds, and the rest of step_seconds as the update), and their ratio.
+
+Step 1 is a warm-up; medians over the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from _common import commit, machine
+
+PROMPTS, SAMPLES, MAX_NEW = 8, 4, 32
+
+
+def gemm_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
+    """Measured fp32 FLOP/s of [m, k] x [k, n] on this machine (the median of repeated products)."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b  # warm-up
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * m * k * n / statistics.median(times)
+
+
+def layer_flops(cfg, tokens: int, context: float) -> float:
+    """A forward of ``tokens`` tokens through every layer, each attending over ``context`` positions on average:
+    the projections and MLP (2 x weights x tokens) and attention's two products."""
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = h // heads
+    weights = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * i
+    return layers * (2 * weights * tokens + 2 * 2 * heads * hd * tokens * context)
+
+
+def phase_rates(cfg, rows: int, tokens: int) -> dict[str, float]:
+    """GEMM rates at a phase's shapes: the MLP's up projection at ``tokens`` rows, the head's at ``rows``."""
+    return {"layers": gemm_rate(tokens, cfg.hidden_size, cfg.intermediate_size),
+            "head": gemm_rate(rows, cfg.hidden_size, cfg.vocab_size)}
+
+
+def step_floor(cfg, prompt_len: float, resp_len: float) -> dict[str, dict[str, float]]:
+    """Each phase's FLOPs (layers, head) for one step of PROMPTS x SAMPLES rows."""
+    rows, head = PROMPTS * SAMPLES, 2 * cfg.hidden_size * cfg.vocab_size
+    resp_tokens = rows * resp_len
+    gen = {"layers": layer_flops(cfg, PROMPTS * prompt_len, prompt_len / 2)  # each prompt's prefill, once
+           + layer_flops(cfg, resp_tokens, prompt_len + resp_len / 2),       # a token per row per step
+           "head": head * (resp_tokens + PROMPTS)}
+    fwd = {"layers": layer_flops(cfg, PROMPTS * prompt_len, prompt_len / 2)
+           + layer_flops(cfg, resp_tokens, prompt_len + resp_len / 2), "head": head * resp_tokens}
+    return {"generation": gen, "anchor": fwd, "update": {k: 3 * v for k, v in fwd.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", help="write the measurements as JSON here")
+    args = ap.parse_args()
+    from emapg.config import load_config
+    from emapg.run.trainer import Trainer
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(None, ["model=smollm2-135m", "task=arithmetic", f"steps={args.steps}", "seed=0",
+                             f"prompts_per_step={PROMPTS}", f"micro_batch_prompts={PROMPTS}", "lr=1e-5",
+                             f"threads={args.threads}", "eval.size=0", "export=false", f"rollout.n={SAMPLES}",
+                             f"rollout.max_new_tokens={MAX_NEW}", "algo.beta=0.001", "algo.eta=0.9",
+                             "algo.kl=topk_reverse", "algo.k=32"])
+    rows, prompt_lens = [], []
+    with tempfile.TemporaryDirectory() as out:
+        tr = Trainer(cfg, out, progress=False)
+        real = tr.rollout
+
+        def counted(step):
+            batch = real(step)
+            prompt_lens.append(float(batch.prompt_mask.sum()) / batch.prompt_mask.shape[0])
+            return batch
+
+        tr.rollout = counted
+        rows = [tr.train_step(s) for s in range(1, args.steps + 1)]
+        model_cfg = tr.model.config
+    measured = {"generation": [r["gen_seconds"] for r in rows[1:]], "anchor": [r["anchor_seconds"] for r in rows[1:]],
+                "update": [r["step_seconds"] - r["gen_seconds"] - r["anchor_seconds"] for r in rows[1:]],
+                "step": [r["step_seconds"] for r in rows[1:]]}
+    prompt_len, resp_len = statistics.median(prompt_lens[1:]), statistics.median(r["response_length"] for r in rows[1:])
+    flops = step_floor(model_cfg, prompt_len, resp_len)
+    rows_n, pass_tokens = PROMPTS * SAMPLES, int(PROMPTS * prompt_len + PROMPTS * SAMPLES * resp_len)
+    rates = {"generation": phase_rates(model_cfg, rows_n, rows_n), "anchor": phase_rates(model_cfg, pass_tokens,
+                                                                                          int(rows_n * resp_len))}
+    rates["update"] = rates["anchor"]
+    table = {}
+    for phase, parts in flops.items():
+        floor = sum(parts[k] / rates[phase][k] for k in parts)
+        seconds = statistics.median(measured[phase])
+        table[phase] = {"gflops": sum(parts.values()) / 1e9, "floor_s": floor, "measured_s": seconds,
+                        "ratio": seconds / floor, "rate_gflops": {k: v / 1e9 for k, v in rates[phase].items()}}
+    total_floor = sum(t["floor_s"] for t in table.values())
+    step = statistics.median(measured["step"])
+    table["step"] = {"gflops": sum(t["gflops"] for t in table.values()), "floor_s": total_floor, "measured_s": step,
+                     "ratio": step / total_floor}
+    print(f"prompt {prompt_len:.0f} tokens, response {resp_len:.1f} tokens (medians over steps 2..{args.steps})\n")
+    print("| phase | GFLOPs | GEMM rate (layers / head), GFLOP/s | floor s | measured s | measured / floor |")
+    print("|---|---|---|---|---|---|")
+    for phase, t in table.items():
+        rate = " / ".join(f"{v:.0f}" for v in t["rate_gflops"].values()) if "rate_gflops" in t else ""
+        print(f"| {phase} | {t['gflops']:.1f} | {rate} | {t['floor_s']:.2f} | {t['measured_s']:.2f} | "
+              f"{t['ratio']:.1f}x |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": machine(), "commit": commit(), "steps": args.steps,
+                                              "prompt_tokens": prompt_len, "response_tokens": resp_len,
+                                              "phases": table}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
