@@ -292,7 +292,11 @@ def run_block(block: Block, cwd: Path) -> None:
             (cwd / name).symlink_to(ROOT / name)
     for name, text in USER_FILES.items():
         (cwd / name).write_text(text, encoding="utf-8")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    # as a user runs them: the activated venv's own `emapg` and `python` first on PATH, the installed package
+    # (no PYTHONPATH pointing into the clone: a missing console script or a broken install shows here)
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "PATH": os.pathsep.join([venv_bin, os.environ.get("PATH", "")])}
     servers = []
     try:
         for line, prefix, argv in commands(block):
@@ -304,7 +308,7 @@ def run_block(block: Block, cwd: Path) -> None:
                 args = scaled(args, cwd)
                 if argv[0].startswith(".venv-vllm"):  # vLLM's CPU attention takes heads of 32 and up
                     args = [a.replace("model=tiny-llama", "model=tiny-llama-h32") for a in args]
-                exe = [str(ROOT / argv[0])] if argv[0].startswith(".venv") else [sys.executable, "-m", "emapg"]
+                exe = [str(ROOT / argv[0])] if argv[0].startswith(".venv") else [str(Path(venv_bin) / "emapg")]
                 cmd = [*exe, *args]
             elif argv[0] == "python":
                 cmd = [sys.executable, str(ROOT / argv[1]), *argv[2:]]
