@@ -170,3 +170,25 @@ def test_a_model_name_that_is_nowhere_is_named_not_a_connection_error():
     res = subprocess.run([sys.executable, "-m", "emapg", "plan", "--config", "smoke", "model=Qwen/Qwen2.5-0.5B-Typo"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 2 and "model: Qwen/Qwen2.5-0.5B-Typo: no model config there" in res.stderr
+
+
+@pytest.mark.parametrize("mixed", [None, "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_layer_too_wide_to_build_is_measured_narrower_and_scaled_exactly(monkeypatch, mixed, checkpointing):
+    """A 70B layer's calibration built 10.9 GB of full-width layers (57 s); a layer over the budget is measured at
+    three narrower widths (head size kept) and extrapolated: equal to the full-width measurement, term by term."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=8, head_dim=32)
+    shape = P.shape_of(config)
+    full = P._measured_cost(config, "float32", mixed, checkpointing)
+    monkeypatch.setattr(P, "CALIBRATION_BYTES", 1)  # every width is "too wide": the narrowed path
+    monkeypatch.setattr(P, "_COSTS", {})
+    built = []
+    real = P._layers_model
+    monkeypatch.setattr(P, "_layers_model", lambda cfg, *a: built.append(cfg.hidden_size) or real(cfg, *a))
+    narrow = P.activation_cost(shape, "float32", mixed, checkpointing)
+    assert 256 not in built and set(built) == {128, 64, 32}
+    for name in ("per_token", "per_token_sq", "per_layer"):
+        assert getattr(narrow, name) == pytest.approx(getattr(full, name), rel=1e-9, abs=1e-6)

@@ -168,22 +168,75 @@ def _saved_bytes(model: nn.Module, tokens: int, autocast: bool) -> int:
 _COSTS: dict[tuple, ActivationCost] = {}
 
 
+CALIBRATION_BYTES = 2 * GIB  # the most a full-width calibration may build (its 1- and 2-layer copies' weights)
+
+
 def activation_cost(shape: ModelShape, dtype: str, mixed_precision: str | None,
                     checkpointing: bool) -> ActivationCost:
     """What one decoder layer of this model saves for its backward pass, measured on the CPU at 16, 32 and 64
-    tokens (a layer of the real widths: two layers' bytes minus one layer's) and fitted exactly. Cached per
-    config and settings."""
+    tokens (a layer of the real widths: two layers' bytes minus one layer's) and fitted exactly. A layer too wide
+    to build within :data:`CALIBRATION_BYTES` (a 70B model's) is measured at three narrower widths (hidden,
+    intermediate and head counts divided alike, the head size kept) and scaled: per token affine in the width,
+    per layer quadratic (autocast's weight copies), so the fit is exact for a layer whose widths scale together
+    (tested against the full width). Cached per config and settings."""
     key = (shape.config.to_json_string(use_diff=False), dtype, mixed_precision, checkpointing)
     if key not in _COSTS:
-        lengths, autocast = (16, 32, 64), mixed_precision == "bf16"
-        one, two = (_layers_model(shape.config, n, dtype, checkpointing) for n in (1, 2))
-        per = [_saved_bytes(two, t, autocast) - _saved_bytes(one, t, autocast) for t in lengths]
-        (t0, t1, t2), (y0, y1, y2) = lengths, per  # per(t) = c + a t + b t^2, solved from the three lengths
-        b = ((y2 - y1) / (t2 - t1) - (y1 - y0) / (t1 - t0)) / (t2 - t0)
-        a = (y1 - y0) / (t1 - t0) - b * (t1 + t0)
-        c = y0 - a * t0 - b * t0**2
-        _COSTS[key] = ActivationCost(per_token=max(a, 0.0), per_token_sq=max(b, 0.0), per_layer=max(c, 0.0))
+        full = 3 * shape.layer_params * DTYPE_BYTES[dtype]  # the 1- and 2-layer copies together
+        divisors = _width_divisors(shape.config) if full > CALIBRATION_BYTES else []
+        if len(divisors) < 3:
+            _COSTS[key] = _measured_cost(shape.config, dtype, mixed_precision, checkpointing)
+        else:
+            # the three largest reductions that fit, as widths w = 1/d of the full one
+            fits = [d for d in divisors if full / d**2 <= CALIBRATION_BYTES][:3]
+            fits = fits if len(fits) == 3 else divisors[-3:]
+            costs = [(1 / d, _measured_cost(_narrowed(shape.config, d), dtype, mixed_precision, checkpointing))
+                     for d in fits]
+            _COSTS[key] = ActivationCost(per_token=_extrapolate([(w, c.per_token) for w, c in costs], 1),
+                                         per_token_sq=_extrapolate([(w, c.per_token_sq) for w, c in costs], 1),
+                                         per_layer=_extrapolate([(w, c.per_layer) for w, c in costs], 2))
     return _COSTS[key]
+
+
+def _measured_cost(config, dtype: str, mixed_precision: str | None, checkpointing: bool) -> ActivationCost:
+    lengths, autocast = (16, 32, 64), mixed_precision == "bf16"
+    one, two = (_layers_model(config, n, dtype, checkpointing) for n in (1, 2))
+    per = [_saved_bytes(two, t, autocast) - _saved_bytes(one, t, autocast) for t in lengths]
+    (t0, t1, t2), (y0, y1, y2) = lengths, per  # per(t) = c + a t + b t^2, solved from the three lengths
+    b = ((y2 - y1) / (t2 - t1) - (y1 - y0) / (t1 - t0)) / (t2 - t0)
+    a = (y1 - y0) / (t1 - t0) - b * (t1 + t0)
+    c = y0 - a * t0 - b * t0**2
+    return ActivationCost(per_token=max(a, 0.0), per_token_sq=max(b, 0.0), per_layer=max(c, 0.0))
+
+
+def _width_divisors(config) -> list[int]:
+    """Divisors d > 1 by which hidden, intermediate, head and key/value-head counts all divide (head size kept),
+    smallest first: the narrower copies of a layer a calibration can measure."""
+    text = getattr(config, "text_config", None) or config
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    widths = (text.hidden_size, text.intermediate_size, heads, kv)
+    return [d for d in range(2, kv + 1) if all(w % d == 0 for w in widths)]
+
+
+def _narrowed(config, d: int):
+    """The config with every width divided by ``d`` (hidden, intermediate, heads, key/value heads; head size
+    kept, so attention's per-head shapes are the real ones)."""
+    text = getattr(config, "text_config", None) or config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    return config.__class__.from_dict({**config.to_dict(), "hidden_size": text.hidden_size // d,
+                                       "intermediate_size": text.intermediate_size // d,
+                                       "num_attention_heads": heads // d, "num_key_value_heads": kv // d,
+                                       "head_dim": head_dim})
+
+
+def _extrapolate(points: list[tuple[float, float]], degree: int) -> float:
+    """The polynomial of ``degree`` in the width through the measured points (least squares), at width 1."""
+    import numpy as np
+
+    xs, ys = zip(*points, strict=True)
+    return max(float(np.polyval(np.polyfit(xs, ys, degree), 1.0)), 0.0)
 
 
 @dataclass
