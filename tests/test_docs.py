@@ -7,7 +7,8 @@ and overrides load (keys, types and ranges), a comparison spec loads, a script o
 a bench script takes the options given, a pip extra exists, a Python block compiles.
 
 Then the blocks run, one command after another in a scratch folder that holds the repository's recipes,
-bench, studies and scripts, and the user's files they name (USER_FILES). What a block needs is marked
+bench, studies and scripts, and the user's files the docs show (USER_FILES: a fenced block whose info string
+says ``file=NAME``). What a block needs is marked
 after its language (```bash gpu): such a block is checked, never run:
   gpu        a GPU (torchrun over 8 devices, vLLM's CUDA engine)
   own-files  the user's own models or datasets (/models/..., /data/..., a trained search agent)
@@ -46,15 +47,17 @@ CHECK_ONLY = {"gpu", "own-files", "network", "hours"}
 MODEL_CONFIGS = {"/models/DeepSeek-R1-Distill-Qwen-1.5B": ROOT / "tests/fixtures/model_configs/deepseek-r1-distill-"
                                                            "qwen-1.5b",
                  "/models/Qwen2.5-3B": ROOT / "tests/fixtures/model_configs/qwen2.5-3b"}
-USER_FILES = {  # the files the runnable blocks name as the user's own
-    "my.yaml": "extends: smoke\n",
-    "wiki.jsonl": "".join(json.dumps({"id": str(i), "title": t, "text": x}) + "\n" for i, (t, x) in enumerate([
-        ("Paris", "Paris is the capital and largest city of France."),
-        ("Berlin", "Berlin is the capital of Germany and its largest city."),
-        ("Danube", "The Danube flows through ten countries into the Black Sea."),
-        ("Everest", "Mount Everest is Earth's highest mountain above sea level."),
-    ])),
-}
+def doc_files() -> dict[str, str]:
+    """The files the docs give as the user's own, each a fenced block whose info string names it
+    (```yaml file=my.yaml): the runnable blocks use them as written, nothing the docs do not show."""
+    out = {}
+    for doc in DOCS:
+        for m in re.finditer(r"^```\w* file=(\S+)\n(.*?)^```", doc.read_text(encoding="utf-8"), re.M | re.S):
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+USER_FILES = doc_files()
 NEVER_RUN = {("bash", "scripts/test.sh"): "the suite this test is part of (CI runs it)"}
 SCRIPT_DIRS = ("recipes", "bench", "studies", "scripts", "examples")
 
@@ -236,7 +239,9 @@ def test_every_command_of_the_results_table_is_what_it_says(where, command):
 
 
 def test_the_docs_have_blocks_and_the_readme_table_has_commands():
-    """The collection itself: README and USAGE blocks found, so a broken pattern cannot pass by finding none."""
+    """The collection itself: README and USAGE blocks found, so a broken pattern cannot pass by finding none;
+    the user's files the blocks name are shown in the docs."""
+    assert {"my.yaml", "wiki.jsonl"} <= set(USER_FILES)
     docs = {b.doc.name for b in BLOCKS}
     assert {"README.md", "USAGE.md", "REPRODUCE.md"} <= docs
     assert sum(b.doc.name == "USAGE.md" for b in BLOCKS) >= 8 and len(table_commands()) >= 10
