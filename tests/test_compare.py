@@ -473,3 +473,36 @@ def test_the_pilot_rule_fixes_the_number_of_seeds(bench_module):
     assert ps.seeds_needed(1.0, 1.0, 0.0125, high=20) == (13, True)
     assert ps.seeds_needed(1.0, 1.0, 0.0125) == (10, False)  # over the cap: the maximum, underpowered
     assert ps.seeds_needed(0.3, 1.0, 0.0125) == (5, True)  # never fewer than the minimum
+
+
+def test_a_comparison_figure_wraps_its_panels_and_draws_only_curves(tmp_path):
+    """At most three panels to a row (5-7 in one 2,300-3,200 px row before), no panel for a curve no config
+    measured or measured once, accuracy in % with its unit, and two configs with equal curves told apart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from emapg.lab import report as R
+
+    def curve(values):
+        return {"steps": list(range(0, 5 * len(values), 5)), "mean": values, "std": [0.0] * len(values)}
+
+    empty = {"steps": [], "mean": [], "std": []}
+    curves = {"eval/policy_accuracy": curve([0.2, 0.5, 0.6]), "eval/anchor_accuracy": curve([0.3]),
+              "reward_mean": curve([0.1, 0.4, 0.5]), "kl": curve([0.0, 0.01, 0.02]), "kl_to_init": empty,
+              "entropy": curve([1.0, 0.9, 0.8]), "eval/policy_teacher_kl": empty}
+    summary = {n: {"label": n, "curves": curves} for n in ("a", "b")}  # b's curves are a's
+    assert list(R.drawn_panels(summary, ["a", "b"])) == ["held-out accuracy (policy)", "reward",
+                                                         "KL to the anchor (to the teacher when distilling)", "entropy"]
+    captured = []
+    real = plt.close
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(plt, "close", lambda fig=None: captured.append(fig) or real(fig))
+        plot(summary, tmp_path / "f.png", ["a", "b"])
+    (fig,) = [f for f in captured if f is not None]
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(visible) == 4 and fig.axes[0].get_gridspec().ncols == 3  # 2 rows of at most 3
+    acc = visible[0]
+    assert acc.get_ylabel() == "accuracy (%)" and list(acc.get_lines()[0].get_ydata()) == [20.0, 50.0, 60.0]
+    assert [t.get_text() for t in acc.get_legend().get_texts()] == ["a", "b (= a)"]
