@@ -98,6 +98,21 @@ def test_training_refuses_a_run_the_plan_says_cannot_fit(tmp_path, monkeypatch):
     trainer.Trainer(load_config(smoke, ["eval.size=0", "memory_check=false"]), tmp_path / "b", progress=False)
 
 
+def test_on_the_cpu_a_run_that_cannot_fit_the_host_is_refused(tmp_path, monkeypatch):
+    """`emapg train` on the CPU checks the plan too, against the host's memory shared by its processes (it never
+    checked: a run too big was killed for memory minutes in)."""
+    from emapg.run import assembly, trainer
+
+    assert assembly.device_capacity(torch.device("cpu")) == assembly.host_memory() > 2**30  # this host's RAM
+    monkeypatch.setattr(assembly, "host_memory", lambda: 2**20)  # a 1 MiB host
+    smoke = ROOT / "recipes" / "smoke.yaml"
+    with pytest.raises(ConfigError, match="the memory plan needs .* more than the device's 0.0 GiB"):
+        trainer.Trainer(load_config(smoke, ["eval.size=0"]), tmp_path / "a", progress=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(assembly, "host_memory", lambda: 8.0 * 2**30)
+    assert assembly.device_capacity(torch.device("cpu")) == 2.0 * 2**30  # 4 processes share the host
+
+
 def test_the_plan_command(capsys):
     from emapg.cli import main
 
@@ -106,6 +121,10 @@ def test_the_plan_command(capsys):
     assert "| **peak (" in out and "fits: peak" in out
     assert main(["plan", "--config", "smoke", "--gpus", "0"]) == 2
     assert "--gpus: must be a finite number > 0" in capsys.readouterr().err
+    from emapg.run.assembly import host_memory
+
+    assert main(["plan", "--config", "smoke", "--device", "cpu", "--gpus", "2"]) == 0  # this host, shared by 2
+    assert f"of {host_memory() / 2**30 / 2:.1f} GiB" in capsys.readouterr().out
 
 
 PAPER_MODELS = {"math": CONFIGS / "deepseek-r1-distill-qwen-1.5b", "search": CONFIGS / "qwen2.5-3b",

@@ -170,12 +170,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from emapg.models.plan import report
 
     cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
+    if args.gpu_memory is None:  # a GPU's 80 GiB, or on the CPU this host's memory shared by the processes
+        from emapg.run.assembly import host_memory
+
+        host = host_memory() if args.device == "cpu" else None
+        args.gpu_memory = 80.0 if host is None else host / 2**30 / args.gpus
     for name, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory),
                         ("--prompt-tokens", args.prompt_tokens), ("--response-tokens", args.response_tokens or 1)):
         if not value > 0 or value == float("inf"):  # NaN compares false: refused too
             raise ConfigError(f"{name}: must be a finite number > 0, got {value}")
     print(report(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, prompt_tokens=args.prompt_tokens,
-                 response_tokens=args.response_tokens))
+                 response_tokens=args.response_tokens, device=args.device))
     return 0
 
 
@@ -461,7 +466,10 @@ def _plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="the memory a run needs per device, phase by phase (config.json only, no weights)")
     pl.add_argument("--config", help="YAML config file, or the name of a shipped recipe")
     pl.add_argument("--gpus", type=int, default=1, help="devices the run is sharded over (torchrun processes)")
-    pl.add_argument("--gpu-memory", type=float, default=80.0, help="GiB of memory per device")
+    pl.add_argument("--gpu-memory", type=float,
+                    help="GiB of memory per device (default: 80 on cuda; on cpu this host's memory over --gpus)")
+    pl.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="plan for GPUs, or for processes on this CPU host (AdamW one tensor at a time)")
     pl.add_argument("--prompt-tokens", type=int, default=1024, help="the longest prompt, in tokens")
     pl.add_argument("--response-tokens", type=int,
                     help="the longest response (default: task_args.max_total_tokens, else rollout.max_new_tokens)")

@@ -452,10 +452,12 @@ def too_big(p: Plan, capacity: float, cfg: Any) -> str | None:
             "part; memory_check=false runs it anyway)")
 
 
-def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, response_tokens: int | None = None) -> str:
-    """``emapg plan``'s text: the plan of ``cfg`` on ``gpus`` devices of ``gpu_memory_gb`` GiB each, whether it
-    fits, and the largest row bound and micro-batch that fit. ``response_tokens``: default an agent task's
-    ``task_args.max_total_tokens`` when it sets one, else rollout.max_new_tokens."""
+def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, response_tokens: int | None = None,
+           device: str = "cuda") -> str:
+    """``emapg plan``'s text: the plan of ``cfg`` on ``gpus`` devices (``device``: cuda, or cpu for processes
+    sharing a host) of ``gpu_memory_gb`` GiB each, whether it fits, and the largest row bound and micro-batch
+    that fit. ``response_tokens``: default an agent task's ``task_args.max_total_tokens`` when it sets one, else
+    rollout.max_new_tokens."""
     import dataclasses
 
     from emapg.config import ConfigError, check_world
@@ -472,7 +474,7 @@ def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, res
     teacher = shape_of(model_config(cfg.algo.teacher)) if cfg.algo.teacher else None
     capacity = gpu_memory_gb * GIB
     kw = dict(world=gpus, prompt_tokens=prompt_tokens, response_tokens=response_tokens, gpu_memory=capacity,
-              teacher=teacher)
+              teacher=teacher, device=device)
     p = plan(cfg, shape, **kw)
     head = (f"{cfg.model}: {shape.params / 1e9:.2f}B parameters, {shape.layers} layers, vocabulary {shape.vocab}; "
             f"{gpus} device(s) of {gpu_memory_gb:g} GiB; prompts up to {prompt_tokens} tokens, responses up to "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,10 @@ def check_shared_folder(run_dir: Path, dist: distributed.DistInfo) -> None:
 
 
 def check_memory(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, dist: distributed.DistInfo) -> None:
-    """On a GPU (with ``memory_check``): refuse, before anything else is built, a run whose memory plan does
-    not fit the device, naming the settings to change (:mod:`emapg.models.plan`)."""
+    """With ``memory_check``: refuse, before anything else is built, a run whose memory plan does not fit the
+    device (a GPU), or on the CPU the host's whole memory shared by its processes (a run that could not fit even
+    there, rather than one killed for memory after minutes), naming the settings to change
+    (:mod:`emapg.models.plan`)."""
     capacity = device_capacity(dist.device)
     if capacity is None or not cfg.memory_check:
         return
@@ -136,8 +139,23 @@ def check_memory(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, dist
 
 
 def device_capacity(device: torch.device) -> float | None:
-    """Bytes of memory on a CUDA device; None elsewhere (the plan is checked on GPUs only)."""
-    return float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+    """Bytes of memory on a CUDA device; on the CPU the host's total memory over the processes on this host
+    (LOCAL_WORLD_SIZE); None where neither is known."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    total = host_memory()
+    return None if total is None else total / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def host_memory() -> float | None:
+    """The host's total memory in bytes (Linux: /proc/meminfo's MemTotal), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def build_teacher(model: torch.nn.Module, tokenizer, cfg: TrainConfig, dist: distributed.DistInfo,
