@@ -65,3 +65,9 @@ def commit() -> str | None:
     except OSError:
         return None
     return (out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) or None
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a measurement's own process: one thread, offline, the clone's src and bench importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "bench")])}

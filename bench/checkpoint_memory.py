@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from _common import ROOT, PeakRSS, commit, machine
+from _common import ROOT, PeakRSS, commit, machine, worker_env
 
 SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
              num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=0,
@@ -100,8 +99,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the measurements as JSON here")
     ap.add_argument("--worlds", default="1,2,3")
     args = ap.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "bench")])}
+    env = worker_env()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, PeakRSS, commit, machine
+from _common import PeakRSS, commit, machine, worker_env
 
 WORDS = ("the river valley kingdom ancient empire northern coast island mountain battle treaty city council "
          "church bishop merchant guild harbour fortress village county province festival library poet painter "
@@ -72,8 +71,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="50000,200000")
     ap.add_argument("--out", help="write the measurements as JSON here")
     args = ap.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "bench")])}
+    env = worker_env()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(s) for s in args.sizes.split(",")]:
