@@ -188,7 +188,7 @@ def test_the_plan_refuses_what_no_run_could_be(tmp_path, change, args, message):
 def test_a_model_name_that_is_nowhere_is_named_not_a_connection_error():
     res = subprocess.run([sys.executable, "-m", "emapg", "plan", "--config", "smoke", "model=Qwen/Qwen2.5-0.5B-Typo"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert res.returncode == 2 and "model: Qwen/Qwen2.5-0.5B-Typo: no model config there" in res.stderr
+    assert res.returncode == 2 and "model: 'Qwen/Qwen2.5-0.5B-Typo' is neither a built-in name" in res.stderr
 
 
 @pytest.mark.parametrize("mixed", [None, "bf16"])

@@ -54,7 +54,7 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim
 
 
-def model_config(name: str, trust_remote_code: bool = False):
+def model_config(name: str, trust_remote_code: bool = False, field: str = "model"):
     """The transformers config of a built-in name or a model folder (its config.json; no weights)."""
     from emapg.models import zoo as models
 
@@ -70,8 +70,9 @@ def model_config(name: str, trust_remote_code: bool = False):
     except (OSError, ValueError) as e:  # no folder, no config.json, a Hub name not cached while offline
         from emapg.errors import ConfigError
 
-        raise ConfigError(f"model: {name}: no model config there (a folder with config.json, a built-in name: "
-                          f"{', '.join(models.BUILTIN)}, or a Hub name; {str(e).strip().splitlines()[0]})") from None
+        why = str(e).strip().splitlines()[0]
+        raise ConfigError(f"{field}: {name!r} is neither a built-in name ({', '.join(models.BUILTIN)}) nor a model "
+                          f"folder with a config.json, nor a Hub name this machine has ({why})") from None
 
 
 def shape_of(config) -> ModelShape:
@@ -375,7 +376,7 @@ def run_plan(cfg: Any, config, task, tokenizer, *, world: int = 1, device: str =
     from emapg.rollout import response_budget
     from emapg.rollout.prompts import longest_prompt
 
-    teacher = shape_of(model_config(cfg.algo.teacher)) if cfg.algo.teacher else None
+    teacher = shape_of(model_config(cfg.algo.teacher, field="algo.teacher")) if cfg.algo.teacher else None
     return plan(cfg, shape_of(config), world=world, prompt_tokens=longest_prompt(task, tokenizer),
                 response_tokens=response_budget(task, cfg.rollout.max_new_tokens), gpu_memory=gpu_memory,
                 teacher=teacher, device=device)
@@ -471,7 +472,7 @@ def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, res
         if cfg.offload and gpus < 2:  # what one device would run instead: the plan of that
             cfg = dataclasses.replace(cfg, offload=False)
     shape = shape_of(model_config(cfg.model))
-    teacher = shape_of(model_config(cfg.algo.teacher)) if cfg.algo.teacher else None
+    teacher = shape_of(model_config(cfg.algo.teacher, field="algo.teacher")) if cfg.algo.teacher else None
     capacity = gpu_memory_gb * GIB
     kw = dict(world=gpus, prompt_tokens=prompt_tokens, response_tokens=response_tokens, gpu_memory=capacity,
               teacher=teacher, device=device)
