@@ -288,11 +288,16 @@ def plan(cfg: Any, shape: ModelShape, *, world: int = 1, prompt_tokens: int = 51
     rows_step = cfg.prompts_per_step // world * n
     if cfg.rollout.backend == "vllm":
         share = cfg.rollout.vllm_gpu_memory * (gpu_memory or 0.0)
-        if cfg.rollout.vllm_sleep:  # freed during the update
+        if device == "cpu":  # the CPU engine holds no share of a device: its weights and its own KV cache
+            share = shape.params * 4 + (cfg.rollout.vllm_kv_cache_gib or 0.0) * GIB
+            if cfg.rollout.vllm_kv_cache_gib is None:
+                p.notes.append("the CPU vLLM engine's KV cache is sized from the run: set rollout.vllm_kv_cache_gib "
+                               "to count it")
+        if cfg.rollout.vllm_sleep and device != "cpu":  # freed during the update (no sleep mode on the CPU)
             p.phases.append(Phase("rollout", {"vLLM engine (weights and cache)": share}))
         else:
             p.resident["vLLM engine, awake through the update"] = share
-        if gpu_memory is None:
+        if gpu_memory is None and device != "cpu":
             p.notes.append("vLLM's share is a fraction of the GPU: give --gpu-memory to count it")
     else:
         rows = min(cfg.rollout.max_rows or rows_step, rows_step)
