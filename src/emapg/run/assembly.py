@@ -36,7 +36,8 @@ from emapg.tasks.order import check_order
 
 def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, force: bool) -> None:
     """Build a run on ``run`` (a :class:`~emapg.run.trainer.Trainer`): ``cfg``, ``run_dir``, ``dist``,
-    ``main``, ``head`` and ``sampling`` (the estimator's head and the rollout's spec, read once), ``model``,
+    ``main``, ``head``, ``old_pass`` and ``sampling`` (the estimator's head, whether pi_old needs its own pass,
+    which then gives the sampler's head too, and the rollout's spec: read once), ``model``,
     ``tokenizer``, ``task``, ``evaluator``, ``teacher`` and ``teacher_sha256`` (None: the KL is to the
     anchor), ``anchor``, ``init_anchor``, ``anchor_is_initial``, ``params``, ``optimizer``, ``scheduler``
     (which reads ``run.step``), ``engine`` (None: our decode loop samples), ``step``, ``skipped_steps``,
@@ -50,8 +51,8 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
     check_shared_folder(run.run_dir, run.dist)
     torch.manual_seed(cfg.seed)
     run.head = algo.kl_head(cfg.algo)  # the estimator's head and both sampling specs, read once
-    run.sampling = algo.rollout_sampling(cfg.rollout, run.head,
-                                         algo.needs_old_pass(cfg.algo, cfg.rollout.top_p, recomputes_old(cfg)))
+    run.old_pass = algo.needs_old_pass(cfg.algo, cfg.rollout.top_p, recomputes_old(cfg))
+    run.sampling = algo.rollout_sampling(cfg.rollout, run.head, run.old_pass)
     with distributed.rank_zero_first(run.dist):  # rank 0 fills the caches (a converted model, an index)
         run.model, run.tokenizer = training_policy(cfg, run.dist.device)
         run.task = make_task(cfg.task, **cfg.task_args)

@@ -191,10 +191,8 @@ class Trainer:
         """The no-grad passes of a micro-batch: pi_old when it needs a pass (with its top-k, the sampler's head
         then); the KL's reference (the anchor, or the teacher) at the sampled tokens and at the head ids that
         :func:`emapg.algo.anchor_request` names; the initial policy for the kl_to_init diagnostic."""
-        recompute = recomputes_old(self.cfg)
-        old = None  # pi_old's pass, where one is needed, also gives the sampler's head its top-k
-        if algo.needs_old_pass(self.cfg.algo, self.cfg.rollout.top_p, recompute):
-            old = self._logprobs(self.model, mb, k_self=self.head.sampler_k)
+        # pi_old's pass, where one is needed (decided once with the sampling spec), gives the sampler's head
+        old = self._logprobs(self.model, mb, k_self=self.head.sampler_k) if self.old_pass else None
         ids, k_self = algo.anchor_request(self.head, mb, self.model.get_output_embeddings().weight.shape[0],
                                           None if old is None else old.topk_ids)
         ref = self.anchor.use(self.model) if self.teacher is None else contextlib.nullcontext(self.teacher)
@@ -207,7 +205,7 @@ class Trainer:
                 init = self._logprobs(init_model, mb).logp_tok
         elif self.cfg.log_kl_to_init:  # the anchor is the initial policy (eta = 1 since step 0)
             init = st.logp_tok
-        return algo.anchor_stats(self.head, st, ids, mb, old, init, self.cfg.algo, recompute)
+        return algo.anchor_stats(self.head, st, ids, mb, old, init, self.cfg.algo, recomputes_old(self.cfg))
 
     def _optimizer_step(self, mbs: list[RolloutBatch], anchors: list[AnchorStats],
                         mini: int) -> tuple[list[dict[str, float]], float] | None:
