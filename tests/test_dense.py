@@ -549,7 +549,7 @@ def test_a_gpu_device_is_asked_for_clearly(tiny, monkeypatch):
     build of faiss the index is sharded over every GPU, without one it stays on the CPU and says so."""
     from emapg.retrieval.dense import _on_gpus
 
-    with pytest.raises(ValueError, match=r"device: 'cuda' is for a dense or hybrid retriever"):
+    with pytest.raises(ValueError, match=r"device: .cuda. is for a local dense or hybrid retriever"):
         open_retriever(index=str(tiny), kind="bm25", device="cuda")
     if not __import__("torch").cuda.is_available():
         assert cli.main(["serve-retriever", "--index", str(tiny), "--retriever", "dense", "--device", "cuda",

@@ -89,10 +89,12 @@ def register_retriever(kind: str, open_index: Callable[[str, dict | None], Retri
     RETRIEVERS[kind] = open_index
 
 
-def retriever_problem(kind: str, index: str | None, url: str | None, search_params: Any) -> str | None:
+def retriever_problem(kind: str, index: str | None, url: str | None, search_params: Any,
+                      device: str = "cpu") -> str | None:
     """What is wrong with asking for retriever ``kind`` on an index folder or a server (``url``), with faiss
-    ``search_params``: a message naming the setting (``retriever: ...``, ``search_params: ...``), or None.
-    Checked before anything loads, by :func:`open_retriever` and the search task alike."""
+    ``search_params`` and queries encoded on ``device``: a message naming the setting (``retriever: ...``,
+    ``search_params: ...``, ``device: ...``), or None. Checked before anything loads, by :func:`open_retriever`,
+    the search task and the server alike."""
     if kind not in RETRIEVERS:
         return f"retriever: expected one of {', '.join(RETRIEVERS)}, got {kind!r}"
     if url and kind != "bm25":
@@ -101,6 +103,8 @@ def retriever_problem(kind: str, index: str | None, url: str | None, search_para
     if search_params is not None and (not isinstance(search_params, dict) or url or kind not in DENSE_KINDS):
         return ("search_params: a mapping of faiss search parameters (e.g. {nprobe: 64}) for a local dense or "
                 f"hybrid retriever, got {search_params!r} with {'a retrieval server' if url else kind}")
+    if device != "cpu" and (url or kind not in DENSE_KINDS):
+        return f"device: {device!r} is for a local dense or hybrid retriever (BM25 runs on the CPU)"
     if index and kind in DENSE_KINDS:
         from emapg.retrieval.passages import has_dense
 
@@ -120,7 +124,7 @@ def open_retriever(index: str | None = None, url: str | None = None, kind: str =
     if (index is None) == (url is None):
         raise ValueError("open_retriever needs exactly one of index= (an index folder) "
                          "or url= (a retrieval server)")
-    problem = retriever_problem(kind, index, url, search_params)
+    problem = retriever_problem(kind, index, url, search_params, device)
     if problem:
         raise ValueError(problem)
     if index is None:
@@ -129,8 +133,6 @@ def open_retriever(index: str | None = None, url: str | None = None, kind: str =
         return HTTPRetriever(url, timeout=timeout)
     if device == "cpu":
         return RETRIEVERS[kind](index, search_params)
-    if kind == "bm25":
-        raise ValueError(f"device: {device!r} is for a dense or hybrid retriever (BM25 runs on the CPU)")
     return RETRIEVERS[kind](index, search_params, device)
 
 

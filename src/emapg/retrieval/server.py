@@ -335,6 +335,15 @@ def check_address(host: str, port: int, allow_remote: bool) -> None:
                           "pass --allow-remote to serve it there anyway")
 
 
+OPTIONS = {"search_params": "--search-param", "retriever": "--retriever", "device": "--device"}
+
+
+def _as_option(problem: str) -> ConfigError:
+    """A retriever setting's problem (``field: why``) named as the command's option."""
+    field, _, why = problem.partition(": ")
+    return ConfigError(f"{OPTIONS[field]}: {why}")
+
+
 def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, verbose: bool = False,
           allow_remote: bool = False, retriever: str = "bm25", search_params: dict | None = None,
           device: str = "cpu", **limits: int) -> None:
@@ -345,16 +354,15 @@ def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, v
 
     check_address(host, port, allow_remote)
     check_limits(limits)
-    problem = retriever_problem(retriever, str(index_dir), None, search_params)
+    problem = retriever_problem(retriever, str(index_dir), None, search_params, device)
     if problem:
-        field, _, why = problem.partition(": ")  # named as the command's options
-        raise ConfigError(f"{ {'search_params': '--search-param', 'retriever': '--retriever'}[field]}: {why}")
+        raise _as_option(problem)
     try:
         index = open_retriever(index=str(index_dir), kind=retriever, search_params=search_params, device=device)
-    except ValueError as e:
+    except ValueError as e:  # a device this machine has not (found when the embedder loads)
         if not str(e).startswith("device: "):
             raise
-        raise ConfigError(f"--device {str(e).removeprefix('device: ')}") from None
+        raise _as_option(str(e)) from None
     where = getattr(index, "devices", None)
     if where:
         print(f"emapg retrieval: {where}", file=sys.stderr, flush=True)
