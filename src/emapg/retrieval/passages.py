@@ -132,7 +132,7 @@ def stream_passages(corpus: str | Path, out: Path, fields: dict[str, str] | None
     keys, h, count = array("Q"), hashlib.sha256(), 0
     with open(out, "wb") as f:
         for pid, title, text in iter_corpus(corpus, fields):
-            line = (json.dumps({"id": pid, "title": title, "text": text}, ensure_ascii=False) + "\n").encode()
+            line = passage_line(pid, title, text)
             f.write(line)
             h.update(line)
             keys.append(_id_key(pid))
@@ -166,10 +166,15 @@ def _ids_at(path: Path, rows: set[int]) -> dict[int, str]:
     return out
 
 
+def passage_line(pid: str, title: str, text: str) -> bytes:
+    """One passage as ``passages.jsonl`` holds it: the bytes both writers write and the digest covers."""
+    return (json.dumps({"id": pid, "title": title, "text": text}, ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def write_passages(passages: Passages, folder: Path) -> None:
-    with open(folder / PASSAGES_FILE, "w", encoding="utf-8") as f:
+    with open(folder / PASSAGES_FILE, "wb") as f:
         for pid, title, text in zip(passages.ids, passages.titles, passages.texts, strict=True):
-            f.write(json.dumps({"id": pid, "title": title, "text": text}, ensure_ascii=False) + "\n")
+            f.write(passage_line(pid, title, text))
 
 
 def read_passages(folder: Path) -> Passages:

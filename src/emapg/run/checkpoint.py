@@ -288,7 +288,7 @@ def _other_model(ckpt: dict[str, Any], names: Mapping[str, list[int]] | set[str]
     (some missing, others there instead) or another shape of a name both have; None when it fits or is only
     short of names (a damaged file)."""
     policy = ckpt["policy"]
-    missing, foreign = sorted(set(names) - set(policy)), sorted(set(policy) - set(names) - known)
+    missing, foreign = sorted(set(names) - set(policy)), sorted(set(policy) - known)
     if foreign:  # a damaged file loses tensors, it never gains some
         return f"another model's weights ({foreign[0]}, which this run's model has not" + (
             f"; no {missing[0]})" if missing else ")")
