@@ -444,13 +444,18 @@ def _train_parser(sub) -> None:
     t.add_argument("--force", action="store_true",
                    help="with --resume: accept changes to what the resumed steps replay (overrides of seed, "
                         "algo...; a teacher whose weights changed)")
-    t.add_argument("--trust-plugins", action="store_true",
-                   help="import the plugins a run folder's config.yaml names (they are code: read them first; without "
-                        "this flag a run folder's config imports none)")
+    _trust_plugins_arg(t)
     t.add_argument("--nproc", type=int, default=1,
                    help="data-parallel processes on this machine (runs torchrun; or launch torchrun yourself)")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.eta=0.95 steps=100")
     t.set_defaults(func=cmd_train)
+
+
+def _trust_plugins_arg(parser: argparse.ArgumentParser) -> None:
+    """``--trust-plugins``, for the commands that read a run folder's config.yaml."""
+    parser.add_argument("--trust-plugins", action="store_true",
+                        help="import the plugins a run folder's config.yaml names (they are code: read them first; "
+                             "without this flag a run folder's config imports none)")
 
 
 def _plan_parser(sub) -> None:
@@ -459,9 +464,7 @@ def _plan_parser(sub) -> None:
     ex.add_argument("run", help="the run folder")
     ex.add_argument("--step", type=int, help="the checkpoint's step (default: the newest complete checkpoint)")
     ex.add_argument("--out", help="where OUT/policy and OUT/anchor go (default: RUN/export-step_NNNNNN)")
-    ex.add_argument("--trust-plugins", action="store_true",
-                    help="import the plugins a run folder's config.yaml names (they are code: read them first; without "
-                         "this flag a run folder's config imports none)")
+    _trust_plugins_arg(ex)
     ex.set_defaults(func=cmd_export)
     pl = sub.add_parser("plan", help="the memory a run needs per device, phase by phase (config.json only, no weights)")
     pl.add_argument("--config", help="YAML config file, or the name of a shipped recipe")
@@ -483,9 +486,7 @@ def _eval_parser(sub) -> None:
     e.add_argument("--task", help="math, search_qa, arithmetic, ...")
     e.add_argument("--run", help="a run folder: its exported policy and anchor (unless --model), its task and "
                                  "task_args (retriever, template...), which --task-args entries override")
-    e.add_argument("--trust-plugins", action="store_true",
-                   help="import the plugins a run folder's config.yaml names (they are code: read them first; without "
-                        "this flag a run folder's config imports none)")
+    _trust_plugins_arg(e)
     e.add_argument("--task-args", help='JSON, e.g. \'{"digits": 2}\' or \'{"retriever_url": "http://127.0.0.1:8000"}\'')
     e.add_argument("--data", nargs="+", metavar="[NAME=]FILE",
                    help="eval sets in a published format (math: MATH-500, AIME, AMC, Minerva, OlympiadBench; "

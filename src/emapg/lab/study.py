@@ -213,13 +213,9 @@ def _configs(path: Path, raw: Any) -> dict[str, list[str]]:
                           f"{type(raw).__name__}")
     configs = {}
     for name, spec in raw.items():
-        if isinstance(spec, dict):
-            _overrides(path, f"configs.{name}.overrides", spec.get("overrides", []))
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", str(name)):  # a folder's name under --out, nothing more
             raise ConfigError(f"{path}: configs: {name!r} is not a plain name (letters, digits, _ . + -): it names "
                               "the runs' folder under --out")
         over = spec.get("overrides", []) if isinstance(spec, dict) else spec
-        if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
-            raise ConfigError(f"{path}: configs.{name}: expected a list of KEY=VALUE overrides")
-        configs[str(name)] = over
+        configs[str(name)] = _overrides(path, f"configs.{name}", over)
     return configs
