@@ -134,6 +134,15 @@ def _read_table(path: Path) -> list[tuple[str, dict]]:
     return [(f"row {i}", dict(row)) for i, row in enumerate(ds)]
 
 
+def answer_text(value: Any, where: str | None = None) -> str:
+    """A gold answer as text: a string as it is, a number as written (a whole float, AMC's 142.0, as its integer);
+    anything else (a null, a list, true) is a DataError naming ``where`` (file, line, field) when given."""
+    if value is None or isinstance(value, bool) or not isinstance(value, str | int | float):
+        at = f"{where}: " if where else ""
+        raise DataError(f"{at}an answer is {value!r} ({type(value).__name__}); expected text or a number")
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
 def check_text(value: Any, where: str) -> None:
     """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud83d", common in scraped data:
     JSON allows it, no tokenizer can encode it), naming where it is."""

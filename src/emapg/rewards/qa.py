@@ -45,14 +45,10 @@ def gold_answers(value: object, where: str) -> list[str]:
     """A row's gold answers as a list of strings (a string or a number alone is one answer), refusing what no
     prediction could match: no answers, a null, a non-text item, or only answers that normalise to nothing.
     Answers that normalise to nothing beside others are dropped. Errors name ``where`` (file, line, field)."""
-    from emapg.data import DataError
+    from emapg.data import DataError, answer_text
 
     items = value if isinstance(value, list | tuple) else [value]
-    out = []
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, str | int | float):
-            raise DataError(f"{where}: an answer is {item!r} ({type(item).__name__}); expected text or a number")
-        out.append(str(int(item)) if isinstance(item, float) and item.is_integer() else str(item))
+    out = [answer_text(item, where) for item in items]
     if not out:
         raise DataError(f"{where}: no gold answers (an empty list): no prediction could be scored right")
     kept = [a for a in out if normalize_answer(a)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from emapg.config import at_least, one_of
-from emapg.data import DataError, check_text, load_rows
+from emapg.data import DataError, answer_text, check_text, load_rows
 from emapg.rewards.math import boxed_format_reward, math_reward
 from emapg.rewards.math_reference import reference_math_reward
 from emapg.tasks.base import Example, Task
@@ -39,11 +39,7 @@ def gold_answers(value, together: bool = False) -> list[str]:
         return [", ".join(gold_answers(items))]
     out = []
     for v in items:
-        if v is None or isinstance(v, bool) or not isinstance(v, str | int | float):
-            raise DataError(f"an answer is {v!r} ({type(v).__name__}); expected text or a number")
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        text = str(v).strip()
+        text = answer_text(v).strip()
         while len(text) >= 2 and text.startswith("$") and text.endswith("$"):
             text = text[1:-1].strip()
         out.append(text)
