@@ -13,7 +13,7 @@ from typing import Any
 
 from emapg.lab.study import Spec
 from emapg.lab.verdicts import anchor_minus_policy, judge, load_hypotheses, paired_diffs, table
-from emapg.run.metrics import read_metrics
+from emapg.run.metrics import METRIC_UNITS, draw_series, finish_axes, read_metrics
 from emapg.run.outcomes import final_outcomes
 from emapg.stats import interval95, mcnemar_p
 
@@ -297,9 +297,6 @@ def per_problem_section(spec: Spec, out: Path, summary: dict[str, Any]) -> str:
             "| group | configs | per seed |\n|---|---|---|\n" + "\n".join(lines) + "\n")
 
 
-UNITS = {"eval/policy_accuracy": ("accuracy (%)", 100.0), "eval/anchor_accuracy": ("accuracy (%)", 100.0),
-         "reward_mean": ("reward", 1.0), "kl": ("nats per token", 1.0), "kl_to_init": ("nats per token", 1.0),
-         "entropy": ("nats per token", 1.0), "eval/policy_teacher_kl": ("nats per token (log scale)", 1.0)}
 PANELS_PER_ROW = 3
 
 
@@ -314,12 +311,11 @@ def drawn_panels(summary: dict[str, Any], names: list[str]) -> dict[str, str]:
 def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) -> Path:
     """One figure: a panel per curve that has one (:func:`drawn_panels`), at most three to a row, a line per
     config (mean over seeds) with a ±1 std band, each axis with its unit; configs whose curves coincide are
-    drawn dashed and named "(= ...)" so none hides another."""
+    drawn dashed and named "(= ...)" so none hides another (the run plots' :func:`draw_series`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     names = [n for n in (names or list(summary)) if n in summary]
     panels = drawn_panels(summary, names) or dict(list(CURVES.items())[:1])
@@ -327,27 +323,21 @@ def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) ->
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.4 * rows), squeeze=False)
     for ax, (title, key) in zip(axes.flat, panels.items(), strict=False):
-        unit, scale = UNITS.get(key, ("", 1.0))
+        unit, scale = METRIC_UNITS.get(key, ("", 1.0))
         drawn: list[tuple[str, list]] = []
         for n in names:
             c = summary[n]["curves"][key]
             if not c["steps"]:
                 continue
-            mean = [scale * m for m in c["mean"]]
-            same = next((label for label, prev in drawn if prev == [c["steps"], mean]), None)
             lo = [scale * (m - s) for m, s in zip(c["mean"], c["std"], strict=True)]
             hi = [scale * (m + s) for m, s in zip(c["mean"], c["std"], strict=True)]
-            line, = ax.plot(c["steps"], mean, marker="o" if len(c["steps"]) < 12 else None, ms=3,
-                            ls="--" if same else "-", label=summary[n]["label"] + (f" (= {same})" if same else ""))
+            line = draw_series(ax, c["steps"], [scale * m for m in c["mean"]], summary[n]["label"], drawn,
+                               marker_below=12, ms=3)
             ax.fill_between(c["steps"], lo, hi, color=line.get_color(), alpha=0.15)
-            drawn.append((summary[n]["label"], [c["steps"], mean]))
-        ax.set_title(title, fontsize=10)
-        if key in TEACHER_CURVES.values():
+        log = key in TEACHER_CURVES.values()
+        if log:
             ax.set_yscale("log")  # step 0 is 20-50x the rest
-        ax.set_xlabel("step")
-        ax.set_ylabel(unit)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
+        finish_axes(ax, title, unit + (" (log scale)" if log else ""), fontsize=10)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)

@@ -21,13 +21,17 @@ PLOTS = {
     "kl": ["kl", "kl_to_init"],
     "entropy": ["entropy"],
 }
-# each plot's title and y-axis (the unit), and the factor its values are shown at (accuracy in %)
-PLOT_AXES = {
-    "reward": ("mean reward of the step's responses", "reward", 1.0),
-    "accuracy": ("held-out accuracy", "accuracy (%)", 100.0),
-    "kl": ("KL to the anchor, per token (an estimate: a step's value may be < 0)", "nats per token", 1.0),
-    "entropy": ("policy entropy, per token", "nats per token", 1.0),
+PLOT_TITLES = {
+    "reward": "mean reward of the step's responses",
+    "accuracy": "held-out accuracy",
+    "kl": "KL to the anchor, per token (an estimate: a step's value may be < 0)",
+    "entropy": "policy entropy, per token",
 }
+# each metric's unit on a plot's axis, and the factor its values are shown at (accuracy in %)
+METRIC_UNITS = {"reward_mean": ("reward", 1.0), "eval/policy_accuracy": ("accuracy (%)", 100.0),
+                "eval/anchor_accuracy": ("accuracy (%)", 100.0), "kl": ("nats per token", 1.0),
+                "kl_to_init": ("nats per token", 1.0), "entropy": ("nats per token", 1.0),
+                "eval/policy_teacher_kl": ("nats per token", 1.0)}
 LABELS = {"reward_mean": "reward", "eval/policy_accuracy": "policy", "eval/anchor_accuracy": "EMA anchor",
           "kl": "KL to the anchor", "kl_to_init": "KL to the initial policy", "entropy": "entropy"}
 
@@ -223,35 +227,47 @@ def plot_run(run_dir: Path) -> list[Path]:
 
 def run_figure(rows: list[dict[str, Any]], name: str):
     """One of :data:`PLOTS` as a matplotlib figure (None when no row has its values): the axis labelled with its
-    unit, steps as whole numbers; a series that coincides with one drawn before it is drawn dashed with hollow
-    markers and marked "(= ...)" in the legend, so it does not vanish behind it."""
+    unit, steps as whole numbers, coinciding series told apart (:func:`draw_series`)."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
-    title, unit, scale = PLOT_AXES[name]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     drawn: list[tuple[str, list]] = []
     for key in PLOTS[name]:
+        scale = METRIC_UNITS[key][1]
         pts = [(r["step"], scale * r[key]) for r in rows
                if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
-        if not pts:
-            continue
-        same = next((label for label, prev in drawn if prev == pts), None)
-        label = LABELS.get(key, key) + (f" (= {same})" if same else "")
-        style = dict(ls="--", mfc="none") if same else {}
-        ax.plot(*zip(*pts, strict=True), marker="o" if len(pts) < 30 else None, ms=4, label=label, **style)
-        drawn.append((LABELS.get(key, key), pts))
+        if pts:
+            draw_series(ax, *zip(*pts, strict=True), LABELS.get(key, key), drawn, marker_below=30, ms=4)
     if not drawn:
         plt.close(fig)
         return None
-    ax.set_xlabel("step")
-    ax.set_ylabel(unit)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, PLOT_TITLES[name], METRIC_UNITS[PLOTS[name][0]][0], fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def draw_series(ax, steps, values, label: str, drawn: list[tuple[str, list]], *, marker_below: int, ms: float):
+    """A series on ``ax``; one equal to a series drawn before it (``drawn``: (label, points), appended to) is
+    drawn dashed with hollow markers and named "(= that one)", so it does not vanish behind it. The line."""
+    points = [list(steps), list(values)]
+    same = next((other for other, prev in drawn if prev == points), None)
+    style = dict(ls="--", mfc="none") if same else {}
+    line, = ax.plot(steps, values, marker="o" if len(steps) < marker_below else None, ms=ms,
+                    label=label + (f" (= {same})" if same else ""), **style)
+    drawn.append((label, points))
+    return line
+
+
+def finish_axes(ax, title: str, unit: str, fontsize: float) -> None:
+    """A plot's axes: its title, step as a whole number on x, the unit on y, a light grid."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    ax.set_ylabel(unit)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title, fontsize=fontsize)
+    ax.grid(alpha=0.3)
 
 
 def write_eval_table(run_dir: Path, table: dict[str, dict[str, Any] | None], note: str | None = None) -> str:
