@@ -92,7 +92,6 @@ def shape_of(config) -> ModelShape:
         model = AutoModelForCausalLM.from_config(config)
     from emapg.models.lm import decoder_and_head
 
-    text = getattr(config, "text_config", None) or config
     decoder, head = decoder_and_head(model)
     layer = decoder.layers[0]
     heads = text.num_attention_heads
