@@ -171,10 +171,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
     if args.gpu_memory is None:  # a GPU's 80 GiB, or on the CPU this host's memory shared by the processes
-        from emapg.run.assembly import host_memory
+        from emapg.run.assembly import host_share
 
-        host = host_memory() if args.device == "cpu" else None
-        args.gpu_memory = 80.0 if host is None else host / 2**30 / args.gpus
+        host = host_share(max(args.gpus, 1)) if args.device == "cpu" else None
+        args.gpu_memory = 80.0 if host is None else host / 2**30
     for name, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory),
                         ("--prompt-tokens", args.prompt_tokens), ("--response-tokens", args.response_tokens or 1)):
         if not value > 0 or value == float("inf"):  # NaN compares false: refused too

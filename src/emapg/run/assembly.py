@@ -144,8 +144,13 @@ def device_capacity(device: torch.device) -> float | None:
     (LOCAL_WORLD_SIZE); None where neither is known."""
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
+    return host_share(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def host_share(processes: int) -> float | None:
+    """Bytes of this host's memory for each of ``processes`` processes on it (None where it is not known)."""
     total = host_memory()
-    return None if total is None else total / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return None if total is None else total / processes
 
 
 def host_memory() -> float | None:
