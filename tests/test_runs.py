@@ -5,6 +5,7 @@ refuses changes to the replay without --force."""
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from emapg.cli import main
@@ -437,3 +438,25 @@ def test_a_full_disk_while_logging_names_the_file(tmp_path):
     assert proc.returncode == 2, err
     assert f"emapg: error: {run / 'metrics.jsonl'}: File too large" in err.splitlines(), err[-2000:]
     assert "Traceback" not in err
+
+
+def test_a_full_disk_under_tensorboard_names_its_folder_and_keeps_the_row(tmp_path, monkeypatch):
+    """TensorBoard's writer thread meets a full disk and raises a bare OSError ("No space left on device", no file)
+    at the next write: the error names the run's tensorboard folder, and the step's metrics.jsonl row is kept."""
+    import errno
+
+    from emapg.run.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer.tb, "flush", full)
+    with pytest.raises(OSError) as e:
+        writer.write({"step": 1, "reward_mean": 0.5})
+    assert str(e.value) == f"[Errno 28] No space left on device: '{tmp_path / 'tensorboard'}'"
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "reward_mean": 0.5}
+    monkeypatch.setattr(writer.tb, "close", full)
+    with pytest.raises(OSError, match="tensorboard"):
+        writer.close()
