@@ -7,16 +7,22 @@ state, and vLLM's share while it is awake):
 * ``rollout``: the HF decode loop's key/value cache (``rollout.max_rows`` rows at a time, or every row),
   one step's ``[rows, vocab]`` buffers, the per-token records, and under FSDP the gathered weights.
   With the vLLM backend the engine's share replaces it.
-* ``reference``: a no-grad pass of a micro-batch (anchor, pi_old, teacher): one layer's activations at a
-  time and the head's chunk of logits.
+* ``reference``: a no-grad pass of a micro-batch (anchor, pi_old, teacher): with prefix sharing the prompts'
+  keys and values repeated per row, one layer's activations at a time, the attention mask, the head's chunk.
 * ``update``: a micro-batch's saved activations (every layer, or only each layer's input under gradient
-  checkpointing, plus one layer recomputed), the head's chunk of logits, the gradients.
+  checkpointing, plus one layer recomputed), the attention mask, the head's chunk of logits and its backward's
+  buffers, the gradients; then the optimizer step.
+* ``evaluation``: the held-out decode loop (64 problems at a time, each with its samples); a distillation run's
+  teacher answers them once, and its teacher KL holds both models' float64 log-probs, 256 positions at a time.
+* ``export``: rank 0 gathers the policy and the anchor whole (on the host; the device when planning a CPU).
 
-The activations are measured, not guessed: :func:`activation_cost` runs the model's own decoder layer at its
-real widths on the CPU, at a few small lengths, and counts the bytes autograd saves (per token, per token
-squared where the attention keeps its weights, per layer fixed such as autocast's weight copies). The rest
-is arithmetic over the config. ``docs/BENCHMARKS.md`` ("The memory plan against measured peaks") compares
-the plan with measured peaks; ``emapg train`` runs it at the start on a GPU and refuses a run that cannot fit.
+What a pass saves is measured, not guessed: :func:`activation_cost` runs emapg's own pass
+(:func:`emapg.models.forward.response_hidden`, prefix-shared) through copies of the model with one and two
+layers of the real widths, on the CPU, at a few small micro-batches, counts the bytes autograd saves, and
+fits each term (:class:`ActivationCost`). The rest is arithmetic over the config. ``docs/BENCHMARKS.md`` ("The
+memory plan against measured peaks") compares the plan, phase by phase, with measured peaks on shapes held
+apart from those the terms were developed on; ``emapg train`` checks it at the start and refuses a run that
+cannot fit.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STEP_BYTES = 32  # bytes per row x vocab entry alive in one decoding step (fp32 logits, softmax, float64 CDF)
 TOP_P_BYTES = 24  # and more under top-p (the sort, its order, the cut's mask)
-HEAD_CHUNK_COPIES = 3  # [chunk, vocab] fp32 blocks alive at once in the head's pass (logits, softmax, gradient)
+HEAD_CHUNK_COPIES = 3  # [chunk, vocab] fp32 blocks alive at once in the head's backward (logits, softmax, gradient)
+HEAD_NOGRAD_COPIES = 2  # and in a pass without gradients (logits, the log-sum-exp's or top-k's temporary)
 
 
 @dataclass(frozen=True)
@@ -105,20 +112,64 @@ def shape_of(config) -> ModelShape:
 
 @dataclass(frozen=True)
 class ActivationCost:
-    """Bytes autograd keeps per decoder layer for a row of T tokens: ``per_token * T + per_token_sq * T**2``,
-    plus ``per_layer`` whatever the length (autocast's copies of the weights)."""
+    """Bytes autograd keeps for the backward pass of emapg's model pass (models/forward.py), per decoder layer
+    and per pass. With prefix sharing a micro-batch's ``prompts`` prompts of P tokens run once each
+    (``prompt_token * P + prompt_token_sq * P**2`` per prompt, per layer) and its ``rows`` responses of R tokens
+    read those prompts' keys and values repeated per row (``token * R + prefix_token * P + query_key * R * (P + R)``
+    per row, per layer); without sharing a row of T tokens costs ``token * T + query_key * T**2`` per layer.
+    ``per_layer``: per layer whatever the lengths (autocast's weight copies); ``pass_token`` and
+    ``pass_prompt_token``: per response (or plain) token and per prompt token, once a pass, not per layer (the
+    embeddings' output, the final norm)."""
 
-    per_token: float
-    per_token_sq: float
+    token: float
+    query_key: float
     per_layer: float
+    prompt_token: float
+    prompt_token_sq: float
+    prefix_token: float
+    pass_token: float
+    pass_prompt_token: float
+    checkpointed: bool = False
 
     def layer_bytes(self, rows: int, tokens: int) -> float:
-        return self.per_layer + rows * (self.per_token * tokens + self.per_token_sq * tokens**2)
+        """One layer of the plain pass: ``rows`` rows of ``tokens`` tokens (checkpointed: its input alone, no
+        weight copies; those come from the prompt pass, which the prefix-shared pass never checkpoints)."""
+        fixed = 0.0 if self.checkpointed else self.per_layer
+        return fixed + rows * (self.token * tokens + self.query_key * tokens**2)
+
+    def pass_bytes(self, prompts: int, rows: int, prompt_tokens: int, response_tokens: int, sharing: bool) -> float:
+        """What a pass keeps once, not per layer."""
+        if not sharing:
+            return self.pass_token * rows * (prompt_tokens + response_tokens)
+        return self.pass_prompt_token * prompts * prompt_tokens + self.pass_token * rows * response_tokens
+
+    def shared_layer_bytes(self, prompts: int, rows: int, prompt_tokens: int, response_tokens: int) -> float:
+        """One layer of the prefix-shared pass: ``prompts`` prompts, ``rows`` responses."""
+        p, r = prompt_tokens, response_tokens
+        return (self.per_layer + prompts * (self.prompt_token * p + self.prompt_token_sq * p**2)
+                + rows * (self.token * r + self.prefix_token * p + self.query_key * r * (p + r)))
 
 
-def _layers_model(config, layers: int, dtype: str, checkpointing: bool) -> nn.Module:
+# (prompts, samples each, prompt tokens, response tokens): the passes a calibration measures (8 points for the
+# 6 per-layer and 3 per-pass terms, each term moved alone by some pair of points)
+CALIBRATION_POINTS = ((1, 2, 16, 16), (1, 2, 32, 16), (1, 2, 16, 32), (2, 2, 16, 16), (1, 4, 16, 16),
+                      (1, 2, 64, 32), (1, 2, 32, 64), (2, 3, 24, 40))
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a calibration builds the model's layers as: their dtype, autocast, checkpointing, LoRA adapters
+    (``(r, alpha, target modules)``, or None)."""
+
+    dtype: str
+    mixed_precision: str | None
+    checkpointing: bool
+    lora: tuple | None = None
+
+
+def _layers_model(config, layers: int, how: Calibration) -> nn.Module:
     """A copy of the model with ``layers`` layers and a 256-token vocabulary, its weights and buffers zeros
-    (their values change no byte autograd saves), in ``dtype``, in the flags of a pass with gradients."""
+    (their values change no byte autograd saves), in the calibration's dtype and flags of a pass with gradients,
+    with its LoRA adapters (the base frozen) when it has them."""
     import warnings
 
     from transformers import AutoModelForCausalLM
@@ -130,23 +181,43 @@ def _layers_model(config, layers: int, dtype: str, checkpointing: bool) -> nn.Mo
                                       "layer_types": None, "use_cache": False, "bos_token_id": None,
                                       "eos_token_id": None, "pad_token_id": None})
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[how.dtype])
     model.to_empty(device="cpu")
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             if t.is_floating_point() and t.numel():
                 t.zero_()
-    if checkpointing:
+    if how.checkpointing:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if how.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        r, alpha, targets = how.lora
+        model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets)))
     set_pass_mode(model, grad=True)
     return model
 
 
-def _saved_bytes(model: nn.Module, tokens: int, autocast: bool) -> int:
-    """Bytes autograd saves (parameters not counted, each storage once) in a forward of one row of
-    ``tokens`` tokens (its first column padded, so the attention takes a mask as in emapg's passes)."""
+def _calibration_batch(prompts: int, n: int, prompt_tokens: int, response_tokens: int):
+    """A micro-batch of ``prompts`` prompts (their first column padding, so the attention takes a mask as in a
+    run) with ``n`` responses each of ``response_tokens`` inputs."""
+    from emapg.rollout.batch import RolloutBatch
+
+    ids = torch.randint(2, 256, (prompts, prompt_tokens))
+    mask = torch.ones_like(ids)
+    mask[:, 0] = 0
+    resp = torch.randint(2, 256, (prompts * n, response_tokens + 1))
+    return RolloutBatch(prompt_ids=ids, prompt_mask=mask, response_ids=resp, response_mask=torch.ones_like(resp),
+                        samp_logp=torch.zeros(resp.shape), n=n)
+
+
+def _saved_bytes(model: nn.Module, mb, autocast: bool, sharing: bool = True) -> int:
+    """Bytes autograd saves (parameters not counted, each storage once) in emapg's pass of the micro-batch
+    ``mb`` (:func:`emapg.models.forward.response_hidden`, prefix-shared or plain)."""
+    from emapg.models.forward import response_hidden
+
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -156,12 +227,9 @@ def _saved_bytes(model: nn.Module, tokens: int, autocast: bool) -> int:
             seen[ptr] = t.untyped_storage().nbytes()
         return t
 
-    ids = torch.randint(0, 256, (1, tokens))
-    mask = torch.ones_like(ids)
-    mask[0, 0] = 0
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
+        response_hidden(model, mb, prefix_sharing=sharing)
     return sum(seen.values())
 
 
@@ -169,43 +237,59 @@ _COSTS: dict[tuple, ActivationCost] = {}
 
 
 CALIBRATION_BYTES = 2 * GIB  # the most a full-width calibration may build (its 1- and 2-layer copies' weights)
+PER_TOKEN_FIELDS = ("token", "query_key", "prompt_token", "prompt_token_sq", "prefix_token", "pass_token",
+                    "pass_prompt_token")
 
 
-def activation_cost(shape: ModelShape, dtype: str, mixed_precision: str | None,
-                    checkpointing: bool) -> ActivationCost:
-    """What one decoder layer of this model saves for its backward pass, measured on the CPU at 16, 32 and 64
-    tokens (a layer of the real widths: two layers' bytes minus one layer's) and fitted exactly. A layer too wide
-    to build within :data:`CALIBRATION_BYTES` (a 70B model's) is measured at three narrower widths (hidden,
-    intermediate and head counts divided alike, the head size kept) and scaled: per token affine in the width,
-    per layer quadratic (autocast's weight copies), so the fit is exact for a layer whose widths scale together
-    (tested against the full width). Cached per config and settings."""
-    key = (shape.config.to_json_string(use_diff=False), dtype, mixed_precision, checkpointing)
+def activation_cost(shape: ModelShape, how: Calibration) -> ActivationCost:
+    """What this model's pass saves for its backward, measured on the CPU: the prefix-shared pass of small
+    micro-batches (:data:`CALIBRATION_POINTS`) through copies of the model with one and two layers of the real
+    widths (the difference is a layer, the rest the pass), each term fitted by least squares (exact: a test
+    predicts a held-out pass to the byte). A layer too wide to build within :data:`CALIBRATION_BYTES` (a 70B
+    model's) is measured at three narrower widths (hidden, intermediate and head counts divided alike, the head
+    size kept) and scaled: per token affine in the width, per layer quadratic (autocast's weight copies), so the
+    fit is exact for a layer whose widths scale together (tested against the full width). Cached per config and
+    calibration."""
+    key = (shape.config.to_json_string(use_diff=False), how)
     if key not in _COSTS:
-        full = 3 * shape.layer_params * DTYPE_BYTES[dtype]  # the 1- and 2-layer copies together
+        full = 3 * shape.layer_params * DTYPE_BYTES[how.dtype]  # the 1- and 2-layer copies together
         divisors = _width_divisors(shape.config) if full > CALIBRATION_BYTES else []
         if len(divisors) < 3:
-            _COSTS[key] = _measured_cost(shape.config, dtype, mixed_precision, checkpointing)
+            _COSTS[key] = _measured_cost(shape.config, how)
         else:
             # the three largest reductions that fit, as widths w = 1/d of the full one
             fits = [d for d in divisors if full / d**2 <= CALIBRATION_BYTES][:3]
             fits = fits if len(fits) == 3 else divisors[-3:]
-            costs = [(1 / d, _measured_cost(_narrowed(shape.config, d), dtype, mixed_precision, checkpointing))
-                     for d in fits]
-            _COSTS[key] = ActivationCost(per_token=_extrapolate([(w, c.per_token) for w, c in costs], 1),
-                                         per_token_sq=_extrapolate([(w, c.per_token_sq) for w, c in costs], 1),
-                                         per_layer=_extrapolate([(w, c.per_layer) for w, c in costs], 2))
+            costs = [(1 / d, _measured_cost(_narrowed(shape.config, d), how)) for d in fits]
+            _COSTS[key] = ActivationCost(**{
+                name: _extrapolate([(w, getattr(c, name)) for w, c in costs], 1 if name in PER_TOKEN_FIELDS else 2)
+                for name in (*PER_TOKEN_FIELDS, "per_layer")}, checkpointed=how.checkpointing)
     return _COSTS[key]
 
 
-def _measured_cost(config, dtype: str, mixed_precision: str | None, checkpointing: bool) -> ActivationCost:
-    lengths, autocast = (16, 32, 64), mixed_precision == "bf16"
-    one, two = (_layers_model(config, n, dtype, checkpointing) for n in (1, 2))
-    per = [_saved_bytes(two, t, autocast) - _saved_bytes(one, t, autocast) for t in lengths]
-    (t0, t1, t2), (y0, y1, y2) = lengths, per  # per(t) = c + a t + b t^2, solved from the three lengths
-    b = ((y2 - y1) / (t2 - t1) - (y1 - y0) / (t1 - t0)) / (t2 - t0)
-    a = (y1 - y0) / (t1 - t0) - b * (t1 + t0)
-    c = y0 - a * t0 - b * t0**2
-    return ActivationCost(per_token=max(a, 0.0), per_token_sq=max(b, 0.0), per_layer=max(c, 0.0))
+def _measured_cost(config, how: Calibration) -> ActivationCost:
+    import numpy as np
+
+    autocast = how.mixed_precision == "bf16"
+    one, two = (_layers_model(config, n, how) for n in (1, 2))
+    layer, per_pass, terms, pass_terms = [], [], [], []
+    torch.manual_seed(0)
+    for prompts, n, p, r in CALIBRATION_POINTS:
+        mb = _calibration_batch(prompts, n, p, r)
+        a, b = _saved_bytes(one, mb, autocast), _saved_bytes(two, mb, autocast)
+        rows = prompts * n
+        terms.append([1, prompts * p, prompts * p * p, rows * r, rows * p, rows * r * (p + r)])
+        pass_terms.append([prompts * p, rows * r])
+        layer.append(b - a)
+        per_pass.append(2 * a - b)
+    fit = np.linalg.lstsq(np.array(terms, float), np.array(layer, float), rcond=None)[0]
+    pass_prompt_token, pass_token = np.linalg.lstsq(np.array(pass_terms, float), np.array(per_pass, float),
+                                                    rcond=None)[0]
+    per_layer, prompt_token, prompt_token_sq, token, prefix_token, query_key = (max(float(v), 0.0) for v in fit)
+    return ActivationCost(token=token, query_key=query_key, per_layer=per_layer, prompt_token=prompt_token,
+                          prompt_token_sq=prompt_token_sq, prefix_token=prefix_token,
+                          pass_token=max(float(pass_token), 0.0),
+                          pass_prompt_token=max(float(pass_prompt_token), 0.0), checkpointed=how.checkpointing)
 
 
 def _width_divisors(config) -> list[int]:
@@ -274,56 +358,151 @@ def plan(cfg: Any, shape: ModelShape, *, world: int = 1, prompt_tokens: int = 51
          device: str = "cuda") -> Plan:
     """The per-device memory plan of ``cfg`` (a TrainConfig) on ``world`` devices, for prompts of up to
     ``prompt_tokens`` tokens and responses of up to ``response_tokens`` (default rollout.max_new_tokens; an
-    agent episode's whole budget for agent tasks), the policy's layers costing what :func:`activation_cost`
+    agent episode's whole budget for agent tasks), the policy's pass costing what :func:`activation_cost`
     measures. ``gpu_memory`` (bytes) sizes vLLM's share when the backend is vllm. ``device``: cuda (AdamW's
     multi-tensor step: one parameter-sized temporary) or cpu (one tensor at a time)."""
     shard = 1.0 / world if world > 1 else 1.0
     pb = DTYPE_BYTES[cfg.dtype]
-    cb = 2 if cfg.mixed_precision == "bf16" else pb
-    on_device = 0.0 if cfg.offload else 1.0
     trainable = shape.params if cfg.lora.r == 0 else _lora_params(shape, cfg)
-    n, budget = cfg.rollout.n, response_tokens or cfg.rollout.max_new_tokens
+    budget = response_tokens or cfg.rollout.max_new_tokens
     p = _resident(cfg, shape, teacher, trainable, shard)
-    rows_step = cfg.prompts_per_step // world * n
-    if cfg.rollout.backend == "vllm":
-        share = cfg.rollout.vllm_gpu_memory * (gpu_memory or 0.0)
-        if device == "cpu":  # the CPU engine holds no share of a device: its weights and its own KV cache
-            share = shape.params * 4 + (cfg.rollout.vllm_kv_cache_gib or 0.0) * GIB
-            if cfg.rollout.vllm_kv_cache_gib is None:
-                p.notes.append("the CPU vLLM engine's KV cache is sized from the run: set rollout.vllm_kv_cache_gib "
-                               "to count it")
-        if cfg.rollout.vllm_sleep and device != "cpu":  # freed during the update (no sleep mode on the CPU)
-            p.phases.append(Phase("rollout", {"vLLM engine (weights and cache)": share}))
-        else:
-            p.resident["vLLM engine, awake through the update"] = share
-        if gpu_memory is None and device != "cpu":
-            p.notes.append("vLLM's share is a fraction of the GPU: give --gpu-memory to count it")
-    else:
-        rows = min(cfg.rollout.max_rows or rows_step, rows_step)
-        step = STEP_BYTES + (TOP_P_BYTES if cfg.rollout.top_p < 1 else 0)
-        parts = {"key/value cache": rows * (prompt_tokens + budget) * shape.kv_bytes_per_token * cb,
-                 "decoding step buffers": rows * shape.vocab * step,
-                 "per-token records": rows_step * budget * (20 + 8 * cfg.algo.k)}
-        if world > 1:
-            parts["gathered weights (FSDP)"] = shape.params * cb
-        p.phases.append(Phase("rollout", parts))
-    mb_rows, tokens = cfg.micro_batch_prompts * n, prompt_tokens + budget
-    head = {"head's logits chunk": min(cfg.chunk_size, mb_rows * budget) * shape.vocab * 4 * HEAD_CHUNK_COPIES}
-    layer_gather = {"gathered layers (FSDP)": 2 * shape.layer_params * cb} if world > 1 else {}
-    cost = lambda ck: activation_cost(shape, cfg.dtype, cfg.mixed_precision, ck)  # noqa: E731
-    plain = cost(False).layer_bytes(mb_rows, tokens)
-    nograd = mb_rows * tokens * _nograd_bytes(shape, cb)
-    p.phases.append(Phase("reference", {"one layer's activations (no grad)": nograd, **head, **layer_gather}))
-    saved = cost(True).layer_bytes(mb_rows, tokens) if cfg.gradient_checkpointing else plain
-    update = {"saved activations": shape.layers * saved, **head, **layer_gather,
-              "gradients": trainable * pb * shard * on_device}
-    if cfg.gradient_checkpointing:
-        update["one layer recomputed"] = plain
-    p.phases.append(Phase("update", update))
+    engine = _engine_share(cfg, shape, gpu_memory, device, p) if cfg.rollout.backend == "vllm" else None
+    rows_step = cfg.prompts_per_step // world * cfg.rollout.n
+    if engine is None:
+        p.phases.append(Phase("rollout", _decoding(cfg, shape, world, rows_step, prompt_tokens, budget)))
+    p.phases += _pass_phases(cfg, shape, world, prompt_tokens, budget, trainable * pb * shard)
     if not cfg.offload:
         temp = trainable * pb * shard if device == "cuda" else 2 * min(trainable, shape.largest_param) * pb
         p.phases.append(Phase("optimizer step", {"gradients": trainable * pb * shard, "AdamW temporaries": temp}))
+    p.phases += _eval_phases(cfg, shape, teacher, world, prompt_tokens, engine is not None)
+    if cfg.export and world > 1:  # rank 0 gathers the policy and the anchor whole and loads an unsharded model
+        export = {"export (rank 0: policy and anchor gathered, an unsharded model)": 3 * shape.params * pb}
+        if device == "cpu":
+            p.phases.append(Phase("export", export))
+        else:
+            p.host.update(export)
     return p
+
+
+def _engine_share(cfg: Any, shape: ModelShape, gpu_memory: float | None, device: str, p: Plan) -> float:
+    """vLLM's share of the device (a phase when it sleeps through the update, else resident), added to ``p``."""
+    share = cfg.rollout.vllm_gpu_memory * (gpu_memory or 0.0)
+    if device == "cpu":  # the CPU engine holds no share of a device: its weights and its own KV cache
+        share = shape.params * 4 + (cfg.rollout.vllm_kv_cache_gib or 0.0) * GIB
+        if cfg.rollout.vllm_kv_cache_gib is None:
+            p.notes.append("the CPU vLLM engine's KV cache is sized from the run: set rollout.vllm_kv_cache_gib "
+                           "to count it")
+    if cfg.rollout.vllm_sleep and device != "cpu":  # freed during the update (no sleep mode on the CPU)
+        p.phases.append(Phase("rollout", {"vLLM engine (weights and cache)": share}))
+    else:
+        p.resident["vLLM engine, awake through the update"] = share
+    if gpu_memory is None and device != "cpu":
+        p.notes.append("vLLM's share is a fraction of the GPU: give --gpu-memory to count it")
+    return share
+
+
+def _decoding(cfg: Any, shape: ModelShape, world: int, rows: int, prompt_tokens: int, budget: int,
+              top_p: float | None = None) -> dict[str, float]:
+    """The HF decode loop's parts for ``rows`` rows (``rollout.max_rows`` at a time) of ``budget`` new tokens."""
+    cb = 2 if cfg.mixed_precision == "bf16" else DTYPE_BYTES[cfg.dtype]
+    at_once = min(cfg.rollout.max_rows or rows, rows)
+    step = STEP_BYTES + (TOP_P_BYTES if (cfg.rollout.top_p if top_p is None else top_p) < 1 else 0)
+    parts = {"key/value cache": at_once * (prompt_tokens + budget) * shape.kv_bytes_per_token * cb,
+             "decoding step buffers": at_once * shape.vocab * step,
+             "per-token records": rows * budget * (20 + 8 * cfg.algo.k)}
+    if world > 1:
+        parts["gathered weights (FSDP)"] = shape.params * cb
+    return {**parts, **_autocast_copies(cfg, shape, world)}
+
+
+def _autocast_copies(cfg: Any, shape: ModelShape, world: int, head_only: bool = False) -> dict[str, float]:
+    """One process under bf16 autocast around fp32 weights: the bf16 copies of the weights autocast keeps while
+    its context is open (a decode loop, a pass without gradients); in a pass with gradients the layers' copies
+    are in the calibration, the head's copy (the log-prob path's own cast) is not."""
+    if world > 1 or cfg.mixed_precision != "bf16" or DTYPE_BYTES[cfg.dtype] == 2:
+        return {}
+    if head_only:
+        return {"the head's bf16 copy (autocast)": shape.vocab * shape.hidden * 2}
+    return {"autocast's bf16 copies of the weights": shape.params * 2}
+
+
+def calibration(cfg: Any, world: int, checkpointing: bool) -> Calibration:
+    """How the run's layers compute: under FSDP2 (2+ processes) bf16 mixed precision casts the weights, so the
+    whole pass and what it saves is bf16; one process autocasts around fp32 weights (fp32 residual stream)."""
+    lora = (cfg.lora.r, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.r else None
+    if world > 1 and cfg.mixed_precision == "bf16":
+        return Calibration("bfloat16", None, checkpointing, lora)
+    return Calibration(cfg.dtype, cfg.mixed_precision, checkpointing, lora)
+
+
+def _pass_phases(cfg: Any, shape: ModelShape, world: int, prompt_tokens: int, budget: int,
+                 gradients: float) -> list[Phase]:
+    """The reference passes (no grad) and the update of one micro-batch: with prefix sharing each prompt runs
+    once and its keys and values are repeated per row (what :func:`emapg.models.forward.response_hidden` does)."""
+    prompts, rows, (pt, rt) = cfg.micro_batch_prompts, cfg.micro_batch_prompts * cfg.rollout.n, (prompt_tokens, budget)
+    cb = 2 if cfg.mixed_precision == "bf16" else DTYPE_BYTES[cfg.dtype]
+    sharing = cfg.prefix_sharing
+
+    def saved(c: ActivationCost, prompt_pass: bool = True) -> float:
+        return c.shared_layer_bytes(prompts * prompt_pass, rows, pt, rt) if sharing else c.layer_bytes(rows, pt + rt)
+
+    gather = {"gathered layers (FSDP)": 2 * shape.layer_params * cb} if world > 1 else {}
+    mask = {"attention mask (queries x keys)": rows * rt * (pt + rt) if sharing else rows * (pt + rt) ** 2}
+    chunk = min(cfg.chunk_size, rows * rt) * shape.vocab * 4
+    logits = {"head's logits chunk": chunk * HEAD_CHUNK_COPIES}
+    reference = {"head's logits chunk": chunk * HEAD_NOGRAD_COPIES, **mask, **gather,
+                 "hidden states": rows * rt * shape.hidden * 4, **_autocast_copies(cfg, shape, world),
+                 "one layer's activations (no grad)": rows * (rt if sharing else pt + rt) * _nograd_bytes(shape, cb)}
+    if sharing:
+        reference["prompts' keys and values, repeated per row"] = rows * pt * shape.kv_bytes_per_token * cb
+    cost = activation_cost(shape, calibration(cfg, world, cfg.gradient_checkpointing))
+    wb = 2 if world > 1 and cfg.mixed_precision == "bf16" else DTYPE_BYTES[cfg.dtype]
+    update = {"saved activations": shape.layers * saved(cost)
+              + cost.pass_bytes(prompts, rows, pt, rt, sharing), **logits, **mask,
+              **gather, "head's backward (weight gradient, hidden states and their gradient)":
+                  shape.vocab * shape.hidden * wb * (cfg.lora.r == 0) + 2 * rows * rt * shape.hidden * 4,
+              "gradients": gradients * (0.0 if cfg.offload else 1.0), **_autocast_copies(cfg, shape, world, True)}
+    if cfg.gradient_checkpointing:  # a response layer replayed in the backward (the prompt pass keeps its own)
+        update["one layer recomputed"] = saved(activation_cost(shape, calibration(cfg, world, False)), False)
+    return [Phase("reference", reference), Phase("update", update)]
+
+
+EVAL_BATCH = 64  # problems an evaluation decodes at once (emapg.run.evaluate), and a teacher-KL batch
+TEACHER_KL_CHUNK = 256  # positions whose logits the teacher KL holds at once (emapg.run.teacher_kl)
+
+
+def _eval_phases(cfg: Any, shape: ModelShape, teacher: ModelShape | None, world: int, prompt_tokens: int,
+                 engine: bool) -> list[Phase]:
+    """The held-out evaluation (the decode loop over 64 problems at a time, each with its samples; with vLLM
+    the engine, already counted) and a distillation run's teacher KL: the teacher's greedy answers, then both
+    models' exact KL over the vocabulary in float64, 256 positions at a time (emapg.run.teacher_kl), after both
+    models' passes over the answers (the teacher's while the policy's hidden states wait)."""
+    if not cfg.eval.size:
+        return []
+    # an agent's whole episode, else the evaluation's budget
+    budget = cfg.task_args.get("max_total_tokens") or cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    problems = min(EVAL_BATCH, -(-cfg.eval.size // world))
+    samples = 1 if cfg.eval.greedy else cfg.eval.samples
+    top_p = 1.0 if cfg.eval.greedy else (cfg.rollout.top_p if cfg.eval.top_p is None else cfg.eval.top_p)
+    phases = [] if engine else [Phase("evaluation", _decoding(cfg, shape, world, problems * samples,
+                                                              prompt_tokens, budget, top_p))]
+    if teacher is None or not cfg.eval.teacher_kl:
+        return phases
+    cb = 2 if cfg.mixed_precision == "bf16" else DTYPE_BYTES[cfg.dtype]
+    tb = DTYPE_BYTES[cfg.algo.teacher_dtype or cfg.dtype] if cfg.mixed_precision != "bf16" else 2
+    gather = {"gathered policy and teacher (FSDP)": shape.params * cb + teacher.params * tb} if world > 1 else {}
+    answers = {"teacher's key/value cache": problems * (prompt_tokens + budget) * teacher.kv_bytes_per_token * tb,
+               "teacher's decoding step buffers": problems * teacher.vocab * STEP_BYTES}
+    positions = problems * budget
+    hidden = {"the policy's hidden states": 2 * positions * shape.hidden * 4}  # each pass's output, its masked rows
+    passes = {**hidden, "one layer's activations (no grad)": positions * max(_nograd_bytes(shape, cb),
+                                                                           _nograd_bytes(teacher, tb))}
+    logprobs = {**hidden, "the teacher's hidden states": 2 * positions * teacher.hidden * 4,
+                "float64 log-probs of both models (256 positions)": min(TEACHER_KL_CHUNK, positions) * max(
+                    shape.vocab, teacher.vocab) * (2 * 4 + 6 * 8)}
+    return phases + [Phase("teacher's answers (evaluation)", {**answers, **gather}),
+                     Phase("teacher KL passes (evaluation)", {**passes, **gather}),
+                     Phase("teacher KL log-probs (evaluation)", {**logprobs, **gather})]
 
 
 def _resident(cfg: Any, shape: ModelShape, teacher: ModelShape | None, trainable: int, shard: float) -> Plan:
@@ -373,17 +552,18 @@ def _lora_params(shape: ModelShape, cfg: Any) -> int:
 
 
 def run_plan(cfg: Any, config, task, tokenizer, *, world: int = 1, device: str = "cuda",
-             gpu_memory: float | None = None) -> Plan:
+             gpu_memory: float | None = None, prompt_tokens: int | None = None,
+             response_tokens: int | None = None) -> Plan:
     """The plan of a run as ``emapg train`` checks it: the model's ``config``, prompts as long as the task's
     longest (:func:`emapg.rollout.prompts.longest_prompt`), responses as long as its budget (an agent episode's whole
-    budget), a teacher's config read from ``algo.teacher``."""
+    budget), a teacher's config read from ``algo.teacher``; or at the lengths given."""
     from emapg.rollout import response_budget
     from emapg.rollout.prompts import longest_prompt
 
     teacher = shape_of(model_config(cfg.algo.teacher, field="algo.teacher")) if cfg.algo.teacher else None
-    return plan(cfg, shape_of(config), world=world, prompt_tokens=longest_prompt(task, tokenizer),
-                response_tokens=response_budget(task, cfg.rollout.max_new_tokens), gpu_memory=gpu_memory,
-                teacher=teacher, device=device)
+    return plan(cfg, shape_of(config), world=world, prompt_tokens=prompt_tokens or longest_prompt(task, tokenizer),
+                response_tokens=response_tokens or response_budget(task, cfg.rollout.max_new_tokens),
+                gpu_memory=gpu_memory, teacher=teacher, device=device)
 
 
 def render(p: Plan, capacity: float | None = None) -> str:
@@ -397,7 +577,7 @@ def render(p: Plan, capacity: float | None = None) -> str:
     if capacity:
         lines.append(f"| device memory | {capacity / GIB:.2f} |")
     if p.host:
-        lines.append(f"| host memory (offload) | {sum(p.host.values()) / GIB:.2f} |")
+        lines.append(f"| host memory (offload, export) | {sum(p.host.values()) / GIB:.2f} |")
     return "\n".join(lines + [f"\n{note}" for note in p.notes])
 
 
