@@ -150,3 +150,35 @@ def test_every_option_of_every_command_has_help_and_shows_its_default(capsys):
 
     assert "&nbsp;" not in render(Plan({"policy weights": 2**30}, [Phase("update", {"saved activations": 2**30})],
                                        {}, []))
+
+
+@pytest.mark.parametrize("bug", [ValueError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"),
+                                 RuntimeError("expected scalar type Float but found BFloat16"),
+                                 ImportError("cannot import name 'x' from 'emapg.kl'")])
+def test_a_bug_shows_its_traceback_not_a_one_line_user_error(bug, monkeypatch, capsys):
+    """The CLI prints one line (exit 2) only for an EmapgError, the errors a user causes; a torch shape bug, a
+    dtype bug or a broken import inside emapg is not the user's and propagates with its traceback (it used to be
+    printed as "emapg: error: ..." like a typo in a config)."""
+    from emapg.models import plan
+
+    def broken(*args, **kwargs):
+        raise bug
+
+    monkeypatch.setattr(plan, "report", broken)
+    with pytest.raises(type(bug), match=str(bug)[:20]):
+        main(["plan", "--config", str(SMOKE)])
+    assert "emapg: error" not in capsys.readouterr().err
+
+
+def test_every_error_a_user_causes_is_an_emapg_error():
+    """The classes the CLI prints as one line: config, data, checkpoint, metrics, reward, retriever, a missing
+    optional package; each still the built-in kind code catches (ValueError, RuntimeError, ImportError)."""
+    from emapg.errors import CheckpointError, ConfigError, EmapgError, MissingPackage
+    from emapg.retrieval import RetrieverError
+    from emapg.run.metrics import MetricsError
+    from emapg.tasks.scoring import RewardError
+
+    for cls, kind in [(ConfigError, ValueError), (DataError, ValueError), (CheckpointError, ValueError),
+                      (MetricsError, ValueError), (RewardError, RuntimeError), (RetrieverError, RuntimeError),
+                      (MissingPackage, ImportError)]:
+        assert issubclass(cls, EmapgError) and issubclass(cls, kind), cls

@@ -283,3 +283,24 @@ def test_a_layer_too_wide_to_build_is_measured_narrower_and_scaled_exactly(monke
     assert 256 not in built and set(built) == {128, 64, 32}
     for name in P.ActivationCost.__dataclass_fields__:
         assert getattr(narrow, name) == pytest.approx(getattr(full, name), rel=1e-9, abs=1e-6)
+
+
+@pytest.mark.parametrize("flags,chosen", [({"fpu", "avx2", "amx_bf16"}, "bf16"), ({"fpu", "avx512_bf16"}, "bf16"),
+                                          ({"fpu", "avx2"}, None)])
+def test_mixed_precision_auto_picks_bf16_where_the_cpu_has_it(flags, chosen, tmp_path, monkeypatch, capsys):
+    """`mixed_precision: auto` is bf16 on a CPU with AMX-BF16 or AVX512-BF16 and fp32 elsewhere (where bf16 is
+    emulated and slower), said at the start and recorded as chosen in config.yaml, so a resume keeps it."""
+    import yaml
+
+    from emapg.models import distributed
+    from emapg.run.trainer import Trainer
+
+    monkeypatch.setattr(distributed, "cpu_flags", lambda: flags)
+    cfg = load_config(ROOT / "recipes" / "smoke.yaml", ["mixed_precision=auto", "eval.size=0", "steps=0"])
+    tr = Trainer(cfg, tmp_path / "run", progress=False)
+    assert tr.cfg.mixed_precision == chosen
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["mixed_precision"] == chosen
+    said = capsys.readouterr().err
+    assert f"mixed_precision auto: {'bf16' if chosen else 'fp32'} (this CPU has" in said
+    text = P.report(cfg, gpus=1, gpu_memory_gb=80, prompt_tokens=64, device="cpu")
+    assert ("autocast" in text) == (chosen == "bf16")  # the plan counts autocast's copies only when it is chosen

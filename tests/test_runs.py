@@ -34,13 +34,24 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_in_its_fold
 
     out = tmp_path / "run"
 
+    from emapg.tasks.scoring import RewardError
+
     def boom(self, step):
-        raise RuntimeError("the reward server went away")
+        raise RewardError("the reward server went away")
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", boom)
     assert train("--config", str(SMOKE), "--out", str(out), *FAST) == 2
     err = capsys.readouterr().err
     assert "the run failed at step 0; no checkpoint yet: run the same command again" in err
+    assert "emapg: error: the reward server went away" in err
+
+    def bug(self, step):  # a bug is not dressed as the user's mistake: its traceback shows, the hint too
+        raise RuntimeError("expected scalar type Float but found BFloat16")
+
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", bug)
+    with pytest.raises(RuntimeError, match="expected scalar type"):
+        train("--config", str(SMOKE), "--out", str(out), *FAST)
+    assert "no checkpoint yet: run the same command again" in capsys.readouterr().err
     monkeypatch.undo()
     assert train("--config", str(SMOKE), "--out", str(out), *FAST) == 0
     assert "starting it again" in capsys.readouterr().err

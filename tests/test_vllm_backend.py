@@ -167,6 +167,7 @@ def test_trainer_turns_an_engine_that_cannot_start_into_a_config_error(tmp_path,
     from emapg.config import ConfigError
 
     monkeypatch.setattr(vb, "unavailable_reason", lambda device: f"no engine for {device} in this test")
+    monkeypatch.setattr(vb, "available_memory", lambda: 64 * 2**30)  # not this host's free memory of the moment
     with pytest.raises(ConfigError, match=r"^rollout\.backend: vllm: no engine for cpu in this test$"):
         Trainer(load_config(SMOKE, ["rollout.backend=vllm", "export=false", "device=cpu"]), tmp_path, progress=False)
     with pytest.raises(ConfigError, match="rollout.vllm_sleep: vLLM's CPU backend has no sleep mode"):

@@ -25,6 +25,7 @@ from typing import Any
 import emapg.tasks  # noqa: F401 (registers the task_args check a config's loading runs)
 from emapg.config import SHIPPED_RECIPES as RECIPES
 from emapg.config import ConfigError, load_config, merged_task_args
+from emapg.errors import EmapgError
 from emapg.retrieval import SERVER_LIMITS
 
 DEFAULT_RECIPE = "cpu_demo"
@@ -638,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("emapg: interrupted", file=sys.stderr)
         return 130
-    except (ConfigError, FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
+    except EmapgError as e:  # the user's to fix: one line. Anything else is a bug: its traceback shows
         print(f"emapg: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a read-only folder, a full disk...

@@ -223,7 +223,9 @@ class TrainConfig:
     device: str = "auto"
     """auto (CUDA when available), cpu, cuda, or cuda:N. Under torchrun each process takes its local rank's GPU."""
     mixed_precision: str | None = None
-    """bf16: compute in bfloat16 with fp32 master weights (autocast; FSDP2's policy when sharded)."""
+    """bf16: compute in bfloat16 with fp32 master weights (autocast; FSDP2's policy when sharded). auto: bf16
+    where the device computes it natively (a GPU that supports it; a CPU with AMX-BF16 or AVX512-BF16), else fp32;
+    said at the start and recorded in the run's config.yaml as the value chosen, so a resume keeps it."""
     offload: bool = False
     """torchrun (FSDP2): keep the shards of the policy, anchor and teacher, their gradients and the optimizer's
     state in CPU memory; each layer is copied to the GPU for its pass and AdamW steps on the CPU (the paper's
@@ -691,7 +693,7 @@ RULES: dict[str, Rule] = {
     "report_to": ((lambda v: set(v) <= {"tensorboard", "wandb"}), "expected a list of tensorboard, wandb"),
     "threads": at_least(1, null=True),
     "dtype": one_of(DTYPE_NAMES),
-    "mixed_precision": ((lambda v: v in (None, "bf16")), "expected bf16 or null"),
+    "mixed_precision": ((lambda v: v in (None, "bf16", "auto")), "expected bf16, auto or null"),
     "device": ((lambda v: v == "auto" or v.split(":")[0] in ("cpu", "cuda")), "expected auto, cpu, cuda or cuda:N"),
     "save_every": ((lambda v: v >= 0), "must be >= 0 (0 = no checkpoints)"),
     "keep_checkpoints": at_least(1),

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from emapg.errors import EmapgError
+
 SHIPPED = Path(__file__).resolve().parent / "data_files"  # data the recipes need, named emapg:NAME
 
 
-class DataError(ValueError):
+class DataError(EmapgError, ValueError):
     """A problem in a user's data file."""
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from emapg.config import ConfigError, load_config
+from emapg.errors import EmapgError
 from emapg.run.checkpoint import has_checkpoint
 from emapg.run.folder import LOCK_ENV, MARKER, claim_run_folder, die_with_parent, stop_child, unlock_run
 
@@ -194,7 +195,7 @@ def _finish(run: Path, proc: subprocess.Popen, t0: float, err) -> None:
     unlock_run(run)
     if proc.returncode != 0:
         tail = (run / "compare_stderr.log").read_text()[-3000:]
-        raise RuntimeError(f"run {run} failed (exit {proc.returncode}):\n{tail}")
+        raise EmapgError(f"run {run} failed (exit {proc.returncode}):\n{tail}")
     prev = json.loads((run / "compute.json").read_text())["seconds"] if (run / "compute.json").exists() else 0
     (run / "compute.json").write_text(json.dumps({"seconds": prev + seconds}))
 

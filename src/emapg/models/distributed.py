@@ -25,6 +25,7 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,6 +105,39 @@ def served(backend_spec: str) -> dict[str, str]:
     return dict(part.split(":") for part in backend_spec.split(","))
 
 
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo's names for a CPU that computes bf16 natively
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.partition(":")[2].split()}
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` computes bf16 natively, and why: a GPU that supports it, or a CPU with AMX-BF16 or
+    AVX512-BF16 (elsewhere bf16 is emulated on the CPU and slower than fp32)."""
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"this GPU {'supports' if ok else 'does not support'} bf16"
+    have = [f for f in BF16_CPU_FLAGS if f in cpu_flags()]
+    if have:
+        return True, f"this CPU has {have[0].upper().replace('_', '-')}"
+    return False, "this CPU has neither AMX-BF16 nor AVX512-BF16: bf16 would be emulated, slower than fp32"
+
+
+def resolve_precision(mixed_precision: str | None, device: torch.device) -> tuple[str | None, str | None]:
+    """``mixed_precision: auto`` made concrete for ``device`` (bf16 where it is native, else fp32), with the
+    line that says so; any other value as it is, with no line."""
+    if mixed_precision != "auto":
+        return mixed_precision, None
+    ok, why = native_bf16(device)
+    return ("bf16" if ok else None), f"mixed_precision auto: {'bf16' if ok else 'fp32'} ({why})"
+
+
 def autocast(mixed_precision: str | None, info: DistInfo):
     """bf16 autocast for a single process; sharded, FSDP's mixed-precision policy does it (no context)."""
     if mixed_precision == "bf16" and not info.enabled:
@@ -151,14 +185,14 @@ def shard(model: nn.Module, mixed_precision: str | None = None,
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     elif mixed_precision is not None:
-        raise ValueError(f"mixed_precision: expected 'bf16' or None, got {mixed_precision!r}")
+        raise ConfigError(f"mixed_precision: expected 'bf16' or None, got {mixed_precision!r}")
     kw = {"mp_policy": mp} if mp is not None else {}
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     decoder, _ = decoder_and_head(model)
     layers = getattr(decoder, "layers", None)
     if layers is None:
-        raise ValueError(f"cannot shard {type(decoder).__name__}: it has no .layers list of decoder blocks")
+        raise ConfigError(f"cannot shard {type(decoder).__name__}: it has no .layers list of decoder blocks")
     for layer in layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)

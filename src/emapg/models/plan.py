@@ -648,6 +648,11 @@ def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, res
     from emapg.config import ConfigError, check_world
 
     response_tokens = response_tokens or cfg.task_args.get("max_total_tokens") or cfg.rollout.max_new_tokens
+    if cfg.mixed_precision == "auto":  # as the run would choose: bf16 on a GPU (A100, H100), this host's CPU as it is
+        from emapg.models.distributed import native_bf16
+
+        native = device == "cuda" or native_bf16(torch.device("cpu"))[0]
+        cfg = dataclasses.replace(cfg, mixed_precision="bf16" if native else None)
     refused = None
     try:  # what `emapg train` refuses on this many processes, the plan does not call a fit
         check_world(cfg, gpus)

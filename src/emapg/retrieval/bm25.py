@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from emapg.atomic import folder_atomic
+from emapg.data import DataError
+from emapg.errors import MissingPackage
 from emapg.retrieval import Passage
 from emapg.retrieval.passages import (
     DENSE_DIR,
@@ -45,7 +47,7 @@ def _import_bm25s():
         import bm25s
         import Stemmer
     except ImportError as e:
-        raise ImportError(f"the BM25 retriever needs bm25s and PyStemmer ({e}); "
+        raise MissingPackage(f"the BM25 retriever needs bm25s and PyStemmer ({e}); "
                           "install them with: pip install 'emapg[search]'") from None
     return bm25s, Stemmer
 
@@ -135,13 +137,13 @@ class BM25Index:
                                     "(build one with emapg.retrieval.bm25.build_index)")
         meta = read_meta(path / META_FILE)
         if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: unsupported index format version {meta.get('format_version')!r} "
+            raise DataError(f"{path}: unsupported index format version {meta.get('format_version')!r} "
                              f"(this emapg reads version {FORMAT_VERSION}); rebuild the index")
         passages = read_passages(path)
         retriever = bm25s.BM25.load(path, mmap=mmap, load_corpus=False, show_progress=False)
         n = int(retriever.scores["num_docs"])
         if n != len(passages):
-            raise ValueError(f"{path}: the BM25 matrix has {n} documents but {PASSAGES_FILE} has {len(passages)}; "
+            raise DataError(f"{path}: the BM25 matrix has {n} documents but {PASSAGES_FILE} has {len(passages)}; "
                              "rebuild the index")
         return cls(path, retriever, passages, meta)
 

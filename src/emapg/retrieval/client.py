@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
+from emapg.errors import ConfigError
 from emapg.retrieval import Passage, RetrieverError
 
 __all__ = ["HTTPRetriever", "parse_contents"]
@@ -38,16 +39,16 @@ class HTTPRetriever:
                  max_queries: int | None = None):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"retrieval server url must be http://host:port[/retrieve], got {url!r}")
+            raise ConfigError(f"retrieval server url must be http://host:port[/retrieve], got {url!r}")
         if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
+            raise ConfigError(f"retries must be >= 0, got {retries}")
         base = url.rstrip("/")
         self.url = base if base.endswith("/retrieve") else base + "/retrieve"
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
         if max_queries is not None and max_queries < 1:
-            raise ValueError(f"max_queries must be >= 1, got {max_queries}")
+            raise ConfigError(f"max_queries must be >= 1, got {max_queries}")
         self.max_queries = max_queries
         self._limits: dict | None = None  # the server's, read once from /health
 

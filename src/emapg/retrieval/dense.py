@@ -28,7 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from emapg.atomic import folder_atomic, write_error, write_json_atomic
-from emapg.retrieval import Passage
+from emapg.data import DataError
+from emapg.errors import ConfigError, MissingPackage
+from emapg.retrieval import Passage, RetrieverError
 from emapg.retrieval.embed import Embedder, weights_digest
 from emapg.retrieval.passages import (
     DENSE_DIR,
@@ -50,7 +52,7 @@ def _import_faiss():
     try:
         import faiss
     except ImportError as e:
-        raise ImportError(f"the dense retriever needs faiss-cpu and sentence-transformers ({e}); "
+        raise MissingPackage(f"the dense retriever needs faiss-cpu and sentence-transformers ({e}); "
                           "install them with: pip install 'emapg[dense]'") from None
     return faiss
 
@@ -63,15 +65,15 @@ def set_search_params(index, params: dict | None, where: str) -> dict:
     if params is None:
         return {}
     if not isinstance(params, dict):
-        raise ValueError(f"{where}: search parameters must be a mapping of name to number, got {params!r}")
+        raise ConfigError(f"{where}: search parameters must be a mapping of name to number, got {params!r}")
     space = faiss.ParameterSpace()
     for name, value in params.items():
         if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{where}: search parameter {name!r} must be a positive number, got {value!r}")
+            raise ConfigError(f"{where}: search parameter {name!r} must be a positive number, got {value!r}")
         try:
             space.set_index_parameter(index, str(name), float(value))
         except RuntimeError:
-            raise ValueError(f"{where}: this faiss index ({type(faiss.downcast_index(index)).__name__}) has no "
+            raise ConfigError(f"{where}: this faiss index ({type(faiss.downcast_index(index)).__name__}) has no "
                              f"search parameter {name!r} (IVF indexes take nprobe, HNSW efSearch; "
                              "an exact Flat index takes none)") from None
     return dict(params)
@@ -166,12 +168,12 @@ def build_dense(index: str | Path, embedder: str | Embedder = "minilm", *, batch
     for name, value in (("shard_size", shard_size), ("batch_size", batch_size), ("train_size", train_size)):
         if (value is not None or name != "train_size") and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
     with open(index / ".dense.lock", "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(f"{index}: another dense index build is running there") from None
+            raise RetrieverError(f"{index}: another dense index build is running there") from None
         return _build_locked(index, embedder, batch_size, shard_size, factory, progress, device,
                              search_params, train_size, train_seed)
 
@@ -188,12 +190,12 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
     try:  # a wrong factory string fails here, before hours of encoding
         ix = faiss.index_factory(emb.dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as e:
-        raise ValueError(f"factory {factory!r}: not a faiss index_factory string for {emb.dim} dimensions "
+        raise ConfigError(f"factory {factory!r}: not a faiss index_factory string for {emb.dim} dimensions "
                          f"({str(e).strip().splitlines()[-1]})") from None
     search_params = set_search_params(ix, search_params, "search_params")  # a wrong one fails before encoding too
     passages = read_passages(index)
     if not len(passages):
-        raise ValueError(f"{index}/{PASSAGES_FILE}: no passages to encode")
+        raise DataError(f"{index}/{PASSAGES_FILE}: no passages to encode")
     plan = {**emb.identity(), "passages_sha256": passages.sha256, "documents": len(passages),
             "shard_size": shard_size}
     partial = index / PARTIAL_DIR
@@ -261,17 +263,17 @@ def import_dense(index: str | Path, faiss_file: str | Path, embedder: str, *, co
         flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY | getattr(faiss, "IO_FLAG_MMAP_IFC", 0)
         ix = faiss.read_index(str(faiss_file), flags)
     except RuntimeError as e:
-        raise ValueError(f"--faiss {faiss_file}: not a faiss index faiss can read "
+        raise ConfigError(f"--faiss {faiss_file}: not a faiss index faiss can read "
                          f"({str(e).strip().splitlines()[-1]})") from None
     emb = Embedder(embedder, query_prefix=query_prefix, passage_prefix=passage_prefix)
     if ix.d != emb.dim:
-        raise ValueError(f"--faiss {faiss_file}: vectors of dimension {ix.d}, the embedder {emb.name!r} makes "
+        raise ConfigError(f"--faiss {faiss_file}: vectors of dimension {ix.d}, the embedder {emb.name!r} makes "
                          f"{emb.dim}")
     count, sha = _imported_passages(index, corpus, fields)
     if ix.ntotal != count:
         if corpus is not None:
             (index / PASSAGES_FILE).unlink()
-        raise ValueError(f"--faiss {faiss_file}: {ix.ntotal} vectors for the {count} passages of "
+        raise ConfigError(f"--faiss {faiss_file}: {ix.ntotal} vectors for the {count} passages of "
                          f"{corpus or index}: not an index of this corpus")
     meta = {"format_version": FORMAT_VERSION, **emb.identity(), "passages_sha256": sha,
             "documents": count, "factory": f"imported ({type(ix).__name__})",
@@ -346,26 +348,26 @@ class DenseIndex:
                                     f"{DENSE_DIR}/{FAISS_FILE}); build one with: emapg index dense --index {path}")
         meta = read_meta(dense / META_FILE)
         if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{dense}: unsupported dense index format {meta.get('format_version')!r} "
+            raise DataError(f"{dense}: unsupported dense index format {meta.get('format_version')!r} "
                              f"(this emapg reads version {FORMAT_VERSION}); rebuild it")
         if passages is None:
             passages = read_passages(path)  # read and hashed in one pass
         if (passages.sha256 or passages_digest(path)) != meta["passages_sha256"]:
-            raise ValueError(f"{dense}: encoded from other passages than {path / PASSAGES_FILE} holds now; "
+            raise DataError(f"{dense}: encoded from other passages than {path / PASSAGES_FILE} holds now; "
                              f"rebuild it: emapg index dense --index {path}")
         emb = Embedder(embedder or meta["embedder"], query_prefix=meta["query_prefix"],
                        passage_prefix=meta["passage_prefix"], device=device)
         if weights_digest(emb.folder) != meta["weights_sha256"]:
-            raise ValueError(f"{dense}: its passages were encoded by other weights than embedder "
+            raise DataError(f"{dense}: its passages were encoded by other weights than embedder "
                              f"{emb.name!r} ({emb.folder}) holds; rebuild it or give the embedder it was built with")
         try:
             ix = faiss.read_index(str(dense / FAISS_FILE))
         except RuntimeError as e:  # faiss's C++ read error: a truncated or foreign file
             why = str(e).strip().splitlines()[-1]
-            raise ValueError(f"{dense / FAISS_FILE}: damaged, faiss cannot read it ({why}); "
+            raise DataError(f"{dense / FAISS_FILE}: damaged, faiss cannot read it ({why}); "
                              f"rebuild it: emapg index dense --index {path}") from None
         if ix.ntotal != len(passages) or ix.d != emb.dim:
-            raise ValueError(f"{dense}: {ix.ntotal} vectors of dimension {ix.d} for {len(passages)} passages and "
+            raise DataError(f"{dense}: {ix.ntotal} vectors of dimension {ix.d} for {len(passages)} passages and "
                              f"a {emb.dim}-dimensional embedder; rebuild it")
         params = set_search_params(ix, search_params, f"{dense}: search_params")
         ix, faiss_device = _on_gpus(faiss, ix) if device.startswith("cuda") else (ix, "cpu")

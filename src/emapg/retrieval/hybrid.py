@@ -7,6 +7,7 @@ different scales, and ranks need no calibration between them.
 
 from __future__ import annotations
 
+from emapg.errors import ConfigError
 from emapg.retrieval import Passage, Retriever
 
 RRF_C = 60
@@ -30,7 +31,7 @@ class HybridRetriever:
 
     def __init__(self, sparse: Retriever, dense: Retriever, depth: int = 50, c: int = RRF_C):
         if depth < 1 or c < 0:
-            raise ValueError(f"hybrid retrieval: depth must be >= 1 and c >= 0, got {depth}, {c}")
+            raise ConfigError(f"hybrid retrieval: depth must be >= 1 and c >= 0, got {depth}, {c}")
         self.sparse, self.dense, self.depth, self.c = sparse, dense, depth, c
         self.devices = getattr(dense, "devices", None)
 

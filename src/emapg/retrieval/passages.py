@@ -32,9 +32,9 @@ def read_meta(path: Path) -> dict:
     try:
         meta = json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: damaged, not the JSON an index build writes ({e}); rebuild the index") from None
+        raise DataError(f"{path}: damaged, not the JSON an index build writes ({e}); rebuild the index") from None
     if not isinstance(meta, dict):
-        raise ValueError(f"{path}: damaged, expected a JSON object; rebuild the index")
+        raise DataError(f"{path}: damaged, expected a JSON object; rebuild the index")
     return meta
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,9 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
     anchor), ``anchor``, ``init_anchor``, ``anchor_is_initial``, ``params``, ``optimizer``, ``scheduler``
     (which reads ``run.step``), ``engine`` (None: our decode loop samples), ``step``, ``skipped_steps``,
     ``initial_eval`` and its settings, ``start_step`` and ``metrics`` (rank 0's writer, else None)."""
-    run.cfg, run.run_dir, run.progress = cfg, run_dir, progress
     run.dist = distributed.init(cfg.device, threads=cfg.threads)
+    cfg = concrete_precision(cfg, run.dist)
+    run.cfg, run.run_dir, run.progress = cfg, run_dir, progress
     check_world(cfg, run.dist.world)
     run.main = run.dist.is_main
     if run.main:
@@ -92,6 +94,15 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
     run.metrics = MetricsWriter(run.run_dir, resume_step=run.step if resume else None,
                                  report_to=tuple(cfg.report_to), config=dataclasses.asdict(cfg),
                                  wandb_project=cfg.wandb_project) if run.main else None
+
+
+def concrete_precision(cfg: TrainConfig, dist: distributed.DistInfo) -> TrainConfig:
+    """``mixed_precision: auto`` made bf16 or fp32 for this run's device (said on rank 0); config.yaml then records
+    the choice, so a resume keeps it."""
+    precision, said = distributed.resolve_precision(cfg.mixed_precision, dist.device)
+    if said and dist.is_main:
+        print(f"emapg: {said}", file=sys.stderr)
+    return dataclasses.replace(cfg, mixed_precision=precision)
 
 
 def check_shared_folder(run_dir: Path, dist: distributed.DistInfo) -> None:

@@ -32,15 +32,11 @@ import torch
 from torch import nn
 
 from emapg.atomic import OLD, TMP, folder_atomic, fsync_dir, is_ours, write_json_atomic
-from emapg.errors import ConfigError
+from emapg.errors import CheckpointError, ConfigError
 from emapg.models import distributed
 from emapg.run import shards
 
 LATEST = "latest"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read: the message names the folder and the damaged file."""
 
 
 def optimizer_tensors(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -360,7 +356,7 @@ def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: 
     config's (lr, betas, weight decay), not the checkpoint's: a later stage may change them."""
     missing, unexpected = load_policy(model, ckpt["policy"])
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     anchor_file, layout = ckpt["anchor"], anchor.layout()
     anchor.load_state_dict(shards.Rows(anchor_file, lambda n: anchor_file.local(n, layout[n])), local=True)
     tensors, meta = ckpt["optimizer"]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from emapg.atomic import append_line, write_error, write_json_atomic, write_text_atomic
+from emapg.errors import EmapgError
 from emapg.models import distributed
 from emapg.run.outcomes import anchor_against_policy
 
@@ -180,7 +181,7 @@ def _wandb_run(run_dir: Path, config: dict[str, Any], project: str):
                       resume="allow")
 
 
-class MetricsError(ValueError):
+class MetricsError(EmapgError, ValueError):
     """A metrics.jsonl that is not what a run writes (named with its line)."""
 
 

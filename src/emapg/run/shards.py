@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from emapg.errors import CheckpointError
+
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
@@ -144,7 +146,8 @@ class Tensors(Mapping):
             raise KeyError(name)
         whole = self._f.get_slice(name)
         if list(whole.get_shape()) != list(like.shape):
-            raise ValueError(f"{self.file}: {name} has shape {whole.get_shape()}, the model's is {list(like.shape)}")
+            raise CheckpointError(f"{self.file}: {name} has shape {whole.get_shape()}, the model's is "
+                                  f"{list(like.shape)}")
         return whole[start : start + local.shape[0]]
 
 

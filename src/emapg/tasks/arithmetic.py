@@ -11,6 +11,7 @@ import random
 import re
 
 from emapg.config import at_least
+from emapg.errors import ConfigError
 from emapg.tasks.base import Example, Task
 
 _INT = re.compile(r"-?\d[\d,]*")
@@ -79,7 +80,7 @@ class ArithmeticTask(Task):
 
     def eval_examples(self, size: int) -> list[Example]:
         if size > len(self._eval):
-            raise ValueError(f"eval.size: {size} exceeds the task's held-out set of {len(self._eval)}")
+            raise ConfigError(f"eval.size: {size} exceeds the task's held-out set of {len(self._eval)}")
         return self._eval[:size]
 
     def reward(self, completion: str, example: Example) -> float:

@@ -13,6 +13,7 @@ import random
 
 from emapg.config import at_least, one_of
 from emapg.data import DataError, answer_text, check_text, load_rows
+from emapg.errors import ConfigError
 from emapg.rewards.math import boxed_format_reward, math_reward
 from emapg.rewards.math_reference import reference_math_reward
 from emapg.tasks.base import Example, Task
@@ -85,7 +86,7 @@ def format_messages(problem: str, template: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": problem}]
     if template == "plain":  # the 'raw' role is sent as text without a chat template
         return [{"role": "raw", "content": f"Problem: {problem}\nSolution:"}]
-    raise ValueError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
+    raise ConfigError(f"task_args.template: expected one of {', '.join(TEMPLATES)}, got {template!r}")
 
 
 class MathTask(Task):
@@ -108,7 +109,7 @@ class MathTask(Task):
                  answer_field: str = "answer", template: str = "r1", format_weight: float = 0.0,
                  eval_size: int = 500, grader: str = "lenient"):
         if train_file is None and eval_file is None:
-            raise ValueError("task_args: the math task needs train_file and/or eval_file")
+            raise ConfigError("task_args: the math task needs train_file and/or eval_file")
         self.template, self.format_weight, self.grader = template, format_weight, grader
         self.zero_truncated = grader == "reference"
         alternatives = grader == "reference"
@@ -116,7 +117,7 @@ class MathTask(Task):
         held = math_rows(eval_file, problem_field, answer_field, alternatives) if eval_file else []
         if not held:
             if train and len(train) <= eval_size:
-                raise ValueError(f"task_args.train_file: {train_file} has {len(train)} rows, and without an eval_file "
+                raise ConfigError(f"task_args.train_file: {train_file} has {len(train)} rows, and without an eval_file "
                                  f"its last eval_size ({eval_size}) are held out, which leaves none to train on: give "
                                  "an eval_file, or a smaller task_args.eval_size")
             held, train = train[-eval_size:], train[:-eval_size]
@@ -131,7 +132,7 @@ class MathTask(Task):
 
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
         if not self._train:
-            raise ValueError("task_args.train_file: the math task has no training rows")
+            raise ConfigError("task_args.train_file: the math task has no training rows")
         return [self._train[rng.randrange(len(self._train))] for _ in range(n)]
 
     def eval_examples(self, size: int) -> list[Example]:

@@ -14,6 +14,7 @@ import random
 
 import torch
 
+from emapg.errors import ConfigError
 from emapg.tasks.base import Example, Task
 
 ORDERS = ("random", "epochs")
@@ -22,7 +23,7 @@ ORDERS = ("random", "epochs")
 def _batches_per_epoch(size: int, per_step: int) -> int:
     batches = size // per_step
     if batches == 0:
-        raise ValueError(f"data_order: epochs needs at least prompts_per_step ({per_step}) training examples, "
+        raise ConfigError(f"data_order: epochs needs at least prompts_per_step ({per_step}) training examples, "
                          f"the task has {size}")
     return batches
 
@@ -40,7 +41,8 @@ def epoch_indices(size: int, per_step: int, seed: int, step: int) -> list[int]:
 def _pool(task: Task) -> list[Example]:
     pool = task.train_pool()
     if pool is None:
-        raise ValueError(f"data_order: epochs needs a task with a fixed training set; {task.name!r} draws its examples")
+        raise ConfigError(f"data_order: epochs needs a task with a fixed training set; {task.name!r} draws its "
+                          "examples")
     return pool
 
 

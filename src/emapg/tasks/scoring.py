@@ -6,10 +6,11 @@ import math
 
 import torch
 
+from emapg.errors import EmapgError
 from emapg.tasks.base import Example, Task
 
 
-class RewardError(RuntimeError):
+class RewardError(EmapgError, RuntimeError):
     """A reward function failed or returned a non-number, for a named sample."""
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from emapg.config import at_least, one_of, within
 from emapg.data import DataError, check_text, load_rows
+from emapg.errors import ConfigError
 from emapg.models.zoo import cache_dir
 from emapg.retrieval import DENSE_KINDS, RETRIEVERS, open_retriever, retriever_problem
 from emapg.retrieval.passages import has_dense
@@ -165,10 +166,10 @@ class SearchQATask(Task):
         sources = [x for x in (index, retriever_url, synthetic) if x]
         self.retriever_timeout = retriever_timeout
         if len(sources) != 1:
-            raise ValueError("task_args: the search_qa task needs exactly one of index, retriever_url, synthetic")
+            raise ConfigError("task_args: the search_qa task needs exactly one of index, retriever_url, synthetic")
         problem = retriever_problem(retriever, index, retriever_url, search_params)
         if problem:
-            raise ValueError(f"task_args.{problem}")
+            raise ConfigError(f"task_args.{problem}")
         self.retriever_kind, self.search_params = retriever, search_params
         self.template, self.reward_kind, self.response_prefix = template, reward, response_prefix
         self.format_weight = format_weight
@@ -178,7 +179,7 @@ class SearchQATask(Task):
                                  invalid_action=INVALID_ACTION if template == "search_r1" else "")
         self._index, self._url, self._retriever = index, retriever_url, None
         if not synthetic and (hops, eval_hops) != ("two", "two"):
-            raise ValueError("task_args.hops, eval_hops: only the synthetic knowledge base has one-hop questions")
+            raise ConfigError("task_args.hops, eval_hops: only the synthetic knowledge base has one-hop questions")
         self.hops, self.one_hop_frac = hops, one_hop_frac
         self._train_one_hop: list[Example] = []
         if synthetic:
@@ -190,7 +191,7 @@ class SearchQATask(Task):
                 self._train_one_hop = [self._example(r, "train") for r in kb["train_one_hop"]]
         else:
             if train_file is None and eval_file is None:
-                raise ValueError("task_args: the search_qa task needs train_file and/or eval_file (or synthetic)")
+                raise ConfigError("task_args: the search_qa task needs train_file and/or eval_file (or synthetic)")
             files = [train_file] if isinstance(train_file, str) else list(train_file or [])
             train = [r for f in files for r in qa_rows(f, question_field, answers_field)]
             held = qa_rows(eval_file, question_field, answers_field) if eval_file else []
@@ -229,7 +230,7 @@ class SearchQATask(Task):
 
     def train_examples(self, rng: random.Random, n: int) -> list[Example]:
         if not self._train:
-            raise ValueError("task_args.train_file: the search_qa task has no training rows")
+            raise ConfigError("task_args.train_file: the search_qa task has no training rows")
         if self._train_one_hop:  # mix: each draw is one-hop with probability one_hop_frac
             return [self._train_one_hop[rng.randrange(len(self._train_one_hop))]
                     if rng.random() < self.one_hop_frac else self._train[rng.randrange(len(self._train))]
