@@ -135,6 +135,9 @@ def test_low_var_kl_clamps_as_verl_does():
                                                             torch.tensor(10.0, dtype=torch.float64)]))
     value.sum().backward()
     assert lp.grad[0] != 0 and (lp.grad[1:] == 0).all()  # a clamped value carries no gradient
+    # the estimator declares where its clamp binds (the kl_clamp_frac diagnostic reads it), exactly the clamped ones
+    assert kl.clamp_binds("low_var_kl", lp.detach(), la, None, None).tolist() == [False, True, True, True]
+    assert kl.clamp_binds("k3", lp.detach(), la, None, None) is None
 
 
 @policies

@@ -65,6 +65,8 @@ class Estimator:
         None for the exact estimators.
     paper: the paper's form of the sampled term, where it differs (the top-k estimators); None =
         the same as ``sample``.
+    binds: where the estimator's own clamp binds, ``(log pi(p), log anchor(p)) -> bool [...]`` (a
+        diagnostic: the fraction of tokens logged); None for an estimator without a clamp.
     """
 
     name: str
@@ -72,6 +74,7 @@ class Estimator:
     head: str
     sample: Term | None
     paper: Term | None = None
+    binds: Term | None = None
 
     def __post_init__(self):
         if self.head not in HEADS or self.direction not in ("reverse", "forward"):
@@ -141,6 +144,11 @@ def _low_var_kl(lp: Tensor, la: Tensor) -> Tensor:
     forward KL's; beyond it the clamp holds the value and zeroes the gradient."""
     log_w = (la - lp).clamp(-LOW_VAR_LOG_W, LOW_VAR_LOG_W)
     return (torch.exp(log_w) - 1 - log_w).clamp(-LOW_VAR_VALUE, LOW_VAR_VALUE)
+
+
+def _low_var_binds(lp: Tensor, la: Tensor) -> Tensor:
+    """Where ``low_var_kl``'s bounds bind: |log w| over 20, or the value at its cap of 10."""
+    return ((la - lp).abs() > LOW_VAR_LOG_W) | (_low_var_kl(lp, la) >= LOW_VAR_VALUE)
 
 
 def _k3pp(lp: Tensor, la: Tensor) -> Tensor:
@@ -254,7 +262,7 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
     Estimator("k1", "reverse", "none", _k1),
     Estimator("k2", "reverse", "none", _k2),
     Estimator("k3", "reverse", "none", _k3),
-    Estimator("low_var_kl", "reverse", "none", _low_var_kl),
+    Estimator("low_var_kl", "reverse", "none", _low_var_kl, binds=_low_var_binds),
     Estimator("k3pp", "reverse", "none", _k3pp),
     Estimator("k4", "reverse", "none", _k4),
     Estimator("k5", "forward", "none", _k5),
@@ -296,14 +304,15 @@ _declared = estimator  # the same function, for token_kl, whose argument ``estim
 
 def clamp_binds(name: str, policy_logp_tok: Tensor, anchor_logp_tok: Tensor, samp_logp_tok: Tensor | None,
                 is_clip: float | None) -> Tensor | None:
-    """[...] bool: where a clamp of the estimate binds (:func:`importance_weight`'s ``is_clip`` on s,
-    ``low_var_kl``'s bounds); None when there is no clamp."""
+    """[...] bool: where a clamp of the estimate binds (:func:`importance_weight`'s ``is_clip`` on s, the
+    estimator's own clamp that it declares as ``binds``, such as ``low_var_kl``'s bounds); None when there is no
+    clamp."""
     out = None
     if is_clip is not None and samp_logp_tok is not None:
         out = torch.exp(policy_logp_tok - samp_logp_tok) > is_clip
-    if name == "low_var_kl":
-        log_w = anchor_logp_tok - policy_logp_tok
-        bound = (log_w.abs() > LOW_VAR_LOG_W) | (_low_var_kl(policy_logp_tok, anchor_logp_tok) >= LOW_VAR_VALUE)
+    binds = _declared(name).binds
+    if binds is not None:
+        bound = binds(policy_logp_tok, anchor_logp_tok)
         out = bound if out is None else out | bound
     return out
 
