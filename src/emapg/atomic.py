@@ -36,13 +36,19 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def naming_failed_writes(target: Path) -> Iterator[None]:
+    """Inside, a failed write (a full disk: an OSError that names no file) is raised naming ``target``."""
+    try:
+        yield
+    except OSError as e:
+        raise (write_error(e, Path(target)) or e) from None
+
+
 def append_line(path: Path, line: str) -> None:
     """Append one line to ``path`` (metrics, outcomes); a failed write (a full disk) names the file."""
-    try:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-    except OSError as e:
-        raise (write_error(e, Path(path)) or e) from None
+    with naming_failed_writes(path), open(path, "a") as f:
+        f.write(line + "\n")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -12,7 +11,7 @@ from typing import Any
 
 import torch
 
-from emapg.atomic import append_line, write_error, write_json_atomic, write_text_atomic
+from emapg.atomic import append_line, naming_failed_writes, write_json_atomic, write_text_atomic
 from emapg.errors import EmapgError
 from emapg.models import distributed
 from emapg.run.outcomes import anchor_against_policy
@@ -121,7 +120,7 @@ class MetricsWriter:
         scalars = {k: v for k, v in row.items()
                    if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
         if self.tb is not None:
-            with _names_the_folder(Path(self.tb.log_dir)):  # its writer thread's full disk, raised here
+            with naming_failed_writes(Path(self.tb.log_dir)):  # its writer thread's full disk, raised here
                 for key, value in scalars.items():
                     self.tb.add_scalar(key, value, row["step"])
                 self.tb.flush()
@@ -149,19 +148,10 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self.tb is not None:
-            with _names_the_folder(Path(self.tb.log_dir)):
+            with naming_failed_writes(Path(self.tb.log_dir)):
                 self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-@contextlib.contextmanager
-def _names_the_folder(folder: Path):
-    """A failed write inside (a full disk: TensorBoard's bare OSError) as an error that names ``folder``."""
-    try:
-        yield
-    except OSError as e:
-        raise (write_error(e, folder) or e) from None
 
 
 def _wandb_run(run_dir: Path, config: dict[str, Any], project: str):
