@@ -1,15 +1,19 @@
-"""The memory plan (``emapg plan``) against the measured peak of real training runs on this CPU, side by side.
+"""The memory plan (``emapg plan``) against the measured peaks of real training runs on this CPU, phase by phase.
 
-Each shape is a random Qwen2-shaped model saved as a folder (config.json, weights, the byte tokenizer),
-trained for 2 steps on the arithmetic task (random models never end a row: every row runs its budget)
-in its own process. Measured: the process's peak resident memory (VmHWM, reset once the run is built, so
-loading the weights does not count) above its resident memory before the run was built (Python, torch and
-the libraries). Predicted: the plan's peak for the same config on one CPU device, the longest prompt of the
-task's rows as its prompt length. glibc's malloc returns every block over 64 KiB to the system at once
-(MALLOC_MMAP_THRESHOLD_=65536), so resident memory follows what is alive.
+Each shape is a random model saved as a folder (config.json, weights, the byte tokenizer; Qwen2, or Llama with
+an untied head), trained for 2 steps (the arithmetic task unless its settings say otherwise: random models never
+end a row, so every row runs its budget) in its own process, or in two under torchrun (the larger rank's peak).
+A short warm-up run of the same config in the same process comes first, so what any run loads once (code, lazy
+imports, the tokenizer, the allocator's arenas) sits below the base level. Measured: each phase's peak resident
+memory (VmHWM, reset as the trainer enters rollout, anchor_pass, _optimizer_step, _evaluate) above the resident
+memory before the run was built. Planned: the plan of the same config for one of its processes on the CPU, at
+the longest prompt and response the run made (and, as ``checked_mb``, at the lengths `emapg train`'s check
+uses). glibc's malloc returns every block over 64 KiB to the system at once (MALLOC_MMAP_THRESHOLD_=65536), so
+resident memory follows what is alive. FITTED holds the shapes the plan's terms were developed against,
+HELD_APART the others; ``summary`` in the JSON ranges over the held-apart ones.
 
-    python bench/memory_plan.py
-    python bench/memory_plan.py --shapes small long --json rows.json
+    python bench/memory_plan.py --json docs/results/memory_plan.json
+    python bench/memory_plan.py --shapes small lora --json rows.json
 """
 
 from __future__ import annotations
@@ -150,14 +154,11 @@ def measure(folder: str, run: str, overrides: list[str]) -> dict:
     tr.train()
     world = distributed.world()
     names = sorted(phases)
-    peaks = [phases[n] for n in names]
-    if world > 1:  # the largest process's
-        peaks = distributed.all_reduce(peaks, op="max")
-    phases = dict(zip(names, peaks, strict=True))
-    lengths = [float(v) for v in seen.values()]
-    if world > 1:
-        lengths = distributed.all_reduce(lengths, op="max")
-    made = dict(zip(seen, (int(v) for v in lengths), strict=True))
+    values = [*(phases[n] for n in names), *(float(v) for v in seen.values())]
+    if world > 1:  # the largest process's peaks and lengths
+        values = distributed.all_reduce(values, op="max")
+    phases = dict(zip(names, values[: len(names)], strict=True))
+    made = dict(zip(seen, (int(v) for v in values[len(names):]), strict=True))
     checked = P.run_plan(cfg, config, tr.task, tr.tokenizer, world=world, device="cpu")  # as emapg train's check
     # the plan at the lengths the run made (the check's lengths are bounds with a margin)
     p = P.run_plan(cfg, config, tr.task, tr.tokenizer, world=world, device="cpu", prompt_tokens=made["prompt"],

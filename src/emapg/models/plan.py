@@ -366,15 +366,17 @@ def plan(cfg: Any, shape: ModelShape, *, world: int = 1, prompt_tokens: int = 51
     trainable = shape.params if cfg.lora.r == 0 else _lora_params(shape, cfg)
     budget = response_tokens or cfg.rollout.max_new_tokens
     p = _resident(cfg, shape, teacher, trainable, shard)
-    engine = _engine_share(cfg, shape, gpu_memory, device, p) if cfg.rollout.backend == "vllm" else None
-    rows_step = cfg.prompts_per_step // world * cfg.rollout.n
-    if engine is None:
+    engine = cfg.rollout.backend == "vllm"
+    if engine:
+        _engine_share(cfg, shape, gpu_memory, device, p)
+    else:
+        rows_step = cfg.prompts_per_step // world * cfg.rollout.n
         p.phases.append(Phase("rollout", _decoding(cfg, shape, world, rows_step, prompt_tokens, budget)))
     p.phases += _pass_phases(cfg, shape, world, prompt_tokens, budget, trainable * pb * shard)
     if not cfg.offload:
         temp = trainable * pb * shard if device == "cuda" else 2 * min(trainable, shape.largest_param) * pb
         p.phases.append(Phase("optimizer step", {"gradients": trainable * pb * shard, "AdamW temporaries": temp}))
-    p.phases += _eval_phases(cfg, shape, teacher, world, prompt_tokens, engine is not None)
+    p.phases += _eval_phases(cfg, shape, teacher, world, prompt_tokens, engine)
     if cfg.export and world > 1:  # rank 0 gathers the policy and the anchor whole and loads an unsharded model
         export = {"export (rank 0: policy and anchor gathered, an unsharded model)": 3 * shape.params * pb}
         if device == "cpu":
@@ -384,8 +386,8 @@ def plan(cfg: Any, shape: ModelShape, *, world: int = 1, prompt_tokens: int = 51
     return p
 
 
-def _engine_share(cfg: Any, shape: ModelShape, gpu_memory: float | None, device: str, p: Plan) -> float:
-    """vLLM's share of the device (a phase when it sleeps through the update, else resident), added to ``p``."""
+def _engine_share(cfg: Any, shape: ModelShape, gpu_memory: float | None, device: str, p: Plan) -> None:
+    """vLLM's share of the device added to ``p``: a phase when it sleeps through the update, else resident."""
     share = cfg.rollout.vllm_gpu_memory * (gpu_memory or 0.0)
     if device == "cpu":  # the CPU engine holds no share of a device: its weights and its own KV cache
         share = shape.params * 4 + (cfg.rollout.vllm_kv_cache_gib or 0.0) * GIB
@@ -398,13 +400,12 @@ def _engine_share(cfg: Any, shape: ModelShape, gpu_memory: float | None, device:
         p.resident["vLLM engine, awake through the update"] = share
     if gpu_memory is None and device != "cpu":
         p.notes.append("vLLM's share is a fraction of the GPU: give --gpu-memory to count it")
-    return share
 
 
 def _decoding(cfg: Any, shape: ModelShape, world: int, rows: int, prompt_tokens: int, budget: int,
               top_p: float | None = None) -> dict[str, float]:
     """The HF decode loop's parts for ``rows`` rows (``rollout.max_rows`` at a time) of ``budget`` new tokens."""
-    cb = 2 if cfg.mixed_precision == "bf16" else DTYPE_BYTES[cfg.dtype]
+    cb = _compute_bytes(cfg)
     at_once = min(cfg.rollout.max_rows or rows, rows)
     step = STEP_BYTES + (TOP_P_BYTES if (cfg.rollout.top_p if top_p is None else top_p) < 1 else 0)
     parts = {"key/value cache": at_once * (prompt_tokens + budget) * shape.kv_bytes_per_token * cb,
@@ -413,6 +414,11 @@ def _decoding(cfg: Any, shape: ModelShape, world: int, rows: int, prompt_tokens:
     if world > 1:
         parts["gathered weights (FSDP)"] = shape.params * cb
     return {**parts, **_autocast_copies(cfg, shape, world)}
+
+
+def _compute_bytes(cfg: Any) -> int:
+    """Bytes of an activation element: 2 under bf16 mixed precision, else the weights' dtype's."""
+    return 2 if cfg.mixed_precision == "bf16" else DTYPE_BYTES[cfg.dtype]
 
 
 def _autocast_copies(cfg: Any, shape: ModelShape, world: int, head_only: bool = False) -> dict[str, float]:
@@ -440,7 +446,7 @@ def _pass_phases(cfg: Any, shape: ModelShape, world: int, prompt_tokens: int, bu
     """The reference passes (no grad) and the update of one micro-batch: with prefix sharing each prompt runs
     once and its keys and values are repeated per row (what :func:`emapg.models.forward.response_hidden` does)."""
     prompts, rows, (pt, rt) = cfg.micro_batch_prompts, cfg.micro_batch_prompts * cfg.rollout.n, (prompt_tokens, budget)
-    cb = 2 if cfg.mixed_precision == "bf16" else DTYPE_BYTES[cfg.dtype]
+    cb = _compute_bytes(cfg)
     sharing = cfg.prefix_sharing
 
     def saved(c: ActivationCost, prompt_pass: bool = True) -> float:
@@ -488,7 +494,7 @@ def _eval_phases(cfg: Any, shape: ModelShape, teacher: ModelShape | None, world:
                                                               prompt_tokens, budget, top_p))]
     if teacher is None or not cfg.eval.teacher_kl:
         return phases
-    cb = 2 if cfg.mixed_precision == "bf16" else DTYPE_BYTES[cfg.dtype]
+    cb = _compute_bytes(cfg)
     tb = DTYPE_BYTES[cfg.algo.teacher_dtype or cfg.dtype] if cfg.mixed_precision != "bf16" else 2
     gather = {"gathered policy and teacher (FSDP)": shape.params * cb + teacher.params * tb} if world > 1 else {}
     answers = {"teacher's key/value cache": problems * (prompt_tokens + budget) * teacher.kv_bytes_per_token * tb,
@@ -551,6 +557,11 @@ def _lora_params(shape: ModelShape, cfg: Any) -> int:
     return _LORA[key]
 
 
+def teacher_shape(cfg: Any) -> ModelShape | None:
+    """The shape of ``algo.teacher`` (None without a teacher), its problems named as that field's."""
+    return shape_of(model_config(cfg.algo.teacher, field="algo.teacher")) if cfg.algo.teacher else None
+
+
 def run_plan(cfg: Any, config, task, tokenizer, *, world: int = 1, device: str = "cuda",
              gpu_memory: float | None = None, prompt_tokens: int | None = None,
              response_tokens: int | None = None) -> Plan:
@@ -560,7 +571,7 @@ def run_plan(cfg: Any, config, task, tokenizer, *, world: int = 1, device: str =
     from emapg.rollout import response_budget
     from emapg.rollout.prompts import longest_prompt
 
-    teacher = shape_of(model_config(cfg.algo.teacher, field="algo.teacher")) if cfg.algo.teacher else None
+    teacher = teacher_shape(cfg)
     return plan(cfg, shape_of(config), world=world, prompt_tokens=prompt_tokens or longest_prompt(task, tokenizer),
                 response_tokens=response_tokens or response_budget(task, cfg.rollout.max_new_tokens),
                 gpu_memory=gpu_memory, teacher=teacher, device=device)
@@ -661,7 +672,7 @@ def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, res
         if cfg.offload and gpus < 2:  # what one device would run instead: the plan of that
             cfg = dataclasses.replace(cfg, offload=False)
     shape = shape_of(model_config(cfg.model))
-    teacher = shape_of(model_config(cfg.algo.teacher, field="algo.teacher")) if cfg.algo.teacher else None
+    teacher = teacher_shape(cfg)
     capacity = gpu_memory_gb * GIB
     kw = dict(world=gpus, prompt_tokens=prompt_tokens, response_tokens=response_tokens, gpu_memory=capacity,
               teacher=teacher, device=device)
