@@ -424,6 +424,26 @@ def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
     assert steps == list(range(1, len(steps) + 1))
 
 
+def test_a_worker_whose_launcher_ended_before_it_asked_ends(tmp_path):
+    """The window before a torchrun worker's PR_SET_PDEATHSIG: a launcher SIGKILLed then leaves torchrun adopted
+    (by init or a subreaper) and the request comes too late to fire, so the worker checks that the launcher is
+    still its grandparent. Here the middle process (torchrun's place) is a shell: told the real grandparent
+    (this test) the worker goes on; told another PID (a launcher that is gone) it ends by SIGTERM at once."""
+    import os
+    import subprocess
+    import sys
+
+    def worker(grandparent: int) -> subprocess.CompletedProcess:
+        code = f"from emapg.run.folder import die_with_parent; die_with_parent({grandparent}); print('alive')"
+        inner = subprocess.list2cmdline([sys.executable, "-c", code])
+        return subprocess.run(["sh", "-c", f"{inner}; echo rc=$?"], capture_output=True, text=True, timeout=120)
+
+    alive = worker(os.getpid())
+    assert alive.stdout.split() == ["alive", "rc=0"], alive.stderr
+    gone = worker(os.getpid() + 4_000_000)  # no process has this PID: the launcher ended
+    assert gone.stdout.split() == [f"rc={128 + 15}"], gone.stderr  # SIGTERM, before anything else ran
+
+
 def test_options_that_would_be_ignored_are_refused(tmp_path, capsys):
     """`--nproc 0` ran one process; `--out` and `--config` beside `--resume` were ignored silently; a config
     that is not UTF-8 named no file."""

@@ -54,9 +54,10 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     cmd += ["--trust-plugins"] if args.trust_plugins else []
     if args.config:
         cmd += ["--config", str(recipe_path(args.config))]
-    from emapg.run.folder import LOCK_ENV, die_with_parent, stop_child
+    from emapg.run.folder import LAUNCHER_ENV, LOCK_ENV, die_with_parent, stop_child
 
-    env = {**os.environ, LOCK_ENV: str(run_dir.resolve())}  # this process holds the folder's lock for them
+    # this process holds the folder's lock for them; its PID lets a worker see that it outlived it
+    env = {**os.environ, LOCK_ENV: str(run_dir.resolve()), LAUNCHER_ENV: str(os.getpid())}
     proc = subprocess.Popen(cmd + list(args.overrides), env=env, preexec_fn=die_with_parent)  # noqa: PLW1509
     try:
         return proc.wait()
@@ -66,7 +67,8 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from emapg.run.checkpoint import has_checkpoint
-    from emapg.run.folder import LOCK_ENV, check_resume, claim_run_folder, die_with_parent, lock_run, unlock_run
+    from emapg.run.folder import (
+        LAUNCHER_ENV, LOCK_ENV, check_resume, claim_run_folder, die_with_parent, lock_run, unlock_run)
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
@@ -76,7 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                           "(change settings with KEY=VALUE overrides)")
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and os.environ.get(LOCK_ENV):  # a worker of `--nproc`: it ends with torchrun, which ends with
-        die_with_parent()                      # the launcher holding the lock
+        die_with_parent(int(os.environ.get(LAUNCHER_ENV, "0")) or None)  # the launcher holding the lock
     if launched and not (args.out or args.resume):
         raise ConfigError("--out: needed with more than one process (each would pick its own default folder)")
     rank0 = not launched or os.environ.get("RANK", "0") == "0"  # rank 0 alone: the others may see its files

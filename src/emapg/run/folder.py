@@ -27,6 +27,7 @@ from emapg.run.metrics import PLOTS
 MARKER = ".emapg-run"
 LOCK = ".emapg.lock"  # the one writer's OS lock (and its PID, for the message a second writer gets)
 LOCK_ENV = "EMAPG_RUN_LOCK"  # set by a launcher holding the lock for the processes it starts (--nproc)
+LAUNCHER_ENV = "EMAPG_LAUNCHER_PID"  # that launcher's PID: its workers' grandparent (torchrun in between)
 _HELD: dict[Path, IO] = {}
 # What a run writes into its folder (removed when a run that never checkpointed starts again;
 # anything else there, such as emapg compare's log of the run, stays).
@@ -66,10 +67,14 @@ def lock_run(run_dir: Path) -> None:
             debris.unlink()
 
 
-def die_with_parent() -> None:
+def die_with_parent(grandparent: int | None = None) -> None:
     """Ask the OS to send this process SIGTERM when its parent ends (Linux's PR_SET_PDEATHSIG): a process that
     writes under its launcher's lock never outlives it, however the launcher ends (SIGKILL too). For
-    ``subprocess``'s ``preexec_fn`` and for a launched worker itself; nothing on other systems."""
+    ``subprocess``'s ``preexec_fn`` and for a launched worker itself; nothing on other systems.
+
+    The request covers only what happens after it: a parent (or, for a torchrun worker, the launcher
+    ``grandparent`` above torchrun) that ended before it leaves this process adopted by init or by a
+    subreaper, which the parent's PID no longer being the one expected shows; then it ends now."""
     import ctypes
     import signal
 
@@ -78,8 +83,19 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent ended before the request: end now, as it would have made us
+    parent = os.getppid()
+    orphaned = parent == 1 or (grandparent is not None and _parent_of(parent) != grandparent)
+    if orphaned:  # the parent (or the launcher above it) ended before the request: end now, as it would have
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent PID of process ``pid`` (Linux's /proc), None when it is gone or unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then the parent's PID
 
 
 def stop_child(proc) -> None:
