@@ -68,7 +68,14 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from emapg.run.checkpoint import has_checkpoint
     from emapg.run.folder import (
-        LAUNCHER_ENV, LOCK_ENV, check_resume, claim_run_folder, die_with_parent, lock_run, unlock_run)
+        LAUNCHER_ENV,
+        LOCK_ENV,
+        check_resume,
+        claim_run_folder,
+        die_with_parent,
+        lock_run,
+        unlock_run,
+    )
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
