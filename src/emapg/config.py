@@ -255,7 +255,13 @@ class TrainConfig:
     mini_batch_prompts: int | None = None
     """Prompts per optimizer step (None = all of the batch: one optimizer step per PPO epoch)."""
     micro_batch_prompts: int = 2
-    """Prompts per forward/backward micro-batch (all their responses together)."""
+    """Prompts per forward/backward micro-batch (all their responses together); not used with micro_batch_tokens."""
+    micro_batch_tokens: int = 0
+    """Micro-batches packed by tokens instead (verl's ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``): each
+    process cuts its rows of a mini-batch, in order, into the fewest micro-batches whose rows count at most this
+    many tokens (a row: its prompt's and its response's, as verl counts them; a longer row alone), every process
+    making as many as the one that needs the most. A prompt's rows in one micro-batch share its pass. The same
+    gradient as any other cut (memory only). 0 = by prompts (micro_batch_prompts)."""
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -681,6 +687,7 @@ RULES: dict[str, Rule] = {
     "prompts_per_step": at_least(1),
     "mini_batch_prompts": at_least(1, null=True),
     "micro_batch_prompts": at_least(1),
+    "micro_batch_tokens": at_least(0),
     "lr": above(0, finite=True),
     "weight_decay": at_least(0, finite=True),
     "warmup_steps": ((lambda v: v >= 0), "must be >= 0 (0 = no warmup)"),
@@ -784,7 +791,7 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
      lambda c: f"{c.eval.samples} samples per problem need eval.greedy: false (greedy decoding gives one answer)"),
     ("mini_batch_prompts", lambda c: c.prompts_per_step % _mini(c) == 0,
      lambda c: f"{_mini(c)} does not divide prompts_per_step={c.prompts_per_step}"),
-    ("micro_batch_prompts", lambda c: _mini(c) % c.micro_batch_prompts == 0,
+    ("micro_batch_prompts", lambda c: c.micro_batch_tokens or _mini(c) % c.micro_batch_prompts == 0,
      lambda c: f"{c.micro_batch_prompts} does not divide the mini-batch of {_mini(c)}"),
 ]
 
@@ -823,7 +830,9 @@ def check_world(cfg: TrainConfig, world: int) -> None:
                           f"(this run has {world}); one process keeps its model on its device")
     if cfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: {cfg.prompts_per_step} does not split over {world} processes")
-    if mini % world or (mini // world) % cfg.micro_batch_prompts:
+    if mini % world:
+        raise ConfigError(f"mini_batch_prompts: {mini} does not split over {world} processes")
+    if not cfg.micro_batch_tokens and (mini // world) % cfg.micro_batch_prompts:
         raise ConfigError(f"micro_batch_prompts: {cfg.micro_batch_prompts} does not divide the per-process "
                           f"mini-batch ({mini} prompts over {world} processes)")
 

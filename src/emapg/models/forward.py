@@ -101,22 +101,24 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     number of calls depends on nothing a rank's rows decide: the length groups are planned from every rank's
     costs (:func:`_length_groups`), every group runs a call (at least one column wide), and a micro-batch
     whose responses count no position (all masked, or one token) still runs its response call, on one
-    column of padding whose output no position reads. Rows of every rank's micro-batches are equal in number
-    (``check_world``), which the plan relies on."""
+    column of padding whose output no position reads. Ranks' micro-batches may differ in rows (packed by
+    tokens), which the plan allows for.
+
+    A micro-batch whose rows cut prompts' groups (``mb.row_prompt``) runs each of its prompts once too, each
+    row reading its own prompt's keys and values."""
     decoder, _ = decoder_and_head(model)
-    n, resp = mb.n, mb.response_ids
-    pmask = mb.prompt_mask
+    resp, pmask = mb.response_ids, mb.prompt_mask
     inputs = resp[:, :-1]  # the last response token predicts nothing we need
     if not prefix_sharing:
-        full_ids = torch.cat([mb.prompt_ids.repeat_interleave(n, 0), inputs], 1)
-        full_mask = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
+        full_ids = torch.cat([mb.per_row(mb.prompt_ids), inputs], 1)
+        full_mask = torch.cat([mb.per_row(pmask), torch.ones_like(inputs)], 1)
         h = decoder(input_ids=full_ids, attention_mask=full_mask, position_ids=positions(full_mask),
                     use_cache=False).last_hidden_state
         return h[:, pmask.shape[1] - 1 :]
     ckpt = _checkpointing(decoder)
     with _layers(ckpt, checkpointed=False):
         out = decoder(input_ids=mb.prompt_ids, attention_mask=pmask, position_ids=positions(pmask), use_cache=True)
-    h_first = out.last_hidden_state[:, -1:].repeat_interleave(n, 0)  # left padding: last column is real
+    h_first = mb.per_row(out.last_hidden_state[:, -1:])  # left padding: last column is real
     width = inputs.shape[1]
     if width == 0:
         if not agree:
@@ -125,9 +127,13 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     cache = getattr(out, "cache", None) or out.past_key_values
     if ckpt and not all(type(layer) is DynamicLayer for layer in cache.layers):
         return response_hidden(model, mb, prefix_sharing=False)  # sliding-window layers: the plain pass
-    cache.batch_repeat_interleave(n)  # autograd-tracked: gradients reach the prompt's keys/values
-    att = torch.cat([pmask.repeat_interleave(n, 0), torch.ones_like(inputs)], 1)
-    pos = pmask.sum(1, keepdim=True).repeat_interleave(n, 0) + torch.arange(inputs.shape[1], device=inputs.device)
+    # each row's copy of its prompt's keys/values, autograd-tracked: gradients reach the prompt's
+    if mb.row_prompt is None:
+        cache.batch_repeat_interleave(mb.n)
+    else:
+        cache.batch_select_indices(mb.row_prompt)
+    att = torch.cat([mb.per_row(pmask), torch.ones_like(inputs)], 1)
+    pos = mb.per_row(pmask.sum(1, keepdim=True)) + torch.arange(inputs.shape[1], device=inputs.device)
     # Rows run in groups of similar length, each trimmed to its own longest: padding costs no compute.
     # Inputs up to a row's last counted position are needed (tool output before it is context).
     cols = torch.arange(1, resp.shape[1] + 1, device=resp.device)
@@ -171,19 +177,23 @@ GROUP_PARTS = (1, 2, 4)  # the plans: the rows, longest first, cut into this man
 
 def _length_groups(need: Tensor, sliding: bool, agree: bool = False) -> list[Tensor]:
     """Row indices split into 1, 2 or 4 groups of similar length (longest first), whichever runs the
-    fewest padded tokens counting a call's overhead; one group for sliding-window caches.
+    fewest padded tokens counting a call's overhead; one group for sliding-window caches. A plan has no
+    more groups than rows.
 
-    ``agree``: the plan is the same on every rank (one all-reduce of three numbers): the one whose slowest
-    rank runs the fewest tokens. A rank's number of groups depends only on its number of rows, which every
-    rank shares."""
+    ``agree``: the plan is the same on every rank (one all-reduce): the one whose slowest rank runs the
+    fewest tokens, among those with no more groups than the rank with the fewest rows has (ranks' micro-batches
+    packed by tokens differ in rows); each of its groups is then non-empty on every rank."""
     order = torch.argsort(need, descending=True, stable=True)
-    if sliding or need.numel() < 2:
+    if sliding:
         return [order]
-    plans = [order.chunk(parts) for parts in GROUP_PARTS]
-    costs = [sum(float(need[g].max()) * len(g) + GROUP_OVERHEAD_TOKENS for g in groups) for groups in plans]
+    plans = [order.tensor_split(parts) for parts in GROUP_PARTS]
+    costs = [sum(float(need[g].max()) * len(g) + GROUP_OVERHEAD_TOKENS for g in groups if len(g)) for groups in plans]
+    rows = len(need)
     if agree:
-        costs = distributed.all_reduce(costs, op="max")
-    return list(plans[min(range(len(plans)), key=lambda i: (costs[i], i))])
+        *costs, fewest = distributed.all_reduce([*costs, -rows], op="max")
+        rows = -int(fewest)
+    usable = [i for i, parts in enumerate(GROUP_PARTS) if parts <= max(rows, 1)]
+    return list(plans[min(usable, key=lambda i: (costs[i], i))])
 
 
 def response_logprobs(

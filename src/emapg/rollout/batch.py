@@ -22,6 +22,8 @@ class RolloutBatch:
     truncated: [B] the response hit the length budget without an end-of-sequence.
     rewards, advantages: [B], filled by the trainer.
     stats: per-response diagnostics [B] of a rollout (e.g. searches per episode), logged as means.
+    row_prompt: [B] the prompt of each row, for a run of rows that cuts groups (a micro-batch packed by
+        tokens: :meth:`row_batch`); None: the rows are prompt-major, n per prompt.
     """
 
     prompt_ids: Tensor
@@ -38,6 +40,7 @@ class RolloutBatch:
     rewards: Tensor | None = None
     advantages: Tensor | None = None
     stats: dict[str, Tensor] = field(default_factory=dict)
+    row_prompt: Tensor | None = None
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         """The batch with every tensor on ``device``."""
@@ -60,7 +63,18 @@ class RolloutBatch:
     def micro_batch(self, prompts: slice) -> RolloutBatch:
         """The sub-batch of a run of prompts with all their responses, trimmed of all-padding columns
         (so a micro-batch of short answers runs short sequences)."""
-        rows = self.rows(prompts)
+        return self._sub(prompts, self.rows(prompts), None)
+
+    def row_batch(self, rows: slice) -> RolloutBatch:
+        """The sub-batch of a run of rows (of a prompt-major batch), which may begin or end inside a prompt's
+        group: the prompts they answer, each once, and ``row_prompt`` naming each row's; trimmed as
+        :meth:`micro_batch`."""
+        first = rows.start // self.n
+        prompts = slice(first, (rows.stop - 1) // self.n + 1)
+        return self._sub(prompts, rows, torch.arange(rows.start, rows.stop, device=self.prompt_ids.device) // self.n
+                         - first)
+
+    def _sub(self, prompts: slice, rows: slice, row_prompt: Tensor | None) -> RolloutBatch:
         completions = self.completions[rows]
         pm = self.prompt_mask[prompts]
         p_cols = pm.any(0).nonzero()
@@ -76,8 +90,12 @@ class RolloutBatch:
             samp_logp=self.samp_logp[rows, :r_end], n=self.n, samp_topk=cut(self.samp_topk),
             top_p_cut=cut(self.top_p_cut), entropy=cut(self.entropy), truncated=pick(self.truncated),
             completions=completions, rewards=pick(self.rewards), advantages=pick(self.advantages),
-            stats={k: v[rows] for k, v in self.stats.items()},
+            stats={k: v[rows] for k, v in self.stats.items()}, row_prompt=row_prompt,
         )
+
+    def per_row(self, prompt_rows: Tensor) -> Tensor:
+        """A tensor with a row per prompt [P, ...] repeated for each response row [B, ...]."""
+        return prompt_rows.repeat_interleave(self.n, 0) if self.row_prompt is None else prompt_rows[self.row_prompt]
 
 
 def pad_cat(parts: list[Tensor | None], *, left: bool = False, fill: float = 0) -> Tensor | None:

@@ -43,6 +43,7 @@ from emapg.run.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.run.export import export_models
 from emapg.run.folder import mark_finished
 from emapg.run.metrics import add_stats, peak_memory_row, rollout_row, update_row
+from emapg.run.micro_batches import step_micro_batches
 from emapg.tasks.order import training_prompts
 from emapg.tasks.scoring import score_completions
 
@@ -162,16 +163,15 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algo
         t0 = time.perf_counter()
         lr_used = schedule_step_lr(self.optimizer, self.scheduler)
-        micro_batches = batch.micro_batches(cfg.micro_batch_prompts)
-        anchors = [self.anchor_pass(mb) for mb in micro_batches]
-        t_anchor = time.perf_counter() - t0
         mini = cfg.mini_batch_prompts or cfg.prompts_per_step  # global; each rank holds mini / world
-        per_mini = mini // self.dist.world // cfg.micro_batch_prompts
+        minis = step_micro_batches(batch, mini // self.dist.world, cfg.micro_batch_prompts, cfg.micro_batch_tokens)
+        anchors = [[self.anchor_pass(mb) for mb in mbs] for mbs in minis]
+        t_anchor = time.perf_counter() - t0
         stats: dict[str, float] = {}
         grad_norms, skipped = [], 0
         for _epoch in range(a.ppo_epochs):
-            for m0 in range(0, len(micro_batches), per_mini):
-                done = self._optimizer_step(micro_batches[m0 : m0 + per_mini], anchors[m0 : m0 + per_mini], mini)
+            for mbs, ancs in zip(minis, anchors, strict=True):
+                done = self._optimizer_step(mbs, ancs, mini)
                 if done is None:  # a non-finite loss or gradient: this update is dropped, training goes on
                     skipped += 1
                     continue
