@@ -5,6 +5,7 @@ on two processes: tests/test_distributed.py.)"""
 
 import itertools
 import random
+from itertools import pairwise
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def _fewest(tokens: list[int], budget: int) -> int:
     for parts in range(1, n + 1):
         for inner in itertools.combinations(range(1, n), parts - 1):
             cuts = [0, *inner, n]
-            if all(b - a == 1 or sum(tokens[a:b]) <= budget for a, b in zip(cuts, cuts[1:])):
+            if all(b - a == 1 or sum(tokens[a:b]) <= budget for a, b in pairwise(cuts)):
                 return parts
     raise AssertionError
 
@@ -38,7 +39,7 @@ def test_the_cut_is_the_fewest_runs_within_budget_then_exactly_as_many_as_asked(
         assert len(cuts) - 1 == _fewest(tokens, budget)
         for parts in range(len(cuts) - 1, len(tokens) + 1):
             got = cut_into(tokens, parts, budget)
-            runs = list(zip(got, got[1:]))
+            runs = list(pairwise(got))
             assert got[0] == 0 and got[-1] == len(tokens) and len(runs) == parts
             assert all(b > a and (b - a == 1 or sum(tokens[a:b]) <= budget) for a, b in runs)
     with pytest.raises(ValueError, match="the greedy cut needs 3"):

@@ -6,7 +6,9 @@ offload, recompute_old, its KL, tail and head, the 16k and 24k stages started fr
 HF decode loop (vLLM's CPU build lives in .venv-vllm) and data are fixtures in the real formats (DeepScaleR's JSON
 list, AIME 2024's rows, Search-R1's parquet with a running ``emapg serve-retriever``). Prompts differ in length
 between ranks, and ``mask_truncated`` leaves some micro-batches with no counted position on one rank only: the run
-of issue 54 that aborted at step 2.
+of issue 54 that aborted at step 2. The math recipes pack micro-batches by tokens, with a budget scaled to the CPU
+rows (130 tokens of rows of 33-283: in both steps one rank needs 2 micro-batches of a mini-batch where the other
+needs 1, and makes 2).
 
 Each recipe trains 2 steps uninterrupted, then the same run is resumed from its step-1 checkpoint (as after a
 crash during step 2's save) and must equal it: every metrics row, and the policy, anchor and optimizer state.
@@ -34,7 +36,8 @@ CPU_SIZE = ["model=tiny-qwen2", "steps=2", "prompts_per_step=4", "mini_batch_pro
             "rollout.n=2", "rollout.max_new_tokens=24", "rollout.backend=hf", "save_every=1", "keep_checkpoints=3",
             "eval.max_new_tokens=8", "threads=2"]
 MATH_DATA = [f"task_args.train_file={FIXTURES / 'evalsets' / 'deepscaler_train.json'}",
-             f"task_args.eval_file={FIXTURES / 'evalsets' / 'aime_2024.jsonl'}", "eval.size=1", "eval.samples=2"]
+             f"task_args.eval_file={FIXTURES / 'evalsets' / 'aime_2024.jsonl'}", "eval.size=1", "eval.samples=2",
+             "micro_batch_tokens=130"]  # the recipes' 30,000 at CPU rows' size: ranks need unlike numbers of them
 TIMING = ("step_seconds", "gen_seconds", "anchor_seconds")
 
 

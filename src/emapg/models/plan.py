@@ -27,6 +27,7 @@ cannot fit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -441,11 +442,25 @@ def calibration(cfg: Any, world: int, checkpointing: bool) -> Calibration:
     return Calibration(cfg.dtype, cfg.mixed_precision, checkpointing, lora)
 
 
+def micro_batch_shape(cfg: Any, world: int, prompt_tokens: int, budget: int) -> tuple[float, float]:
+    """Prompts and rows of the largest micro-batch: ``micro_batch_prompts`` whole groups, or, packed by tokens
+    (``micro_batch_tokens``), the budget filled with rows of the full length (a fraction of one counting its
+    share: every term is linear in rows; at least one row, at most the process's mini-batch) over as many prompts
+    as a run of that many rows can span (it may begin inside a group)."""
+    n = cfg.rollout.n
+    if not cfg.micro_batch_tokens:
+        return cfg.micro_batch_prompts, cfg.micro_batch_prompts * n
+    share = (cfg.mini_batch_prompts or cfg.prompts_per_step) // world * n
+    rows = min(share, max(1.0, cfg.micro_batch_tokens / (prompt_tokens + budget)))
+    whole = math.ceil(rows)
+    return min(whole, (whole + n - 2) // n + 1), rows
+
+
 def _pass_phases(cfg: Any, shape: ModelShape, world: int, prompt_tokens: int, budget: int,
                  gradients: float) -> list[Phase]:
     """The reference passes (no grad) and the update of one micro-batch: with prefix sharing each prompt runs
     once and its keys and values are repeated per row (what :func:`emapg.models.forward.response_hidden` does)."""
-    prompts, rows, (pt, rt) = cfg.micro_batch_prompts, cfg.micro_batch_prompts * cfg.rollout.n, (prompt_tokens, budget)
+    (prompts, rows), (pt, rt) = micro_batch_shape(cfg, world, prompt_tokens, budget), (prompt_tokens, budget)
     cb = _compute_bytes(cfg)
     sharing = cfg.prefix_sharing
 
@@ -593,8 +608,9 @@ def render(p: Plan, capacity: float | None = None) -> str:
 
 
 def largest_fitting(cfg: Any, shape: ModelShape, capacity: float, **kw) -> dict[str, Any]:
-    """The largest ``rollout.max_rows`` (hf backend) and ``micro_batch_prompts`` that fit in ``capacity``
-    bytes, each tried with the other as configured (None: none fits)."""
+    """The largest ``rollout.max_rows`` (hf backend) and ``micro_batch_prompts`` (or, packed by tokens,
+    ``micro_batch_tokens`` in whole rows of the full length) that fit in ``capacity`` bytes, each tried with the
+    other as configured (None: none fits)."""
     import dataclasses
 
     out: dict[str, Any] = {}
@@ -609,11 +625,17 @@ def largest_fitting(cfg: Any, shape: ModelShape, capacity: float, **kw) -> dict[
                 best = rows
         out["rollout.max_rows"] = best
     best, share = None, (cfg.mini_batch_prompts or cfg.prompts_per_step) // kw.get("world", 1)
-    for mb in (m for m in range(1, share + 1) if share % m == 0):  # whole micro-batches per process
-        trial = dataclasses.replace(cfg, micro_batch_prompts=mb)
-        if _phase(plan(trial, shape, **kw), "update") <= capacity:
-            best = mb
-    out["micro_batch_prompts"] = best
+    if cfg.micro_batch_tokens:  # whole rows of the full length, up to the process's mini-batch
+        row = kw.get("prompt_tokens", 512) + (kw.get("response_tokens") or cfg.rollout.max_new_tokens)
+        trials = {"micro_batch_tokens": [row * m for m in range(1, share * cfg.rollout.n + 1)]}
+    else:  # whole micro-batches per process
+        trials = {"micro_batch_prompts": [m for m in range(1, share + 1) if share % m == 0]}
+    (name, values), = trials.items()
+    for value in values:
+        if _phase(plan(dataclasses.replace(cfg, **{name: value}), shape, **kw), "update") > capacity:
+            break  # the update grows with the micro-batch
+        best = value
+    out[name] = best
     return out
 
 
@@ -640,7 +662,9 @@ def too_big(p: Plan, capacity: float, cfg: Any) -> str | None:
     if over & {"update", "reference"}:
         if not cfg.gradient_checkpointing and "update" in over:
             fixes.append("gradient_checkpointing=true")
-        if cfg.micro_batch_prompts > 1:
+        if cfg.micro_batch_tokens:
+            fixes.append("a smaller micro_batch_tokens")
+        elif cfg.micro_batch_prompts > 1:
             fixes.append("a smaller micro_batch_prompts")
     fixes += [*offload, "more devices"]
     return (f"the memory plan needs {p.peak / GIB:.1f} GiB per device at its peak ({p.peak_phase}), more than the "

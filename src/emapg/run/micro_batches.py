@@ -11,6 +11,8 @@ collectives that all ranks must make alike. That one all-reduce is the only impu
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from emapg.models import distributed
@@ -23,8 +25,8 @@ def step_micro_batches(batch: RolloutBatch, mini_prompts: int, micro_prompts: in
     of ``micro_prompts`` prompts, or, with ``micro_tokens`` > 0, packed by tokens (:func:`cut_into`)."""
     minis = [slice(s, s + mini_prompts) for s in range(0, batch.num_prompts, mini_prompts)]
     if not micro_tokens:
-        return [[batch.micro_batch(slice(p, min(p + micro_prompts, m.stop))) for p in range(m.start, m.stop, micro_prompts)]
-                for m in minis]
+        return [[batch.micro_batch(slice(p, min(p + micro_prompts, m.stop)))
+                 for p in range(m.start, m.stop, micro_prompts)] for m in minis]
     tokens = row_tokens(batch)
     rows = [batch.rows(m) for m in minis]
     fewest = [len(greedy_cuts(tokens[r], micro_tokens)) - 1 for r in rows]
@@ -32,7 +34,7 @@ def step_micro_batches(batch: RolloutBatch, mini_prompts: int, micro_prompts: in
     out = []
     for r, parts in zip(rows, counts, strict=True):
         cuts = cut_into(tokens[r], parts, micro_tokens)
-        out.append([batch.row_batch(slice(r.start + a, r.start + b)) for a, b in zip(cuts, cuts[1:])])
+        out.append([batch.row_batch(slice(r.start + a, r.start + b)) for a, b in pairwise(cuts)])
     return out
 
 
@@ -65,7 +67,7 @@ def cut_into(tokens: list[int], parts: int, budget: int) -> list[int]:
     if not len(cuts) - 1 <= parts <= len(tokens):
         raise ValueError(f"{parts} runs of {len(tokens)} rows: the greedy cut needs {len(cuts) - 1}")
     while len(cuts) - 1 < parts:
-        _, a, b = max((sum(tokens[a:b]), a, b) for a, b in zip(cuts, cuts[1:]) if b - a > 1)
+        _, a, b = max((sum(tokens[a:b]), a, b) for a, b in pairwise(cuts) if b - a > 1)
         middle = min(range(a + 1, b), key=lambda m: (abs(sum(tokens[a:m]) - sum(tokens[m:b])), m))
         cuts = sorted([*cuts, middle])
     return cuts
