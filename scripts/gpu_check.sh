@@ -97,7 +97,7 @@ fi
 RECIPE=(-m emapg train --config recipes/math_r1_distill_1p5b.yaml device=$DEV model=smollm2-135m mixed_precision=$MP
         task_args.train_file=tests/fixtures/evalsets/deepscaler_train.json
         task_args.eval_file=tests/fixtures/evalsets/aime_2024.jsonl steps=2 prompts_per_step=2 mini_batch_prompts=2
-        micro_batch_prompts=1 rollout.n=4 rollout.max_new_tokens=2048 rollout.vllm_max_model_len=3072
+        rollout.n=4 rollout.max_new_tokens=2048 rollout.vllm_max_model_len=3072
         rollout.vllm_enforce_eager=true rollout.vllm_sleep=$SLEEP eval.size=0 eval.max_new_tokens=2048 save_every=0
         export=false)
 if $PY -c "import vllm" 2>/dev/null; then
