@@ -134,7 +134,7 @@ def test_what_the_passes_gather_follows_the_estimators_declaration():
     union = algo.kl_head(AlgoConfig(kl="topk_forward", k=K, head="union"))
     assert union.sampler_k == K and algo.anchor_request(union, batch, V)[1] == K
     assert algo.kl_head(AlgoConfig(kl="topk_reverse", k=K, head="anchor")).sampler_k == 0
-    assert [h.kind for h in heads] == ["sampler_topk", "anchor_topk", "all", "none"]
+    assert [h.kind for h in heads] == ["sampler", "anchor", "all", "none"]
     spec = algo.rollout_sampling(RolloutConfig(n=3, temperature=0.7, top_p=0.9, max_new_tokens=9), heads[0])
     assert spec == SamplingSpec(n=3, temperature=0.7, top_p=0.9, max_new_tokens=9, greedy=False, k=32)
     assert algo.rollout_sampling(RolloutConfig(), heads[1]).k == 0

@@ -36,10 +36,10 @@ from emapg.rollout.sampling import SamplingSpec
 class KLHead:
     """The ids q whose KL terms the estimator sums exactly, read from its declaration once per run.
 
-    kind: ``sampler_topk`` (pi_samp's top-k, recorded at sampling), ``anchor_topk`` (the anchor's own
-    top-k, found in the anchor pass), ``union`` (both: up to 2k ids), ``all`` (every id: the exact
-    estimators) or ``none`` (a purely sampled estimator, or a top-k one at k = 0). k: the head's size
-    per set (0 unless top-k)."""
+    kind: ``sampler`` (pi_samp's top-k, recorded at sampling), ``anchor`` (the anchor's own top-k, found in
+    the anchor pass), ``union`` (both: up to 2k ids), ``all`` (every id: the exact estimators) or ``none`` (a
+    purely sampled estimator, or a top-k one at k = 0): :data:`emapg.kl.HEADS` and
+    :data:`emapg.kl.HEAD_CHOICES`, one spelling. k: the head's size per set (0 unless top-k)."""
 
     kind: str
     k: int = 0
@@ -47,17 +47,14 @@ class KLHead:
     @property
     def sampler_k(self) -> int:
         """How many top-k ids per token the sampler must record."""
-        return self.k if self.kind in ("sampler_topk", "union") else 0
-
-
-HEAD_KINDS = {"sampler": "sampler_topk", "anchor": "anchor_topk", "union": "union"}
+        return self.k if self.kind in ("sampler", "union") else 0
 
 
 def kl_head(a: AlgoConfig) -> KLHead:
     """The head of the configured estimator (``algo.kl`` at ``algo.k``, ``algo.head`` or its own)."""
     est = kl.estimator(a.kl)
     if est.topk:
-        return KLHead(HEAD_KINDS[a.head or est.default_head], a.k) if a.k > 0 else KLHead("none")
+        return KLHead(a.head or est.default_head, a.k) if a.k > 0 else KLHead("none")
     return KLHead(est.head)
 
 
@@ -95,10 +92,10 @@ def anchor_request(head: KLHead, mb: RolloutBatch, vocab: int,
     valid = mb.response_mask.bool()
     if head.kind == "all":
         return torch.arange(vocab, device=valid.device).expand(int(valid.sum()), vocab), 0
-    if head.kind in ("sampler_topk", "union"):
+    if head.kind in ("sampler", "union"):
         ids = mb.samp_topk[valid] if old_topk is None else old_topk
         return ids, head.k if head.kind == "union" else 0
-    if head.kind == "anchor_topk":
+    if head.kind == "anchor":
         return None, head.k
     return None, 0
 

@@ -43,9 +43,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-HEADS = ("none", "sampler_topk", "anchor_topk", "all")
+HEADS = ("none", "sampler", "anchor", "all")
+"""An estimator's declared head: none (purely sampled), pi_samp's top-k, the anchor's (teacher's) top-k, every id."""
 HEAD_CHOICES = ("sampler", "anchor", "union")
-"""The head of a top-k estimator: pi_samp's top-k ids, the anchor's (teacher's), or both sets."""
+"""The head a top-k estimator may be given (``algo.head``): pi_samp's top-k ids, the anchor's, or both sets."""
 Term = Callable[[Tensor, Tensor], Tensor]
 TailTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """A tail's sampled term at a token p outside the head:
@@ -83,12 +84,12 @@ class Estimator:
     @property
     def topk(self) -> bool:
         """Whether this is a top-k estimator: a head of k ids and a tail (:data:`TAILS`)."""
-        return self.head in ("sampler_topk", "anchor_topk")
+        return self.head in ("sampler", "anchor")
 
     @property
     def default_head(self) -> str | None:
         """The head a top-k estimator takes unless told (``sampler`` or ``anchor``); None otherwise."""
-        return {"sampler_topk": "sampler", "anchor_topk": "anchor"}.get(self.head)
+        return self.head if self.topk else None
 
     def forms(self) -> tuple[str, ...]:
         """The forms this estimator is defined in: every tail for a top-k one, else unbiased and paper
@@ -268,8 +269,8 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
     Estimator("k5", "forward", "none", _k5),
     Estimator("exact_reverse", "reverse", "all", None),
     Estimator("exact_forward", "forward", "all", None),
-    Estimator("topk_reverse", "reverse", "sampler_topk", None),  # its tails: TAILS
-    Estimator("topk_forward", "forward", "anchor_topk", None),
+    Estimator("topk_reverse", "reverse", "sampler", None),  # its tails: TAILS
+    Estimator("topk_forward", "forward", "anchor", None),
 )}
 
 
