@@ -8,7 +8,9 @@ a bench script takes the options given, a pip extra exists, a Python block compi
 
 Then the blocks run, one command after another in a scratch folder that holds the repository's recipes,
 bench, studies and scripts, and the user's files the docs show (USER_FILES: a fenced block whose info string
-says ``file=NAME``). What a block needs is marked
+says ``file=NAME``); each emapg command must give what it promises, not only exit 0 (``promised``: a run's
+metrics, checkpoint and end, eval's table and files, export's folders, the plan's verdict...). What a block
+needs is marked
 after its language (```bash gpu): such a block is checked, never run:
   gpu        a GPU (torchrun over 8 devices, vLLM's CUDA engine)
   own-files  the user's own models or datasets (/models/..., /data/..., a trained search agent)
@@ -94,6 +96,62 @@ def table_commands() -> list[tuple[str, str]]:
                 for span in re.findall(r"`([^`]+)`", line.rstrip(" |").rsplit("|", 1)[-1]):
                     if re.match(r"(emapg|python|bash|torchrun) ", span):
                         out.append((f"{doc.name}:{n}", span))
+    return out
+
+
+COMMAND = re.compile(r"(emapg|python|bash|torchrun) ")
+PLACEHOLDERS = {"studies/README.md": {"NAME": "stability"}}  # a doc's placeholder -> a real one, to check it
+
+
+def _sources() -> list[tuple[str, str]]:
+    """(where, text) of every place a command is written outside fenced blocks: the docs, studies/README.md, and
+    the examples' module docstrings (the text a user reads first in a file)."""
+    import ast
+
+    out = [(str(d.relative_to(ROOT)), d.read_text(encoding="utf-8")) for d in [*DOCS, ROOT / "studies" / "README.md"]]
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        out.append((str(example.relative_to(ROOT)), ast.get_docstring(ast.parse(example.read_text())) or ""))
+    return out
+
+
+def prose_commands() -> list[tuple[str, str]]:
+    """(where, command) of every command written as an indented block (outside fences; a trailing backslash
+    continues a line; a bash array ``A=(...)`` before it is expanded where ``"${A[@]}"`` stands), placeholders
+    made real (PLACEHOLDERS). Inline code spans are left out: most name a command or an option in a sentence
+    (`emapg eval --backend`), not a whole command."""
+    out = []
+    for where, text in _sources():
+        fenced, pending, start, arrays, array = False, "", 0, {}, None
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            if fenced:
+                continue
+            if not line.startswith("    "):
+                arrays = {}  # an indented block's arrays end with it
+            m = re.match(r"    ([A-Z_]+)=\((.*)", line)
+            if array or m:
+                array = array or [m.group(1), ""]
+                array[1] += " " + (m.group(2) if m else line.strip())
+                if array[1].rstrip().endswith(")"):
+                    arrays[array[0]] = shlex.join(shlex.split(array[1].rstrip()[:-1]))
+                    array = None
+                continue
+            if pending or (line.startswith("    ") and COMMAND.match(line.strip())):
+                start = start if pending else n
+                pending += line.strip()
+                if pending.endswith("\\"):
+                    pending = pending[:-1] + " "
+                    continue
+                for name, words in arrays.items():
+                    pending = pending.replace(f'"${{{name}[@]}}"', words)
+                out.append((f"{where}:{start}", pending))
+                pending = ""
+    for i, (where, cmd) in enumerate(out):
+        for said, real in PLACEHOLDERS.get(where.split(":")[0], {}).items():
+            cmd = cmd.replace(said, real)
+        out[i] = (where, cmd)
     return out
 
 
@@ -238,6 +296,15 @@ def test_every_command_of_the_results_table_is_what_it_says(where, command):
     check(shlex.split(command))
 
 
+PROSE = prose_commands()
+
+
+@pytest.mark.parametrize("where,command", PROSE, ids=[w for w, _ in PROSE])
+def test_every_command_written_in_prose_is_what_it_says(where, command):
+    """Indented blocks are checked as the fenced ones are (not run: several name a user's own folders)."""
+    check(shlex.split(command, comments=True))
+
+
 def test_the_docs_have_blocks_and_the_readme_table_has_commands():
     """The collection itself: README and USAGE blocks found, so a broken pattern cannot pass by finding none;
     the user's files the blocks name are shown in the docs."""
@@ -246,6 +313,8 @@ def test_the_docs_have_blocks_and_the_readme_table_has_commands():
     assert {"README.md", "USAGE.md", "REPRODUCE.md"} <= docs
     assert sum(b.doc.name == "USAGE.md" for b in BLOCKS) >= 8 and len(table_commands()) >= 10
     assert sum(where.startswith("README.md") for where, _ in table_commands()) >= 4
+    assert {w.split(":")[0] for w, _ in PROSE} >= {"studies/README.md", "examples/countdown_plugin.py",
+                                                   "examples/trl_grpo_ema.py", "docs/BENCHMARKS.md"}
 
 
 # ---- runs: the blocks that run here ---------------------------------------------------------------------
@@ -291,6 +360,58 @@ def _wait_health(proc: subprocess.Popen, port: int, where: str) -> None:
     raise AssertionError(f"{where}: the server never answered /health")
 
 
+def _option(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def _run_folder(args: list[str], cwd: Path, before: set[Path]) -> Path:
+    """The folder a train command writes: --out, --resume, or the one it made under runs/."""
+    named = _option(args, "--out") or _option(args, "--resume")
+    if named:
+        return cwd / named
+    made = set((cwd / "runs").glob("*")) - before
+    assert len(made) == 1, f"train made {len(made)} new folders under runs/: {sorted(made)}"
+    return made.pop()
+
+
+def promised(args: list[str], cwd: Path, stdout: str, before: set[Path]) -> None:
+    """What an emapg command the docs run says it gives, checked beyond its exit code (USAGE and --help): a
+    run's folder with a metrics row per step trained, its latest checkpoint, its end (the evaluation table, on
+    screen and in eval.json); eval's table and files; export's two Hugging Face folders; the plan's verdict;
+    compare's results; an index's files; the knowledge base's three files; the recipes' list."""
+    sub = args[0]
+    if sub == "train":
+        run = _run_folder(args, cwd, before)
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        last = _latest_step(run)
+        assert rows and rows[-1]["step"] == last, f"{run.name}: metrics end at {rows[-1]['step']}, checkpoint {last}"
+        assert (run / "config.yaml").exists() and (run / "finished.json").exists(), f"{run.name}: no end written"
+        if (run / "eval.json").exists():
+            assert "| policy |" in stdout, "the run's evaluation table was not printed"
+    elif sub == "eval":
+        out = _option(args, "--out")
+        assert "| average |" in stdout or "avg@" in stdout, "no evaluation table printed"
+        if out:
+            assert {p.name for p in (cwd / out).iterdir()} >= {"eval.json", "eval.md"}, f"{out}: no eval.json/.md"
+    elif sub == "export":
+        out = cwd / _option(args, "--out")
+        for which in ("policy", "anchor"):
+            assert (out / which / "config.json").exists(), f"{out}/{which}: not a Hugging Face folder"
+    elif sub == "plan":
+        assert "fits: peak" in stdout or "does not" in stdout, "the plan printed no verdict"
+    elif sub == "compare":
+        out = cwd / _option(args, "--out")
+        assert (out / "results.md").exists() and (out / "summary.json").exists(), f"{out}: no results.md"
+    elif sub == "recipes":
+        assert "cpu_demo" in stdout, "the shipped recipes were not listed"
+    elif args[:2] == ["index", "build"]:
+        out = cwd / _option(args, "--out")
+        assert out.is_dir() and any(out.iterdir()), f"{out}: no index written"
+    elif args[:2] == ["kb", "make"]:
+        out = cwd / _option(args, "--out")
+        assert {"corpus.jsonl", "train.jsonl", "eval.jsonl"} <= {p.name for p in out.iterdir()}
+
+
 def run_block(block: Block, cwd: Path) -> None:
     for name in SCRIPT_DIRS:
         if not (cwd / name).exists():
@@ -320,8 +441,9 @@ def run_block(block: Block, cwd: Path) -> None:
             elif argv[0] == "bash":
                 cmd = ["bash", str(ROOT / argv[1]), *(scaled(["train", *argv[2:]], cwd)[1:] if argv[1] ==
                                                        "scripts/demo.sh" else argv[2:])]
-                if argv[1] == "scripts/demo.sh":
+                if argv[1] == "scripts/demo.sh":  # the main job: `emapg train`, whose promises it keeps
                     cmd += ["--out", str(cwd / "runs" / "demo-sh")]
+                    args = ["train", "--out", str(cwd / "runs" / "demo-sh")]
             else:
                 raise AssertionError(f"{where}: a command this test does not know how to run: {shlex.join(argv)}")
             if args is not None and args[0] == "serve-retriever":
@@ -331,10 +453,16 @@ def run_block(block: Block, cwd: Path) -> None:
                 servers.append(proc)
                 _wait_health(proc, port, where)
                 continue
+            before = set((cwd / "runs").glob("*"))
             done = subprocess.run(cmd, cwd=cwd, env={**env, **prefix}, capture_output=True, text=True, timeout=1800)
             assert done.returncode == 0, f"{where}: {shlex.join(argv)} (run as {shlex.join(cmd)}) exited " \
                                          f"{done.returncode}:\n{done.stderr[-3000:]}"
             assert "Traceback" not in done.stderr, f"{where}: {done.stderr[-3000:]}"
+            if args is not None:
+                try:
+                    promised(args, cwd, done.stdout, before)
+                except (AssertionError, OSError) as e:
+                    raise AssertionError(f"{where}: {shlex.join(argv)}: {e}") from e
     finally:
         for proc in servers:
             proc.terminate()
