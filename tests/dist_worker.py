@@ -90,8 +90,7 @@ def cmd_update(out: Path, overrides: list[str]) -> None:
     tr = Trainer(cfg, out / "run", progress=False)
     rank, world = tr.dist.rank, tr.dist.world
     batch = fixed_batch()
-    mine = rank_share(batch, rank_prompts(batch.num_prompts, cfg.mini_batch_prompts or cfg.prompts_per_step,
-                                          world, rank))
+    mine = rank_share(batch, rank_prompts(batch.num_prompts, tr.plan.mini_prompts, world, rank))
     grads: dict[str, torch.Tensor] = {}
     original_step = tr.optimizer.step
 

@@ -44,7 +44,9 @@ def test_the_trainer_class_only_trains():
 
 
 BUILDERS = ("training_policy", "teacher_model", "make_task", "EMAAnchor", "AdamW", "builder",
-            "restore_training", "MetricsWriter", "intact_checkpoint", "starting_checkpoint", "fit_prompts", "shard")
+            "restore_training", "MetricsWriter", "intact_checkpoint", "starting_checkpoint", "fit_prompts", "shard",
+            "policy_model", "step_plan")
+PLANNED = ("recomputes_old", "needs_old_pass", "response_budget", "mini_batch_prompts", "rollout_sampling", "kl_head")
 
 
 def called_names(path: Path) -> set[str]:
@@ -62,6 +64,18 @@ def test_the_step_module_builds_nothing():
     are in the assembly, which the test checks too, so a renamed builder cannot pass unnoticed)."""
     assert called_names(SRC / "run" / "trainer.py") & set(BUILDERS) == set()
     assert set(BUILDERS) - {"shard"} <= called_names(SRC / "run" / "assembly.py")
+
+
+def test_the_step_derives_nothing_its_plan_holds():
+    """How a step is cut and which passes it runs are settled once (run/step_plan.py, the head and the sampling
+    spec in the assembly): the step calls none of the functions that derive them, and reads no micro- or
+    mini-batch setting from the config."""
+    trainer = SRC / "run" / "trainer.py"
+    assert called_names(trainer) & set(PLANNED) == set()
+    text = trainer.read_text()
+    settings = ("mini_batch_prompts", "micro_batch_prompts", "micro_batch_tokens")
+    assert not any(f"cfg.{name}" in text for name in settings)
+    assert {"step_plan", "rollout_sampling", "kl_head"} <= called_names(SRC / "run" / "assembly.py")
 
 
 def test_the_gpu_acceptance_run_fits_eight_minutes_on_one_gpu():

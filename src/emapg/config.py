@@ -762,7 +762,9 @@ def _temperature_fits(backend: str, t: float) -> bool:
     return span is None or span[0] <= t <= span[1]
 
 
-def _mini(cfg: TrainConfig) -> int:
+def mini_batch_prompts(cfg: TrainConfig) -> int:
+    """Prompts per optimizer step over all processes (``mini_batch_prompts``, else the whole batch): the one place
+    this is worked out."""
     return cfg.mini_batch_prompts or cfg.prompts_per_step
 
 
@@ -789,10 +791,10 @@ CONSISTENCY: list[tuple[str, Callable[[TrainConfig], bool], Callable[[TrainConfi
      lambda c: f"{c.warmup_ratio} with warmup_steps={c.warmup_steps}: give one of them"),
     ("eval.samples", lambda c: c.eval.samples == 1 or not c.eval.greedy,
      lambda c: f"{c.eval.samples} samples per problem need eval.greedy: false (greedy decoding gives one answer)"),
-    ("mini_batch_prompts", lambda c: c.prompts_per_step % _mini(c) == 0,
-     lambda c: f"{_mini(c)} does not divide prompts_per_step={c.prompts_per_step}"),
-    ("micro_batch_prompts", lambda c: c.micro_batch_tokens or _mini(c) % c.micro_batch_prompts == 0,
-     lambda c: f"{c.micro_batch_prompts} does not divide the mini-batch of {_mini(c)}"),
+    ("mini_batch_prompts", lambda c: c.prompts_per_step % mini_batch_prompts(c) == 0,
+     lambda c: f"{mini_batch_prompts(c)} does not divide prompts_per_step={c.prompts_per_step}"),
+    ("micro_batch_prompts", lambda c: c.micro_batch_tokens or mini_batch_prompts(c) % c.micro_batch_prompts == 0,
+     lambda c: f"{c.micro_batch_prompts} does not divide the mini-batch of {mini_batch_prompts(c)}"),
 ]
 
 
@@ -824,7 +826,7 @@ def _task_args_problems(cfg: TrainConfig) -> list[str]:
 def check_world(cfg: TrainConfig, world: int) -> None:
     """The batch must split into whole prompt groups and whole micro-batches on each of ``world`` processes;
     offload needs the shards of 2+ processes."""
-    mini = _mini(cfg)
+    mini = mini_batch_prompts(cfg)
     if cfg.offload and world < 2:
         raise ConfigError("offload: true needs FSDP2 shards: run under torchrun with 2 or more processes "
                           f"(this run has {world}); one process keeps its model on its device")

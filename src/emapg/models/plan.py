@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from emapg.config import mini_batch_prompts
+
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STEP_BYTES = 32  # bytes per row x vocab entry alive in one decoding step (fp32 logits, softmax, float64 CDF)
@@ -450,7 +452,7 @@ def micro_batch_shape(cfg: Any, world: int, prompt_tokens: int, budget: int) -> 
     n = cfg.rollout.n
     if not cfg.micro_batch_tokens:
         return cfg.micro_batch_prompts, cfg.micro_batch_prompts * n
-    share = (cfg.mini_batch_prompts or cfg.prompts_per_step) // world * n
+    share = mini_batch_prompts(cfg) // world * n
     rows = min(share, max(1.0, cfg.micro_batch_tokens / (prompt_tokens + budget)))
     whole = math.ceil(rows)
     return min(whole, (whole + n - 2) // n + 1), rows
@@ -624,7 +626,7 @@ def largest_fitting(cfg: Any, shape: ModelShape, capacity: float, **kw) -> dict[
             if _phase(plan(trial, shape, **kw), "rollout") <= capacity:
                 best = rows
         out["rollout.max_rows"] = best
-    best, share = None, (cfg.mini_batch_prompts or cfg.prompts_per_step) // kw.get("world", 1)
+    best, share = None, mini_batch_prompts(cfg) // kw.get("world", 1)
     if cfg.micro_batch_tokens:  # whole rows of the full length, up to the process's mini-batch
         row = kw.get("prompt_tokens", 512) + (kw.get("response_tokens") or cfg.rollout.max_new_tokens)
         trials = {"micro_batch_tokens": [row * m for m in range(1, share * cfg.rollout.n + 1)]}

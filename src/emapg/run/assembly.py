@@ -21,43 +21,44 @@ import torch
 from emapg import algo
 from emapg.anchor import EMAAnchor
 from emapg.backends import BACKENDS
-from emapg.config import ConfigError, TrainConfig, check_world, recomputes_old, save_config
+from emapg.config import ConfigError, TrainConfig, check_world, save_config
 from emapg.models import distributed
 from emapg.models.forward import SHARD_METHODS
-from emapg.models.zoo import teacher_model, training_policy, weights_digest
+from emapg.models.zoo import policy_model, teacher_model, training_policy, weights_digest
 from emapg.rollout import response_budget
 from emapg.rollout.prompts import context_length, fit_prompts
 from emapg.run.checkpoint import intact_checkpoint, restore_training, starting_checkpoint, tied_names
 from emapg.run.evaluate import RunEvaluator
 from emapg.run.folder import check_teacher
 from emapg.run.metrics import MetricsWriter
+from emapg.run.step_plan import step_plan
 from emapg.tasks import make_task
 from emapg.tasks.order import check_order
 
 
 def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, force: bool) -> None:
-    """Build a run on ``run`` (a :class:`~emapg.run.trainer.Trainer`): ``cfg``, ``run_dir``, ``dist``,
-    ``main``, ``head``, ``old_pass`` and ``sampling`` (the estimator's head, whether pi_old needs its own pass,
-    which then gives the sampler's head too, and the rollout's spec: read once), ``model``,
-    ``tokenizer``, ``task``, ``evaluator``, ``teacher`` and ``teacher_sha256`` (None: the KL is to the
-    anchor), ``anchor``, ``init_anchor``, ``anchor_is_initial``, ``params``, ``optimizer``, ``scheduler``
-    (which reads ``run.step``), ``engine`` (None: our decode loop samples), ``step``, ``skipped_steps``,
-    ``initial_eval`` and its settings, ``start_step`` and ``metrics`` (rank 0's writer, else None)."""
+    """Build a run on ``run`` (a :class:`~emapg.run.trainer.Trainer`): ``cfg``, ``run_dir``, ``dist``, ``main``,
+    ``plan`` (:class:`~emapg.run.step_plan.StepPlan`: how every step is cut, whether pi_old needs its own pass,
+    which then gives the sampler's head too), ``head`` and ``sampling`` (the estimator's head, the rollout's spec),
+    ``model``, ``tokenizer``, ``task``, ``evaluator``, ``teacher`` and ``teacher_sha256`` (None: the KL is to the
+    anchor), ``anchor``, ``init_anchor``, ``anchor_is_initial``, ``plain_model`` (export's), ``params``,
+    ``optimizer``, ``scheduler`` (which reads ``run.step``), ``engine`` (None: our decode loop samples), ``step``,
+    ``skipped_steps``, ``initial_eval`` and its settings, ``start_step``, ``metrics`` (rank 0's writer, else None)."""
     run.dist = distributed.init(cfg.device, threads=cfg.threads)
     cfg = concrete_precision(cfg, run.dist)
     run.cfg, run.run_dir, run.progress = cfg, run_dir, progress
     check_world(cfg, run.dist.world)
     run.main = run.dist.is_main
-    if run.main:
+    if run.main:  # (rank 0 writes the folder; the others only read it)
         run.run_dir.mkdir(parents=True, exist_ok=True)
     check_shared_folder(run.run_dir, run.dist)
     torch.manual_seed(cfg.seed)
-    run.head = algo.kl_head(cfg.algo)  # the estimator's head and both sampling specs, read once
-    run.old_pass = algo.needs_old_pass(cfg.algo, cfg.rollout.top_p, recomputes_old(cfg))
-    run.sampling = algo.rollout_sampling(cfg.rollout, run.head, run.old_pass)
     with distributed.rank_zero_first(run.dist):  # rank 0 fills the caches (a converted model, an index)
         run.model, run.tokenizer = training_policy(cfg, run.dist.device)
         run.task = make_task(cfg.task, **cfg.task_args)
+        run.plan = step_plan(cfg, run.dist.world, run.task)  # how every step is cut and which passes it runs
+        run.head = algo.kl_head(cfg.algo)  # the estimator's head and the rollout's sampling spec, read once
+        run.sampling = algo.rollout_sampling(cfg.rollout, run.head, run.plan.old_pass)
         check_order(run.task, cfg.data_order, cfg.prompts_per_step)
         # before the first step: a prompt that cannot fit is refused (or cut), never run for minutes
         budget = max(response_budget(run.task, cfg.rollout.max_new_tokens), cfg.eval.max_new_tokens or 0)
@@ -76,10 +77,10 @@ def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: 
     if run.teacher is not None:
         run.evaluator.use_teacher(run.teacher, cfg.rollout.temperature)
     run.anchor, run.init_anchor, run.anchor_is_initial = build_anchors(run.model, cfg, run.dist, since_start)
+    run.plain_model = lambda: policy_model(cfg)[0]  # an unsharded model, for rank 0's export at the end
     run.params = [p for p in run.model.parameters() if p.requires_grad]
-    run.step, run.skipped_steps = 0, 0
+    run.step, run.skipped_steps, run.initial_eval, run.initial_eval_settings = 0, 0, None, None  # (the step-0 eval)
     run.optimizer, run.scheduler = make_optimizer(run.params, cfg, lambda: run.step)
-    run.initial_eval = run.initial_eval_settings = None  # the step-0 evaluation, and what it was measured with
     run.engine = build_engine(cfg, run.model, run.tokenizer, run.task, run.sampling, run.dist, run.run_dir)
     if ckpt:
         st = restore_training(ckpt, run.model, run.anchor, run.optimizer, cfg, sharded=run.dist.enabled)

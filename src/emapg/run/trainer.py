@@ -27,14 +27,13 @@ from torch import Tensor
 from emapg import algo
 from emapg.algo import AnchorStats
 from emapg.backends import BACKENDS
-from emapg.config import TrainConfig, recomputes_old
+from emapg.config import TrainConfig
 from emapg.models import distributed
 from emapg.models.distributed import gathered
 from emapg.models.forward import model_logprobs
 from emapg.models.lm import set_pass_mode
-from emapg.models.zoo import policy_model
 from emapg.objective import group_advantages
-from emapg.rollout import response_budget, rollout_for_task
+from emapg.rollout import rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
 from emapg.run.assembly import assemble
@@ -113,7 +112,7 @@ class Trainer:
         bar.close()
         if cfg.export:
             export_models(self.run_dir / "export", self.model, self.anchor, self.tokenizer,
-                          sharded=self.dist.enabled, main=self.main, plain_model=lambda: policy_model(cfg)[0])
+                          sharded=self.dist.enabled, main=self.main, plain_model=self.plain_model)
         if not self.main:
             return None
         table = self.metrics.finish(self.initial_eval)
@@ -136,8 +135,7 @@ class Trainer:
         cfg = self.cfg
         examples = training_prompts(self.task, cfg.data_order, cfg.seed, step, cfg.prompts_per_step,
                                     step_seed(cfg.seed, step))
-        mine = rank_prompts(cfg.prompts_per_step, cfg.mini_batch_prompts or cfg.prompts_per_step, self.dist.world,
-                            self.dist.rank)
+        mine = rank_prompts(cfg.prompts_per_step, self.plan.mini_prompts, self.plan.world, self.dist.rank)
         examples = [examples[i] for i in mine]  # the global batch is the same on every rank
         if self.engine is not None:
             self.engine.sync(self.model, version=self.step)  # the weights after self.step updates
@@ -160,18 +158,17 @@ class Trainer:
         """Learn from this rank's share of a scored rollout batch: anchor pass, PPO epochs over
         mini-batches of micro-batches, optimizer steps, EMA update. Returns the metrics (global:
         reduced over ranks)."""
-        cfg, a = self.cfg, self.cfg.algo
+        cfg, a, plan = self.cfg, self.cfg.algo, self.plan
         t0 = time.perf_counter()
         lr_used = schedule_step_lr(self.optimizer, self.scheduler)
-        mini = cfg.mini_batch_prompts or cfg.prompts_per_step  # global; each rank holds mini / world
-        minis = step_micro_batches(batch, mini // self.dist.world, cfg.micro_batch_prompts, cfg.micro_batch_tokens)
+        minis = step_micro_batches(batch, plan.rank_mini_prompts, plan.micro_prompts, plan.micro_tokens)
         anchors = [[self.anchor_pass(mb) for mb in mbs] for mbs in minis]
         t_anchor = time.perf_counter() - t0
         stats: dict[str, float] = {}
         grad_norms, skipped = [], 0
         for _epoch in range(a.ppo_epochs):
             for mbs, ancs in zip(minis, anchors, strict=True):
-                done = self._optimizer_step(mbs, ancs, mini)
+                done = self._optimizer_step(mbs, ancs)
                 if done is None:  # a non-finite loss or gradient: this update is dropped, training goes on
                     skipped += 1
                     continue
@@ -181,7 +178,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         ema_updated = self.anchor.step(self.model)
         self.skipped_steps += skipped
-        applied = a.ppo_epochs * (cfg.prompts_per_step // mini) - skipped
+        applied = plan.optimizer_steps - skipped
         return {**rollout_row(batch, cfg.rollout.n), **update_row(stats, applied, grad_norms),
                 "lr": lr_used, "ema_updated": int(ema_updated), "skipped_updates": skipped,
                 "skipped_total": self.skipped_steps, "anchor_seconds": t_anchor}
@@ -192,7 +189,7 @@ class Trainer:
         then); the KL's reference (the anchor, or the teacher) at the sampled tokens and at the head ids that
         :func:`emapg.algo.anchor_request` names; the initial policy for the kl_to_init diagnostic."""
         # pi_old's pass, where one is needed (decided once with the sampling spec), gives the sampler's head
-        old = self._logprobs(self.model, mb, k_self=self.head.sampler_k) if self.old_pass else None
+        old = self._logprobs(self.model, mb, k_self=self.head.sampler_k) if self.plan.old_pass else None
         ids, k_self = algo.anchor_request(self.head, mb, self.model.get_output_embeddings().weight.shape[0],
                                           None if old is None else old.topk_ids)
         ref = self.anchor.use(self.model) if self.teacher is None else contextlib.nullcontext(self.teacher)
@@ -205,17 +202,16 @@ class Trainer:
                 init = self._logprobs(init_model, mb).logp_tok
         elif self.cfg.log_kl_to_init:  # the anchor is the initial policy (eta = 1 since step 0)
             init = st.logp_tok
-        return algo.anchor_stats(self.head, st, ids, mb, old, init, self.cfg.algo, recomputes_old(self.cfg))
+        return algo.anchor_stats(self.head, st, ids, mb, old, init, self.cfg.algo, self.plan.recompute_old)
 
-    def _optimizer_step(self, mbs: list[RolloutBatch], anchors: list[AnchorStats],
-                        mini: int) -> tuple[list[dict[str, float]], float] | None:
+    def _optimizer_step(self, mbs: list[RolloutBatch],
+                        anchors: list[AnchorStats]) -> tuple[list[dict[str, float]], float] | None:
         """One optimizer step on a mini-batch of micro-batches (gradients accumulate). Returns their
         statistics and the grad norm, or None when the update was dropped as non-finite."""
         world = self.dist.world
         local_tokens = float(sum(mb.response_mask.sum() for mb in mbs))
         counts = {"num_tokens": distributed.all_reduce([local_tokens])[0],
-                  "num_seqs": float(mini * self.cfg.rollout.n),
-                  "max_len": response_budget(self.task, self.cfg.rollout.max_new_tokens)}
+                  "num_seqs": float(self.plan.mini_prompts * self.cfg.rollout.n), "max_len": self.plan.max_response}
         self.optimizer.zero_grad(set_to_none=True)
         stats = []
         for mb, anc in zip(mbs, anchors, strict=True):
