@@ -86,7 +86,7 @@ LAYERS = [
     ("config", ["emapg.config", "emapg.kl_moments"]),
     ("models and state", ["emapg.models.lm", "emapg.models.distributed", "emapg.models.zoo", "emapg.anchor",
                           "emapg.run.shards", "emapg.run.checkpoint", "emapg.run.export", "emapg.run.metrics",
-                          "emapg.run.outcomes", "emapg.run.folder"]),
+                          "emapg.run.outcomes", "emapg.run.folder", "emapg.run.schedule"]),
     ("tasks and retrieval", ["emapg.retrieval", "emapg.retrieval.passages", "emapg.retrieval.bm25",
                              "emapg.retrieval.embed", "emapg.retrieval.dense", "emapg.retrieval.hybrid",
                              "emapg.retrieval.server", "emapg.tasks", "emapg.tasks.arithmetic", "emapg.tasks.math",

@@ -31,6 +31,7 @@ from emapg.run.checkpoint import intact_checkpoint, restore_training, starting_c
 from emapg.run.evaluate import RunEvaluator
 from emapg.run.folder import check_teacher
 from emapg.run.metrics import MetricsWriter
+from emapg.run.schedule import lr_factor, restore_schedule
 from emapg.run.step_plan import step_plan
 from emapg.tasks import make_task
 from emapg.tasks.order import check_order
@@ -232,17 +233,6 @@ def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.Di
     return anchor, init_anchor, anchor_is_initial
 
 
-def lr_factor(cfg: TrainConfig, optimizer_steps: int, steps_done: int) -> float:
-    """The learning rate's multiplier for the next optimizer step, after ``optimizer_steps`` of them and
-    ``steps_done`` whole training steps: ``warmup_steps`` counts optimizer steps; ``warmup_ratio`` counts
-    training steps from 0, as verl's constant schedule with warmup does (lr 0 on the first step)."""
-    if cfg.warmup_steps:
-        return min(1.0, (optimizer_steps + 1) / cfg.warmup_steps)
-    if cfg.warmup_ratio:
-        return min(1.0, steps_done / max(1, int(cfg.warmup_ratio * cfg.steps)))
-    return 1.0
-
-
 def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, steps_done: Callable[[], int] = lambda: 0):
     """AdamW over ``params`` and its schedule (:func:`lr_factor`); ``steps_done()``: training steps done."""
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
@@ -259,12 +249,6 @@ def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: dict[str, list[i
     if not cfg.init_from:
         return None
     return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn, known=known)
-
-
-def restore_schedule(scheduler, state: dict, lr: float) -> None:
-    """A checkpoint's schedule (how far it went) at the config's learning rate (a later stage may change it)."""
-    scheduler.load_state_dict(state)
-    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

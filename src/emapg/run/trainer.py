@@ -43,6 +43,7 @@ from emapg.run.export import export_models
 from emapg.run.folder import mark_finished
 from emapg.run.metrics import add_stats, peak_memory_row, rollout_row, update_row
 from emapg.run.micro_batches import step_micro_batches
+from emapg.run.schedule import schedule_step_lr
 from emapg.tasks.order import training_prompts
 from emapg.tasks.scoring import score_completions
 
@@ -58,14 +59,6 @@ def rank_prompts(prompts: int, mini: int, world: int, rank: int) -> list[int]:
     optimizer step sees the same prompts whatever the number of processes."""
     share = mini // world
     return [m + rank * share + i for m in range(0, prompts, mini) for i in range(share)]
-
-
-def schedule_step_lr(optimizer: torch.optim.Optimizer, scheduler) -> float:
-    """Set the learning rate for a new training step (a schedule by training step changes it here; one by
-    optimizer step is unchanged); returns it."""
-    for group, lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
-        group["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
-    return optimizer.param_groups[0]["lr"]
 
 
 def start_settings(evaluator: RunEvaluator, step: int) -> dict[str, Any]:
