@@ -203,8 +203,8 @@ def _to_the_teacher(summary: dict[str, Any], rows: list[str]) -> list[str]:
     lines = ["The policy's exact reverse KL to its teacher on the teacher's held-out responses (nats per token; "
              f"lower is closer), mean ± std over seeds; differences paired with {ref['label']} (same seed), mean "
              "± std [95% interval]:", "",
-             "| config | step 0 | final | last 3 evaluations | final minus first | last 3 minus first | "
-             "last 3 minus first: per seed |", "|" + "---|" * 7]
+             "| config | step 0 | final | last 3 evaluations | final minus the first config's | last 3 minus the first "
+             "config's | last 3 minus the first config's: per seed |", "|" + "---|" * 7]
     for n in rows:
         s = summary[n]
         curve = s["curves"]["eval/policy_teacher_kl"]
