@@ -9,6 +9,9 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check src tests bench examples
 # the 15 slowest tests end the log: the default suite is kept under 10 minutes
 .venv/bin/python -m pytest -q --durations=15 "$@"
+if [ $# -eq 0 ]; then  # the docs' slow blocks too (the README's main job, --nproc 2, compare, TRL, vLLM), scaled
+  .venv/bin/python -m pytest -q -m slow tests/test_docs.py -k test_every_documented_block_runs   # down: ~2 min
+fi
 if [ -x .venv-vllm/bin/python ] && [ "${EMAPG_VLLM:-cpu}" = "cpu" ]; then
   .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
   .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_forward.py tests/test_pool.py

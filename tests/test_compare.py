@@ -78,6 +78,16 @@ def test_spec_quick_only_and_errors(tmp_path):
             load_spec(write_spec(tmp_path, SPEC.replace("overrides: [steps=2, export=false]", bad)))
 
 
+def test_command_line_overrides_come_last_in_every_config(tmp_path):
+    """`emapg compare ... model=X threads=4`: after the spec's overrides and each config's own (the last word),
+    checked with them before any run starts."""
+    spec = load_spec(write_spec(tmp_path, SPEC), extra=["algo.eta=0.9", "threads=1"])
+    assert spec.configs == {"a": ["algo.eta=1.0", "algo.kl=k3", "algo.eta=0.9", "threads=1"],
+                            "b": ["algo.eta=0.5", "algo.eta=0.9", "threads=1"]}
+    with pytest.raises(ConfigError, match=r"configs.a: .*algo.eta"):
+        load_spec(write_spec(tmp_path, SPEC), extra=["algo.eta=7"])
+
+
 def test_mean_and_spread_over_seeds(tmp_path):
     spec = load_spec(write_spec(tmp_path, SPEC))
     out = tmp_path / "out"

@@ -16,10 +16,11 @@ after its language (```bash gpu): such a block is checked, never run:
   own-files  the user's own models or datasets (/models/..., /data/..., a trained search agent)
   network    a download from a hub
   hours      hours of runs even scaled down (the studies)
-``slow`` blocks run under ``-m slow``; unmarked ones in the default suite. Runs are scaled down, the same
+``slow`` blocks run under ``-m slow`` (scripts/test.sh, what CI runs, runs them after the suite); unmarked ones
+in the default suite. Runs are scaled down, the same
 way for every block: ``emapg train`` trains tiny-llama for one step (a resume one step past its
 checkpoint; tiny-llama-h32 under vLLM, whose CPU attention takes heads of 32 and up), ``emapg eval``
-scores 8 problems, ``emapg compare`` runs its spec's quick variant, ``serve-retriever`` answers /health
+scores 8 problems, ``emapg compare`` runs its spec's quick variant on tiny-llama, ``serve-retriever`` answers /health
 on a free port and is stopped at the end of its block, and the paper's model folders are their
 hand-written config.json (MODEL_CONFIGS: enough for ``emapg plan``).
 ``bash scripts/test.sh`` is the suite this test is part of: it is checked, not run.
@@ -236,7 +237,7 @@ def check_emapg(args: list[str]) -> None:
     elif ns.command == "compare":
         spec = _repo_file(ns.spec)
         assert spec is not None, f"--spec {ns.spec}: no such file in the repository"
-        load_spec(spec, quick=ns.quick, only=ns.only)
+        load_spec(spec, quick=ns.quick, only=ns.only, extra=ns.overrides)
     elif ns.command == "eval":
         assert ns.task is None or ns.task in TASKS, f"--task {ns.task}: not one of {sorted(TASKS)}"
         if ns.task_args:
@@ -341,7 +342,7 @@ def scaled(args: list[str], cwd: Path) -> list[str]:
     if sub == "eval":
         return [*args, "--size", "8", "--max-new-tokens", "8"]
     if sub == "compare" and "--report-only" not in args:
-        return [*args, "--quick"]
+        return [*args, "--quick", "model=tiny-llama"]
     if sub == "serve-retriever":
         return [*args, "--port", str(_free_port())]
     return args

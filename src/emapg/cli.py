@@ -391,7 +391,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from emapg.lab.report import report
     from emapg.lab.study import load_spec, run_all
 
-    spec = load_spec(args.spec, quick=args.quick, only=args.only)
+    spec = load_spec(args.spec, quick=args.quick, only=args.only, extra=args.overrides)
     out = Path(args.out)
     if not args.report_only:
         run_all(spec, out, log=lambda m: print(f"emapg compare: {m}", file=sys.stderr, flush=True), jobs=args.jobs)
@@ -611,6 +611,8 @@ def _compare_parser(sub) -> None:
     c.add_argument("--quick", action="store_true", help="the spec's quick variant (fewer steps and seeds)")
     c.add_argument("--only", nargs="+", help="run only these configurations")
     c.add_argument("--report-only", action="store_true", help="summarise finished runs, start none")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="applied to every run after the spec's own, e.g. model=/models/X threads=4")
     c.add_argument("--jobs", type=int, default=1,
                    help="runs at once, each with CPU cores / jobs torch threads (default 1)")
     c.epilog = ("To stop a long comparison without losing its live runs, `touch OUT/.compare.stop`: it starts "

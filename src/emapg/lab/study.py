@@ -43,8 +43,10 @@ class Spec:
     source: Path | None = None  # the spec file (its hypotheses, if it declares any)
 
 
-def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None) -> Spec:
-    """Read a comparison spec; errors name the file and the field."""
+def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None,
+              extra: list[str] | None = None) -> Spec:
+    """Read a comparison spec; errors name the file and the field. ``extra``: KEY=VALUE overrides of the command
+    line, applied to every run after the spec's own (the last word)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -55,7 +57,7 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
     for key in ("base", "configs"):
         if key not in raw:
             raise ConfigError(f"{path}: missing field {key!r}")
-    configs = _configs(path, raw["configs"])
+    configs = {name: [*over, *(extra or [])] for name, over in _configs(path, raw["configs"]).items()}
     labels = {str(n): s.get("label", n) for n, s in raw["configs"].items() if isinstance(s, dict)}
     overrides, seeds = _overrides(path, "overrides", raw.get("overrides", [])), raw.get("seeds", [0])
     if quick:
