@@ -5,10 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if [ "${EMAPG_VLLM:-}" = "cpu" ] && [ ! -x .venv-vllm/bin/python ]; then  # asked for, and they cannot run
+  echo "scripts/test.sh: EMAPG_VLLM=cpu asks for the real vLLM engine's tests, but .venv-vllm was not built" \
+       "(scripts/setup.sh builds it on x86_64 only)" >&2
+  exit 1
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check src tests bench examples
 # the 15 slowest tests end the log: the default suite is kept under 10 minutes
-.venv/bin/python -m pytest -q --durations=15 "$@"
+.venv/bin/python -m pytest -q -rs --durations=15 "$@"   # -rs: every skipped test with its reason
 if [ $# -eq 0 ]; then  # the docs' slow blocks too (the README's main job, --nproc 2, compare, TRL, vLLM), scaled
   .venv/bin/python -m pytest -q -m slow tests/test_docs.py -k test_every_documented_block_runs   # down: ~2 min
 fi
