@@ -136,8 +136,7 @@ def response_hidden(model: nn.Module, mb: RolloutBatch, prefix_sharing: bool = T
     pos = mb.per_row(pmask.sum(1, keepdim=True)) + torch.arange(inputs.shape[1], device=inputs.device)
     # Rows run in groups of similar length, each trimmed to its own longest: padding costs no compute.
     # Inputs up to a row's last counted position are needed (tool output before it is context).
-    cols = torch.arange(1, resp.shape[1] + 1, device=resp.device)
-    need = ((mb.response_mask.bool() * cols).amax(1) - 1).clamp(min=0)  # inputs each row needs (0: none)
+    need = (mb.extent() - 1).clamp(min=0)  # inputs each row needs (0: none)
     sliding = any(getattr(cache, "is_sliding", []))
     groups = _length_groups(need, sliding=sliding, agree=agree)
     with _layers(ckpt, checkpointed=True):

@@ -52,6 +52,12 @@ class RolloutBatch:
     def num_prompts(self) -> int:
         return self.prompt_ids.shape[0]
 
+    def extent(self) -> Tensor:
+        """[B] each row's response tokens up to and including the last one that counts (0: none counts): what a
+        pass computes of the row (tool output before that token is context it runs too)."""
+        cols = torch.arange(1, self.response_mask.shape[1] + 1, device=self.response_mask.device)
+        return (self.response_mask.bool() * cols).amax(1)
+
     def rows(self, prompts: slice) -> slice:
         """Response rows of a slice of prompts."""
         return slice(prompts.start * self.n, prompts.stop * self.n)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-import torch
-
 from emapg.models import distributed
 from emapg.rollout.batch import RolloutBatch
 
@@ -23,10 +21,10 @@ def step_micro_batches(batch: RolloutBatch, mini_prompts: int, micro_prompts: in
                        micro_tokens: int = 0) -> list[list[RolloutBatch]]:
     """This process's rows of a step as mini-batches of ``mini_prompts`` prompts, each cut into micro-batches
     of ``micro_prompts`` prompts, or, with ``micro_tokens`` > 0, packed by tokens (:func:`cut_into`)."""
+    if not micro_tokens:  # micro_prompts divides mini_prompts (config.check_world)
+        mbs, per = batch.micro_batches(micro_prompts), mini_prompts // micro_prompts
+        return [mbs[i : i + per] for i in range(0, len(mbs), per)]
     minis = [slice(s, s + mini_prompts) for s in range(0, batch.num_prompts, mini_prompts)]
-    if not micro_tokens:
-        return [[batch.micro_batch(slice(p, min(p + micro_prompts, m.stop)))
-                 for p in range(m.start, m.stop, micro_prompts)] for m in minis]
     tokens = row_tokens(batch)
     rows = [batch.rows(m) for m in minis]
     fewest = [len(greedy_cuts(tokens[r], micro_tokens)) - 1 for r in rows]
@@ -41,9 +39,7 @@ def step_micro_batches(batch: RolloutBatch, mini_prompts: int, micro_prompts: in
 def row_tokens(batch: RolloutBatch) -> list[int]:
     """Each row's tokens, as verl counts them against its budget: its prompt's and its response's up to the
     last token that counts (tool output before it is context the pass runs too)."""
-    cols = torch.arange(1, batch.response_mask.shape[1] + 1, device=batch.response_mask.device)
-    response = (batch.response_mask.bool() * cols).amax(1)
-    return (batch.per_row(batch.prompt_mask.sum(1)) + response).tolist()
+    return (batch.per_row(batch.prompt_mask.sum(1)) + batch.extent()).tolist()
 
 
 def greedy_cuts(tokens: list[int], budget: int) -> list[int]:
