@@ -629,10 +629,9 @@ def largest_fitting(cfg: Any, shape: ModelShape, capacity: float, **kw) -> dict[
     best, share = None, mini_batch_prompts(cfg) // kw.get("world", 1)
     if cfg.micro_batch_tokens:  # whole rows of the full length, up to the process's mini-batch
         row = kw.get("prompt_tokens", 512) + (kw.get("response_tokens") or cfg.rollout.max_new_tokens)
-        trials = {"micro_batch_tokens": [row * m for m in range(1, share * cfg.rollout.n + 1)]}
+        name, values = "micro_batch_tokens", [row * m for m in range(1, share * cfg.rollout.n + 1)]
     else:  # whole micro-batches per process
-        trials = {"micro_batch_prompts": [m for m in range(1, share + 1) if share % m == 0]}
-    (name, values), = trials.items()
+        name, values = "micro_batch_prompts", [m for m in range(1, share + 1) if share % m == 0]
     for value in values:
         if _phase(plan(dataclasses.replace(cfg, **{name: value}), shape, **kw), "update") > capacity:
             break  # the update grows with the micro-batch
