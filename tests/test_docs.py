@@ -88,6 +88,9 @@ def blocks() -> list[Block]:
     return found
 
 
+COMMAND = re.compile(r"(emapg|python|bash|torchrun) ")  # how a documented command starts
+
+
 def table_commands() -> list[tuple[str, str]]:
     """(where, command) for each command of the results tables (their last column): README's and RESULTS'."""
     out = []
@@ -95,12 +98,11 @@ def table_commands() -> list[tuple[str, str]]:
         for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
             if line.startswith("|") and line.count("|") >= 4:
                 for span in re.findall(r"`([^`]+)`", line.rstrip(" |").rsplit("|", 1)[-1]):
-                    if re.match(r"(emapg|python|bash|torchrun) ", span):
+                    if COMMAND.match(span):
                         out.append((f"{doc.name}:{n}", span))
     return out
 
 
-COMMAND = re.compile(r"(emapg|python|bash|torchrun) ")
 PLACEHOLDERS = {"studies/README.md": {"NAME": "stability"}}  # a doc's placeholder -> a real one, to check it
 
 
