@@ -385,8 +385,9 @@ def promised(args: list[str], cwd: Path, stdout: str, before: set[Path]) -> None
     sub = args[0]
     if sub == "train":
         run = _run_folder(args, cwd, before)
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        last = _latest_step(run)
+        from emapg.run.metrics import read_metrics
+
+        rows, last = read_metrics(run), _latest_step(run)
         assert rows and rows[-1]["step"] == last, f"{run.name}: metrics end at {rows[-1]['step']}, checkpoint {last}"
         assert (run / "config.yaml").exists() and (run / "finished.json").exists(), f"{run.name}: no end written"
         if (run / "eval.json").exists():
