@@ -516,3 +516,43 @@ def test_a_comparison_figure_wraps_its_panels_and_draws_only_curves(tmp_path):
     acc = visible[0]
     assert acc.get_ylabel() == "accuracy (%)" and list(acc.get_lines()[0].get_ydata()) == [20.0, 50.0, 60.0]
     assert [t.get_text() for t in acc.get_legend().get_texts()] == ["a", "b (= a)"]
+
+
+@pytest.mark.parametrize("study", sorted(p.parent.name for p in (ROOT / "studies").glob("*/verdicts.json")))
+def test_a_studys_kept_records_give_its_published_verdicts_and_claims_figure(study, tmp_path, bench_module):
+    """Every study whose verdicts the docs quote, re-judged from its kept records alone, as studies/README.md
+    says (restore, `compare --report-only`, stability_verdicts --json): the same verdicts.json, and the
+    report's claims figure (each claim's mean, interval and seeds: the values the verdicts summarise)."""
+    from emapg.lab import verdicts as vd
+    from emapg.lab.report import report
+
+    folder = ROOT / "studies" / study
+    out = tmp_path / "runs"
+    bench_module("study_records").copy_runs(folder / "records", out)
+    spec = load_spec(folder / "spec.yaml")
+    report(spec, out)
+    assert (out / "claims.png").stat().st_size > 5000
+    again = tmp_path / "verdicts.json"
+    bench_module("stability_verdicts").report(folder, out, again)
+    got, published = json.loads(again.read_text()), json.loads((folder / "verdicts.json").read_text())
+    for key in ("judged", "command"):  # the date it was judged, and where its runs were
+        got[key] = published[key]
+
+    def close(a, b, where=""):  # equal, floats to 1e-9
+        if isinstance(a, dict) and isinstance(b, dict):
+            assert set(a) == set(b), f"{where}: keys {sorted(set(a) ^ set(b))}"
+            for k in a:
+                close(a[k], b[k], f"{where}/{k}")
+        elif isinstance(a, list) and isinstance(b, list):
+            assert len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                close(x, y, f"{where}/{i}")
+        elif isinstance(a, float) or isinstance(b, float):
+            assert a == pytest.approx(b, rel=1e-9, abs=1e-12), f"{where}: {a} != {b}"
+        else:
+            assert a == b, f"{where}: {a!r} != {b!r}"
+
+    close(got, published)
+    alpha, hyps = vd.load_hypotheses(folder / "spec.yaml")
+    for j in vd.judge(summarize(spec, out), hyps, alpha):
+        assert j.seeds == len(j.diffs) and (not j.diffs or abs(sum(j.diffs) / len(j.diffs) - j.mean) < 1e-12)

@@ -308,6 +308,15 @@ def test_every_command_written_in_prose_is_what_it_says(where, command):
     check(shlex.split(command, comments=True))
 
 
+def test_every_published_figure_and_record_is_referenced():
+    """A file in docs/results/ (or a figure in docs/) that no document names is a result nobody can find, or
+    one a rerun stopped writing: each is named by README, docs/ or a study's page."""
+    texts = "".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+                                                             *(ROOT / "studies").rglob("*.md")])
+    files = [*(ROOT / "docs" / "results").iterdir(), *(ROOT / "docs").glob("*.png")]
+    assert files and [f.name for f in files if f.name not in texts] == []
+
+
 def test_the_docs_have_blocks_and_the_readme_table_has_commands():
     """The collection itself: README and USAGE blocks found, so a broken pattern cannot pass by finding none;
     the user's files the blocks name are shown in the docs."""

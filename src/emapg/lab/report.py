@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from emapg.lab.study import Spec
-from emapg.lab.verdicts import anchor_minus_policy, judge, load_hypotheses, paired_diffs, table
+from emapg.lab.verdicts import Judged, anchor_minus_policy, judge, load_hypotheses, paired_diffs, table, unit
 from emapg.run.metrics import METRIC_UNITS, draw_series, finish_axes, read_metrics
 from emapg.run.outcomes import final_outcomes
 from emapg.stats import interval95, mcnemar_p
@@ -347,6 +347,52 @@ def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) ->
     return path
 
 
+VERDICT_COLOURS = {"holds": "tab:green", "fails": "tab:red", "undecided": "tab:gray"}
+
+
+def plot_claims(judged: list[Judged], path: Path) -> Path:
+    """The study's claims, a row each: the mean paired difference with its 95% t-interval (the bar) and each
+    seed's difference (the dots), zero marked, coloured by the corrected verdict (green holds, red fails, grey
+    undecided) and labelled with it and its Holm p; one panel per unit (points, nats per token). A claim of no
+    difference that "holds" only detected none: it is drawn blue and says so."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_unit: dict[str, list[Judged]] = {}
+    for j in judged:
+        by_unit.setdefault(unit(j.claim.metric)[0], []).append(j)
+    heights = [0.62 * len(js) + 0.9 for js in by_unit.values()]
+    fig, axes = plt.subplots(len(by_unit), 1, figsize=(9.5, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (name, js) in zip(axes[:, 0], by_unit.items(), strict=True):
+        scale = unit(js[0].claim.metric)[1]
+        labels = []
+        for row, j in enumerate(js):
+            verdict = j.corrected if j.claim.directional or j.corrected != "holds" else "no difference detected"
+            colour = VERDICT_COLOURS.get(verdict, "tab:blue")
+            ax.scatter([scale * d for d in j.diffs], [row] * len(j.diffs), s=12, color=colour, alpha=0.45)
+            if j.interval is not None:
+                ax.plot([scale * j.interval[0], scale * j.interval[1]], [row, row], color=colour, lw=2.5)
+            if j.mean is not None:
+                ax.plot([scale * j.mean], [row], "D", color=colour, ms=6)
+            holm = "" if j.holm_t is None else f", Holm p {j.holm_t:.2g}"
+            labels.append(textwrap.fill(f"{j.hypothesis}: {j.claim.text}", 48)
+                          + f"\n{verdict}{holm} ({j.seeds} seeds)")
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_yticks(range(len(js)), labels, fontsize=7)
+        ax.set_ylim(len(js) - 0.5, -0.5)  # the spec's order, top to bottom
+        ax.set_xlabel(f"paired difference ({name}): mean, 95% t-interval, each seed")
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def report(spec: Spec, out: Path) -> str:
     """Write summary.json, results.md and one figure per group (or compare.png); return the markdown."""
     summary = summarize(spec, out)
@@ -355,8 +401,10 @@ def report(spec: Spec, out: Path) -> str:
     if spec.source is not None:
         alpha, hypotheses = load_hypotheses(spec.source)
         if hypotheses:
-            md += ("\n\n**The spec's hypotheses** (`bench/stability_verdicts.py` prints the same)\n\n"
-                   + table(judge(summary, hypotheses, alpha), hypotheses, len(spec.seeds), alpha) + "\n")
+            judged = judge(summary, hypotheses, alpha)
+            md += ("\n\n**The spec's hypotheses** (`bench/stability_verdicts.py` prints the same; the figure: "
+                   "claims.png)\n\n" + table(judged, hypotheses, len(spec.seeds), alpha) + "\n")
+            plot_claims(judged, out / "claims.png")
     (out / "results.md").write_text(md)
     for group, names in (spec.groups or {"compare": list(summary)}).items():
         if any(n in summary for n in names):  # a group none of whose runs has finished gets no empty figure

@@ -135,6 +135,7 @@ class Judged:
     holm_flip: float | None = None
     corrected: str = "undecided"
     corrected_flip: str = "undecided"
+    diffs: tuple[float, ...] = ()  # seed by seed, what the mean and the interval summarise
 
 
 def judge(summary: dict[str, Any], hypotheses: list[Hypothesis], alpha: float = 0.05) -> list[Judged]:
@@ -149,7 +150,7 @@ def judge(summary: dict[str, Any], hypotheses: list[Hypothesis], alpha: float = 
                        interval95(diffs) if len(diffs) >= 2 else None,
                        t_pvalue(diffs, alt) if c.directional and len(diffs) >= 2 else None,
                        sign_flip_p(diffs, alt) if c.directional and 0 < len(diffs) <= 20 else None,
-                       raw_verdict(diffs, c.sign))
+                       raw_verdict(diffs, c.sign), diffs=tuple(diffs))
             if not c.directional:
                 j.corrected = j.corrected_flip = j.raw  # no correction for a claim of no effect
             out.append(j)
