@@ -247,6 +247,42 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _ratio_range(ratios: list[float]) -> dict:
+    return {"min": min(ratios), "max": max(ratios), "rows": len(ratios)}
+
+
+def summary(results: dict) -> dict:
+    """What the docs say of a family run, computed from its rows (so each quoted range links to a value):
+    the residual tail's gradient variance against the unbiased tail's (how many times less: the unbiased's
+    over the residual's) with the sampler's head, over every k and pair, reverse and forward; the forward
+    rows, every head, where the residual has more variance than the paper's form; the K+1 bucket's gradient
+    bias at k = 32 with the sampler's head (reverse); the unbiased top-k reverse KL's variance at k = 32
+    against k3++'s, per pair."""
+    def var(pair: str, name: str, head: str | None, form: str, k: int) -> float:
+        return results[pair]["estimators"][key(name, head, form, k)]["grad_var"]
+
+    pairs = list(results)
+    heads = sorted({r["head"] for r in results[pairs[0]]["estimators"].values() if r["head"]})
+    forward = [var(p, "topk_forward", h, "residual", k) / var(p, "topk_forward", h, "paper", k)
+               for p in pairs for h in heads for k in KS]
+    return {
+        "reverse_sampler_unbiased_over_residual_var": _ratio_range(
+            [var(p, "topk_reverse", "sampler", "unbiased", k) / var(p, "topk_reverse", "sampler", "residual", k)
+             for p in pairs for k in KS]),
+        "reverse_sampler_residual_below_paper_var": sum(
+            var(p, "topk_reverse", "sampler", "residual", k) < var(p, "topk_reverse", "sampler", "paper", k)
+            for p in pairs for k in KS),
+        "forward_sampler_unbiased_over_residual_var": _ratio_range(
+            [var(p, "topk_forward", "sampler", "unbiased", k) / var(p, "topk_forward", "sampler", "residual", k)
+             for p in pairs for k in KS]),
+        "forward_residual_over_paper_var": {**_ratio_range(forward), "above_1": sum(r > 1 for r in forward)},
+        "reverse_sampler_bucket_grad_bias_k32": _ratio_range(
+            [results[p]["estimators"][key("topk_reverse", "sampler", "bucket", 32)]["grad_bias"] for p in pairs]),
+        "reverse_sampler_unbiased_over_k3pp_var_k32": {
+            p: var(p, "topk_reverse", "sampler", "unbiased", 32) / var(p, "k3pp", None, "unbiased", 0) for p in pairs},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, default=None, help="a demo run folder with checkpoints at steps 10 and 30")
@@ -258,7 +294,15 @@ def main() -> None:
     p.add_argument("--positions", type=int, default=200, help="positions per dataset and pair")
     p.add_argument("--out", type=Path, default=Path("runs/estimator_lab"))
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--summarize", type=Path, default=None,
+                   help="a family run's results.json: write its summary (the ranges the docs quote) beside it as "
+                        "NAME_summary.json, and run nothing")
     args = p.parse_args()
+    if args.summarize is not None:
+        out = args.summarize.with_name(args.summarize.stem + "_summary.json")
+        out.write_text(json.dumps(summary(json.loads(args.summarize.read_text())), indent=1) + "\n")
+        print(out.read_text())
+        return
     if args.run is None and args.teacher is None:
         p.error("give --run (the early and trained pairs), --teacher (the distillation pair), or both")
     for run, step in ((args.early_run or args.run, 10), (args.run, 30)):
@@ -290,6 +334,8 @@ def main() -> None:
         print(f"{pair}: {pol.shape[0]} positions", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if len(results) == 3:  # every pair: the family's summary, the ranges the docs quote
+        (args.out / "results_summary.json").write_text(json.dumps(summary(results), indent=1) + "\n")
     figure(results, args.out / "estimator_lab.png")
     (args.out / "results.md").write_text(markdown(results) + "\n")
     print(markdown(results))

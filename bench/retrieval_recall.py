@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import commit, machine
+
 ROOT = Path(__file__).resolve().parents[1]
 WIKI = ROOT / "tests" / "fixtures" / "corpus" / "flashrag_wiki_sample.jsonl"
 KINDS = ("bm25", "dense", "hybrid")
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--embedder", default="minilm")
     ap.add_argument("--kb-seed", type=int, default=0)
     ap.add_argument("--no-wiki", action="store_true", help="skip the Wikipedia sample")
-    ap.add_argument("--json", help="also write the numbers here")
+    ap.add_argument("--json", help="also write the numbers here (recall in percent, per corpus, probe, retriever, k)")
     args = ap.parse_args(argv)
 
     from emapg.retrieval import open_retriever
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     embedder = Embedder(args.embedder)
     load_s = time.perf_counter() - t0
-    out: dict = {"embedder": embedder.identity(), "embedder_load_s": load_s, "k": args.k, "corpora": {}}
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "commit": commit(),
+                 "command": "python bench/retrieval_recall.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                 "embedder": embedder.identity(), "embedder_load_s": load_s, "k": args.k, "corpora": {}}
     kb = make_kb(seed=args.kb_seed)
     corpora = {"generated KB": (kb["corpus"], kb_queries(kb))}
     if not args.no_wiki:
