@@ -14,7 +14,10 @@ from the rollout's own token counts:
 * the machine's fp32 GEMM rate, measured in the same run at each phase's shapes (the layers' products at the
   phase's rows, and the head's [rows, hidden] x [hidden, vocabulary]);
 * the floor: each phase's FLOPs at its measured rate; beside it the measured seconds (metrics' gen_seconds,
-  anchor_seconds, and the rest of step_seconds as the update), and their ratio.
+  anchor_seconds, and the rest of step_seconds as the update), and their ratio;
+* generation's second floor, its layers at the rate of products that read their weights from memory (every
+  layer's own matrices in turn, as a decoding step of 32 rows does once per token; one matrix repeated stays
+  in cache and runs faster than any decoding step can).
 
 Step 1 is a warm-up; medians over the rest.
 """
@@ -49,6 +52,25 @@ def gemm_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
     return 2 * m * k * n / statistics.median(times)
 
 
+def streamed_rate(cfg, rows: int, seconds: float = 0.5) -> float:
+    """Measured fp32 FLOP/s of the layers' products at ``rows`` rows as a decoding step runs them: every layer's
+    own weights in turn (the model's whole set, far larger than the CPU's caches, so each product reads its
+    weights from memory, where :func:`gemm_rate`'s one matrix stays in cache)."""
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+    weights = [torch.randn(k, n) for _ in range(layers) for k, n in shapes]
+    xs = {k: torch.randn(rows, k) for k in (h, i)}
+    flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        t0 = time.perf_counter()
+        for w in weights:
+            xs[w.shape[0]] @ w
+        times.append(time.perf_counter() - t0)
+    return flops / statistics.median(times)
+
+
 def layer_flops(cfg, tokens: int, context: float) -> float:
     """A forward of ``tokens`` tokens through every layer, each attending over ``context`` positions on average:
     the projections and MLP (2 x weights x tokens) and attention's two products."""
@@ -59,10 +81,12 @@ def layer_flops(cfg, tokens: int, context: float) -> float:
     return layers * (2 * weights * tokens + 2 * 2 * heads * hd * tokens * context)
 
 
-def phase_rates(cfg, rows: int, tokens: int) -> dict[str, float]:
-    """GEMM rates at a phase's shapes: the MLP's up projection at ``tokens`` rows, the head's at ``rows``."""
-    return {"layers": gemm_rate(tokens, cfg.hidden_size, cfg.intermediate_size),
-            "head": gemm_rate(rows, cfg.hidden_size, cfg.vocab_size)}
+def phase_rates(cfg, rows: int, tokens: int, streamed: bool = False) -> dict[str, float]:
+    """GEMM rates at a phase's shapes: the layers' at ``tokens`` rows (the MLP's up projection, in cache; or with
+    ``streamed``, every layer's weights in turn from memory, as a decoding step reads them), the head's at
+    ``rows`` (its [hidden, vocabulary] matrix is larger than the caches either way)."""
+    layers = streamed_rate(cfg, tokens) if streamed else gemm_rate(tokens, cfg.hidden_size, cfg.intermediate_size)
+    return {"layers": layers, "head": gemm_rate(rows, cfg.hidden_size, cfg.vocab_size)}
 
 
 def step_floor(cfg, prompt_len: float, resp_len: float) -> dict[str, dict[str, float]]:
@@ -114,23 +138,33 @@ def main() -> None:
     rates = {"generation": phase_rates(model_cfg, rows_n, rows_n), "anchor": phase_rates(model_cfg, pass_tokens,
                                                                                           int(rows_n * resp_len))}
     rates["update"] = rates["anchor"]
+    # a decoding step's products are 32 rows wide: each reads its weights from memory once per token (the passes,
+    # hundreds of rows wide, reuse them from cache), so generation gets a second floor at the streamed rate
+    streamed = {"generation": phase_rates(model_cfg, rows_n, rows_n, streamed=True)}
     table = {}
     for phase, parts in flops.items():
         floor = sum(parts[k] / rates[phase][k] for k in parts)
+        floor_streamed = sum(parts[k] / streamed.get(phase, rates[phase])[k] for k in parts)
         seconds = statistics.median(measured[phase])
         table[phase] = {"gflops": sum(parts.values()) / 1e9, "floor_s": floor, "measured_s": seconds,
-                        "ratio": seconds / floor, "rate_gflops": {k: v / 1e9 for k, v in rates[phase].items()}}
+                        "ratio": seconds / floor, "rate_gflops": {k: v / 1e9 for k, v in rates[phase].items()},
+                        "floor_streamed_s": floor_streamed, "ratio_streamed": seconds / floor_streamed,
+                        "rate_streamed_gflops": {k: v / 1e9 for k, v in streamed.get(phase, rates[phase]).items()}}
     total_floor = sum(t["floor_s"] for t in table.values())
+    total_streamed = sum(t["floor_streamed_s"] for t in table.values())
     step = statistics.median(measured["step"])
     table["step"] = {"gflops": sum(t["gflops"] for t in table.values()), "floor_s": total_floor, "measured_s": step,
-                     "ratio": step / total_floor}
+                     "ratio": step / total_floor, "floor_streamed_s": total_streamed,
+                     "ratio_streamed": step / total_streamed}
     print(f"prompt {prompt_len:.0f} tokens, response {resp_len:.1f} tokens (medians over steps 2..{args.steps})\n")
-    print("| phase | GFLOPs | GEMM rate (layers / head), GFLOP/s | floor s | measured s | measured / floor |")
+    print("| phase | GFLOPs | GEMM rate, layers / head, GFLOP/s: in cache; streamed | floor s: in cache; streamed | "
+          "measured s | measured / floor: in cache; streamed |")
     print("|---|---|---|---|---|---|")
     for phase, t in table.items():
-        rate = " / ".join(f"{v:.0f}" for v in t["rate_gflops"].values()) if "rate_gflops" in t else ""
-        print(f"| {phase} | {t['gflops']:.1f} | {rate} | {t['floor_s']:.2f} | {t['measured_s']:.2f} | "
-              f"{t['ratio']:.1f}x |")
+        rate = "; ".join(" / ".join(f"{v:.0f}" for v in t[key].values())
+                         for key in ("rate_gflops", "rate_streamed_gflops")) if "rate_gflops" in t else ""
+        print(f"| {phase} | {t['gflops']:.1f} | {rate} | {t['floor_s']:.2f}; {t['floor_streamed_s']:.2f} | "
+              f"{t['measured_s']:.2f} | {t['ratio']:.1f}x; {t['ratio_streamed']:.1f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine(), "commit": commit(), "steps": args.steps,
                                               "prompt_tokens": prompt_len, "response_tokens": resp_len,

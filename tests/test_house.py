@@ -66,6 +66,32 @@ def test_the_step_module_builds_nothing():
     assert set(BUILDERS) - {"shard"} <= called_names(SRC / "run" / "assembly.py")
 
 
+def test_a_run_is_one_type_the_assembly_builds_and_the_trainer_steps():
+    """What a run is made of is declared once, as the fields of run.assembly.Run, which ``assemble`` returns (a walk
+    of ``cfg`` follows it from the CLI through the assembly into the step); the Trainer is that Run with its loop
+    and its step: every attribute the step reads or writes on ``self`` is a field of Run (or its ``main``) or the
+    Trainer's own method, and where the run stands is the ``progress`` record a checkpoint keeps."""
+    import dataclasses
+    import typing
+
+    from emapg.run.assembly import Run, assemble
+    from emapg.run.checkpoint import Progress
+    from emapg.run.trainer import Trainer
+
+    assert typing.get_type_hints(assemble)["return"] is Run and issubclass(Trainer, Run)
+    from emapg.config import TrainConfig
+
+    fields = typing.get_type_hints(Run)  # every field typed, and each type resolves
+    assert fields["cfg"] is TrainConfig and fields["progress"] is Progress
+    tree = ast.parse((SRC / "run" / "trainer.py").read_text())
+    used = {n.attr for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    assert used - set(fields) - set(vars(Trainer)) - {"main"} == set()
+    assert {f.name for f in dataclasses.fields(Progress)} == {"step", "skipped_steps", "initial_eval",
+                                                               "initial_eval_settings"}
+    assert set(Progress(3, 1).state()) | {"step"} == {f.name for f in dataclasses.fields(Progress)}
+
+
 def test_the_step_derives_nothing_its_plan_holds():
     """How a step is cut and which passes it runs are settled once (run/step_plan.py, the head and the sampling
     spec in the assembly): the step calls none of the functions that derive them, and reads no micro- or

@@ -29,7 +29,7 @@ def test_a_stage_started_from_another_runs_checkpoint_continues_it_exactly(tmp_p
     Trainer(cfg("steps=4", "save_every=2"), full, progress=False).train()
     Trainer(cfg("steps=2", "save_every=2"), first, progress=False).train()
     stage = Trainer(cfg("steps=4", "save_every=2", f"init_from={first}"), second, progress=False)
-    assert stage.step == 2 and stage.anchor.num_steps == 2
+    assert stage.progress.step == 2 and stage.anchor.num_steps == 2
     stage.train()
     want, got = load_checkpoint(latest_checkpoint(full)), load_checkpoint(latest_checkpoint(second))
     assert got["state"]["step"] == 4
@@ -53,7 +53,7 @@ def test_a_grpo_stage_evaluates_its_frozen_anchor_and_takes_the_configs_optimize
     assert (group["lr"], group["betas"], group["weight_decay"]) == (5e-4, (0.8, 0.95), 0.01)
     assert stage.scheduler.base_lrs == [5e-4]
     stage.train()
-    assert stage.initial_eval_settings["at_step"] == 2 and stage._initial_anchor_eval() is None
+    assert stage.progress.initial_eval_settings["at_step"] == 2 and stage._initial_anchor_eval() is None
     resumed = Trainer(cfg("steps=4", "save_every=1", "algo.eta=1.0", f"init_from={tmp_path / 'a'}", "lr=5e-4",
                           "betas=[0.8, 0.95]", "weight_decay=0.01"), tmp_path / "b", resume=True, progress=False)
     assert resumed._initial_anchor_eval() is None  # the record survives a resume

@@ -73,7 +73,7 @@ def test_training_moves_the_policy_and_the_anchor_follows_the_ema_recursion(tmp_
     expect = w0.clone()
     for step in (1, 2, 3):
         tr.train_step(step)
-        tr.step = step
+        tr.progress.step = step
         expect = 0.7 * expect + 0.3 * weight(tr.model)
         torch.testing.assert_close(weight(tr.anchor.module), expect, atol=1e-6, rtol=0)
     assert not torch.equal(weight(tr.model), w0) and not torch.equal(weight(tr.anchor.module), weight(tr.model))
@@ -99,7 +99,7 @@ def test_frozen_anchor_reuses_the_initial_policy(tmp_path, monkeypatch):
     assert table["anchor"]["accuracy"] == table["init"]["accuracy"]
     assert evaluations == ["policy", "policy"]  # step 0 and the end: the anchor's was not run again
     # what the skipped evaluation would have returned (its per-problem outcomes went to RUN/outcomes)
-    assert tr.evaluate("anchor") == {k: v for k, v in tr.initial_eval.items() if k != "solved"}
+    assert tr.evaluate("anchor") == {k: v for k, v in tr.progress.initial_eval.items() if k != "solved"}
     # with eta < 1 the initial policy keeps its own frozen copy
     assert Trainer(cfg("algo.eta=0.9", "log_kl_to_init=true"), tmp_path / "b", progress=False).init_anchor is not None
 
@@ -209,7 +209,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     Trainer(cfg("steps=2", "save_every=2"), part, progress=False).train()
     # the interrupted run's config said steps=2; resume it to 4 as a user would with an override
     resumed = Trainer(load_config(part / "config.yaml", ["steps=4"]), part, resume=True, progress=False)
-    assert resumed.step == 2
+    assert resumed.progress.step == 2
     resumed.train()
     a, b = strip_timing(read_metrics(full)), strip_timing(read_metrics(part))
     # the 2-step run evaluated the anchor at its end (step 2); the full run did not: compare the rest
@@ -271,11 +271,11 @@ def test_non_finite_loss_skips_the_update_and_training_goes_on(tmp_path, monkeyp
     w0 = tr.model.model.layers[0].mlp.up_proj.weight.detach().clone()
     tr.train_step(1)
     assert torch.equal(tr.model.model.layers[0].mlp.up_proj.weight, w0)  # the poisoned update was dropped
-    tr.step = 1
+    tr.progress.step = 1
     tr.train()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [2, 3] and all(r["skipped_updates"] == 0 for r in rows)
-    assert tr.skipped_steps == 1 and rows[-1]["skipped_total"] == 1
+    assert tr.progress.skipped_steps == 1 and rows[-1]["skipped_total"] == 1
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())
 
 
@@ -612,11 +612,11 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(finishe
     file, hurt, step = DAMAGE[damage]
     hurt(run / "checkpoints" / file)
     tr = Trainer(cfg("steps=6", "save_every=2", "eval.size=0"), run, resume=True, progress=False)
-    assert tr.step == step
+    assert tr.progress.step == step
     if step == 2:
         assert file.split("/")[-1] in capsys.readouterr().err  # the damaged file is named
     tr.train()
-    assert tr.step == 6
+    assert tr.progress.step == 6
 
 
 def test_latest_naming_a_deleted_checkpoint_is_named_and_the_newest_complete_one_resumes(finished_run, tmp_path,
@@ -627,7 +627,7 @@ def test_latest_naming_a_deleted_checkpoint_is_named_and_the_newest_complete_one
     shutil.copytree(finished_run, run)
     shutil.rmtree(run / "checkpoints" / "step_000004")  # latest still names it
     tr = Trainer(cfg("steps=6", "save_every=2", "eval.size=0"), run, resume=True, progress=False)
-    assert tr.step == 2
+    assert tr.progress.step == 2
     assert "names step_000004, which is incomplete or missing" in capsys.readouterr().err
 
 

@@ -294,7 +294,7 @@ def test_trainer_samples_through_the_engine_with_the_current_policy_weights(tmp_
     # the last push came before the last update; a sync for the current version brings the engine level
     assert any(not torch.equal(p, q) for p, q in zip(tr.model.parameters(), engine.llm.model.parameters(),
                                                       strict=True))
-    engine.sync(tr.model, version=tr.step)
+    engine.sync(tr.model, version=tr.progress.step)
     for p, q in zip(tr.model.parameters(), engine.llm.model.parameters(), strict=True):
         assert torch.equal(p, q)
 

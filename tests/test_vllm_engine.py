@@ -212,10 +212,11 @@ def test_the_engine_gets_the_policys_weights_after_every_optimizer_step(tmp_path
         examples = make_task("arithmetic", digits=1).eval_examples(4)
         for step in (1, 2):
             tr.train_step(step)  # rollout(step) synced the engine to the policy before this update
-            tr.step = step
+            tr.progress.step = step
             stale, err_stale = engine_vs_policy(tr, examples)
             assert err_stale > 1e-2  # the update moved the policy; the engine still samples the old one
-            assert tr.engine.sync(tr.model, version=tr.step) and not tr.engine.sync(tr.model, version=tr.step)
+            now = tr.progress.step
+            assert tr.engine.sync(tr.model, version=now) and not tr.engine.sync(tr.model, version=now)
             fresh, err = engine_vs_policy(tr, examples)
             assert err < LOGP_TOL  # after the push the engine is the policy
             assert not torch.equal(stale.samp_logp, fresh.samp_logp)
@@ -233,7 +234,7 @@ def test_the_runs_evaluation_samples_on_its_engine_as_the_decode_loop_does(tmp_p
     tr = trainer(tmp_path, "lr=1e-2", "eval.size=8", "eval.greedy=true", "eval.max_new_tokens=12", "algo.eta=0.5")
     try:
         tr.train_step(1)
-        tr.step = 1
+        tr.progress.step = 1
         sampled: list[str] = []
         generate = tr.engine.generate
 
@@ -254,7 +255,8 @@ def test_the_runs_evaluation_samples_on_its_engine_as_the_decode_loop_does(tmp_p
         with tr.anchor.use(tr.model) as anchor:
             assert texts["anchor"] == sorted(hf_generate(anchor, tr.tokenizer, examples, spec).completions)
         assert texts["policy"] == sorted(hf_generate(tr.model, tr.tokenizer, examples, spec).completions)
-        assert tr.engine.sync(tr.model, version=tr.step)  # the anchor's weights were in it: the policy goes back
+        # the anchor's weights were in it: the policy goes back
+        assert tr.engine.sync(tr.model, version=tr.progress.step)
         engine, tr.engine = tr.engine, None
         try:
             on_loop = {w: tr._evaluate(w, sets=("heldout",))["heldout"] for w in ("policy", "anchor")}
@@ -271,7 +273,7 @@ def test_lora_adapters_reach_the_engine_merged(tmp_path):
     tr = trainer(tmp_path, "lr=1e-2", "lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj,v_proj,up_proj]")
     try:
         tr.train_step(1)
-        tr.step = 1  # one step: the adapters' B is no longer zero
+        tr.progress.step = 1  # one step: the adapters' B is no longer zero
         examples = make_task("arithmetic", digits=1).eval_examples(4)
         tr.engine.sync(tr.model, version=1)
         batch, err = engine_vs_policy(tr, examples)

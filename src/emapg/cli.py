@@ -156,7 +156,7 @@ def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool, 
             how = (f"resume with: emapg train --resume {run_dir}" if has_checkpoint(run_dir) else
                    f"no checkpoint yet: run the same command again to start over in {run_dir}")
             what = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
-            print(f"emapg: the run {what} at step {trainer.step}; {how}", file=sys.stderr)
+            print(f"emapg: the run {what} at step {trainer.progress.step}; {how}", file=sys.stderr)
         raise
     finally:
         trainer.close()

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,75 +28,113 @@ from emapg.models.forward import SHARD_METHODS
 from emapg.models.zoo import policy_model, teacher_model, training_policy, weights_digest
 from emapg.rollout import response_budget
 from emapg.rollout.prompts import context_length, fit_prompts
-from emapg.run.checkpoint import intact_checkpoint, restore_training, starting_checkpoint, tied_names
+from emapg.rollout.sampling import SamplingSpec
+from emapg.run.checkpoint import Progress, intact_checkpoint, restore_training, starting_checkpoint, tied_names
 from emapg.run.evaluate import RunEvaluator
 from emapg.run.folder import check_teacher
 from emapg.run.metrics import MetricsWriter
 from emapg.run.schedule import lr_factor, restore_schedule
-from emapg.run.step_plan import step_plan
+from emapg.run.step_plan import StepPlan, step_plan
 from emapg.tasks import make_task
+from emapg.tasks.base import Task
 from emapg.tasks.order import check_order
 
 
-def assemble(run: Any, cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, force: bool) -> None:
-    """Build a run on ``run`` (a :class:`~emapg.run.trainer.Trainer`): ``cfg``, ``run_dir``, ``dist``, ``main``,
-    ``plan`` (:class:`~emapg.run.step_plan.StepPlan`: how every step is cut, whether pi_old needs its own pass,
-    which then gives the sampler's head too), ``head`` and ``sampling`` (the estimator's head, the rollout's spec),
-    ``model``, ``tokenizer``, ``task``, ``evaluator``, ``teacher`` and ``teacher_sha256`` (None: the KL is to the
-    anchor), ``anchor``, ``init_anchor``, ``anchor_is_initial``, ``plain_model`` (export's), ``params``,
-    ``optimizer``, ``scheduler`` (which reads ``run.step``), ``engine`` (None: our decode loop samples), ``step``,
-    ``skipped_steps``, ``initial_eval`` and its settings, ``start_step``, ``metrics`` (rank 0's writer, else None)."""
-    run.dist = distributed.init(cfg.device, threads=cfg.threads)
-    cfg = concrete_precision(cfg, run.dist)
-    run.cfg, run.run_dir, run.progress = cfg, run_dir, progress
-    check_world(cfg, run.dist.world)
-    run.main = run.dist.is_main
-    if run.main:  # (rank 0 writes the folder; the others only read it)
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-    check_shared_folder(run.run_dir, run.dist)
+@dataclass
+class Run:
+    """A run, built: what every step uses. ``plan`` says how every step is cut and which passes it runs (pi_old's,
+    which then gives the sampler's head too); ``head`` and ``sampling`` are the estimator's head and the rollout's
+    spec; ``teacher`` (None: the KL is to the anchor) and the sha256 of its weights; ``init_anchor``, the frozen
+    initial policy where kl_to_init needs its own; ``plain_model`` makes an unsharded model for rank 0's export;
+    ``engine`` (None: our decode loop samples); ``metrics``, rank 0's writer (None elsewhere); ``progress``, where
+    the run stands (a checkpoint keeps it); ``start_step``, the step a new run starts at (None on a resume)."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    show_progress: bool
+    dist: distributed.DistInfo
+    plan: StepPlan
+    head: algo.KLHead
+    sampling: SamplingSpec
+    model: torch.nn.Module
+    tokenizer: Any
+    task: Task
+    evaluator: RunEvaluator
+    teacher: torch.nn.Module | None
+    teacher_sha256: str | None
+    anchor: EMAAnchor
+    init_anchor: EMAAnchor | None
+    anchor_is_initial: bool
+    plain_model: Callable[[], torch.nn.Module]
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    engine: Any
+    metrics: MetricsWriter | None
+    progress: Progress
+    start_step: int | None
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: it writes the run folder; the others only read it."""
+        return self.dist.is_main
+
+
+def assemble(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, force: bool) -> Run:
+    """Build the :class:`Run` of ``cfg`` in ``run_dir`` (resumed from its newest intact checkpoint with ``resume``;
+    ``progress``: progress bars on rank 0; ``force``: accept a changed teacher on resume)."""
+    dist = distributed.init(cfg.device, threads=cfg.threads)
+    cfg = concrete_precision(cfg, dist)
+    check_world(cfg, dist.world)
+    if dist.is_main:  # (rank 0 writes the folder; the others only read it)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    check_shared_folder(run_dir, dist)
     torch.manual_seed(cfg.seed)
-    with distributed.rank_zero_first(run.dist):  # rank 0 fills the caches (a converted model, an index)
-        run.model, run.tokenizer = training_policy(cfg, run.dist.device)
-        run.task = make_task(cfg.task, **cfg.task_args)
-        run.plan = step_plan(cfg, run.dist.world, run.task)  # how every step is cut and which passes it runs
-        run.head = algo.kl_head(cfg.algo)  # the estimator's head and the rollout's sampling spec, read once
-        run.sampling = algo.rollout_sampling(cfg.rollout, run.head, run.plan.old_pass)
-        check_order(run.task, cfg.data_order, cfg.prompts_per_step)
-        # before the first step: a prompt that cannot fit is refused (or cut), never run for minutes
-        budget = max(response_budget(run.task, cfg.rollout.max_new_tokens), cfg.eval.max_new_tokens or 0)
-        fit = lambda t: fit_prompts(t, run.tokenizer, context_length(run.model), budget,  # noqa: E731
-                                    cfg.long_prompts, warn=run.main)
-        fit(run.task)
-        check_memory(cfg, run.model, run.tokenizer, run.task, run.dist)
-        run.evaluator = RunEvaluator(cfg, run.task, run.tokenizer, run.run_dir, run.dist, progress, fit)
-    tied = tied_names(run.model)  # before sharding: plain names and whole shapes
-    state = run.model.state_dict()
+    with distributed.rank_zero_first(dist):  # rank 0 fills the caches (a converted model, an index)
+        model, tokenizer = training_policy(cfg, dist.device)
+        task = make_task(cfg.task, **cfg.task_args)
+        plan = step_plan(cfg, dist.world, task)  # how every step is cut and which passes it runs
+        head = algo.kl_head(cfg.algo)  # the estimator's head and the rollout's sampling spec, read once
+        sampling = algo.rollout_sampling(cfg.rollout, head, plan.old_pass)
+        evaluator = checked_task(cfg, model, tokenizer, task, dist, run_dir, progress)
+    tied = tied_names(model)  # before sharding: plain names and whole shapes
+    state = model.state_dict()
     names = {n: list(t.shape) for n, t in state.items() if n not in tied}
-    ckpt = checkpoint_to_start(run.run_dir, cfg, names, resume, warn=run.main, known=set(state))
+    ckpt = checkpoint_to_start(run_dir, cfg, names, resume, warn=dist.is_main, known=set(state))
     since_start = ckpt["state"].get("anchor_is_initial", False) if ckpt else True
-    run.teacher, run.teacher_sha256 = build_teacher(run.model, run.tokenizer, cfg, run.dist, run.run_dir,
-                                                      ckpt, force)  # None: the KL is to the anchor
-    if run.teacher is not None:
-        run.evaluator.use_teacher(run.teacher, cfg.rollout.temperature)
-    run.anchor, run.init_anchor, run.anchor_is_initial = build_anchors(run.model, cfg, run.dist, since_start)
-    run.plain_model = lambda: policy_model(cfg)[0]  # an unsharded model, for rank 0's export at the end
-    run.params = [p for p in run.model.parameters() if p.requires_grad]
-    run.step, run.skipped_steps, run.initial_eval, run.initial_eval_settings = 0, 0, None, None  # (the step-0 eval)
-    run.optimizer, run.scheduler = make_optimizer(run.params, cfg, lambda: run.step)
-    run.engine = build_engine(cfg, run.model, run.tokenizer, run.task, run.sampling, run.dist, run.run_dir)
+    teacher, teacher_sha256 = build_teacher(model, tokenizer, cfg, dist, run_dir, ckpt, force)
+    if teacher is not None:
+        evaluator.use_teacher(teacher, cfg.rollout.temperature)
+    anchor, init_anchor, anchor_is_initial = build_anchors(model, cfg, dist, since_start)
+    params = [p for p in model.parameters() if p.requires_grad]
+    now = Progress()
+    optimizer, scheduler = make_optimizer(params, cfg, lambda: now.step)
+    engine = build_engine(cfg, model, tokenizer, task, sampling, dist, run_dir)
     if ckpt:
-        st = restore_training(ckpt, run.model, run.anchor, run.optimizer, cfg, sharded=run.dist.enabled)
-        run.step, run.skipped_steps = st["step"], st["skipped_steps"]
-        restore_schedule(run.scheduler, st["scheduler"], cfg.lr)
-        if resume:  # (a run started from another's checkpoint evaluates its own start)
-            run.initial_eval, run.initial_eval_settings = st.get("initial_eval"), st.get("initial_eval_settings")
-        run.evaluator.forget_after(run.step)
-    run.start_step = run.step if not resume else None
-    if run.main and not resume:
-        save_config(cfg, run.run_dir / "config.yaml")
-    run.metrics = MetricsWriter(run.run_dir, resume_step=run.step if resume else None,
-                                 report_to=tuple(cfg.report_to), config=dataclasses.asdict(cfg),
-                                 wandb_project=cfg.wandb_project) if run.main else None
+        st = restore_training(ckpt, model, anchor, optimizer, cfg, sharded=dist.enabled)
+        now.restore(st, resume)
+        restore_schedule(scheduler, st["scheduler"], cfg.lr)
+        evaluator.forget_after(now.step)
+    if dist.is_main and not resume:
+        save_config(cfg, run_dir / "config.yaml")
+    metrics = MetricsWriter(run_dir, resume_step=now.step if resume else None, report_to=tuple(cfg.report_to),
+                            config=dataclasses.asdict(cfg), wandb_project=cfg.wandb_project) if dist.is_main else None
+    return Run(cfg, run_dir, progress, dist, plan, head, sampling, model, tokenizer, task, evaluator, teacher,
+               teacher_sha256, anchor, init_anchor, anchor_is_initial, lambda: policy_model(cfg)[0], params,
+               optimizer, scheduler, engine, metrics, now, None if resume else now.step)
+
+
+def checked_task(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task: Task, dist: distributed.DistInfo,
+                 run_dir: Path, progress: bool) -> RunEvaluator:
+    """Before the first step: the data order checked, every prompt fitted to the context (refused or cut, never
+    run for minutes), the memory plan checked; then the held-out evaluator, which fits its prompts alike."""
+    check_order(task, cfg.data_order, cfg.prompts_per_step)
+    budget = max(response_budget(task, cfg.rollout.max_new_tokens), cfg.eval.max_new_tokens or 0)
+    fit = lambda t: fit_prompts(t, tokenizer, context_length(model), budget,  # noqa: E731
+                                cfg.long_prompts, warn=dist.is_main)
+    fit(task)
+    check_memory(cfg, model, tokenizer, task, dist)
+    return RunEvaluator(cfg, task, tokenizer, run_dir, dist, progress, fit)
 
 
 def concrete_precision(cfg: TrainConfig, dist: distributed.DistInfo) -> TrainConfig:

@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -390,6 +391,31 @@ def _param_rows(tensors: shards.Tensors, key: str, param: torch.Tensor | None) -
     if param is not None and tensors.shape(key) == list(param.shape):
         return distributed.as_dtensor(tensors.local(key, param), param)
     return tensors[key]
+
+
+@dataclass
+class Progress:
+    """Where a run stands besides its weights: the steps done, the updates dropped as non-finite, and its step-0
+    evaluation with the settings it was measured with (the anchor reuses it while it is the initial policy).
+    :meth:`state` is what a checkpoint's state.json keeps of it; :meth:`restore` reads it back."""
+
+    step: int = 0
+    skipped_steps: int = 0
+    initial_eval: dict[str, Any] | None = None
+    initial_eval_settings: dict[str, Any] | None = None
+
+    def state(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps, "initial_eval": self.initial_eval,
+                "initial_eval_settings": self.initial_eval_settings}
+
+    def restore(self, state: dict[str, Any], resume: bool) -> None:
+        """Take a checkpoint's progress (in place: the learning-rate schedule reads this record); its step-0
+        evaluation only on a resume (a run started from another run's checkpoint, ``init_from``, evaluates its
+        own start)."""
+        self.step, self.skipped_steps = state["step"], state["skipped_steps"]
+        if resume:
+            self.initial_eval = state.get("initial_eval")
+            self.initial_eval_settings = state.get("initial_eval_settings")
 
 
 def save_training(run_dir: Path, step: int, model: nn.Module, anchor, optimizer: torch.optim.Optimizer,

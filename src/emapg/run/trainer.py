@@ -16,6 +16,7 @@ normalises the loss by global token counts and reduces the metrics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from emapg.objective import group_advantages
 from emapg.rollout import rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
-from emapg.run.assembly import assemble
+from emapg.run.assembly import Run, assemble
 from emapg.run.checkpoint import save_training
 from emapg.run.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.run.export import export_models
@@ -67,12 +68,20 @@ def start_settings(evaluator: RunEvaluator, step: int) -> dict[str, Any]:
     return {**evaluator.settings, **({"at_step": step} if step else {})}
 
 
-class Trainer:
-    """Runs one configuration into a run folder. ``resume=True`` continues from its latest checkpoint."""
+class Trainer(Run):
+    """A :class:`~emapg.run.assembly.Run` with its loop and its step. ``Trainer(cfg, run_dir)`` assembles the run
+    (``resume=True``: from its latest checkpoint); ``Trainer.of(run)`` steps one already assembled."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
                  force: bool = False):
-        assemble(self, cfg, Path(run_dir), resume=resume, progress=progress, force=force)
+        run = assemble(cfg, Path(run_dir), resume=resume, progress=progress, force=force)
+        Run.__init__(self, **{f.name: getattr(run, f.name) for f in dataclasses.fields(Run)})
+
+    @classmethod
+    def of(cls, run: Run) -> Trainer:
+        trainer = cls.__new__(cls)
+        Run.__init__(trainer, **{f.name: getattr(run, f.name) for f in dataclasses.fields(Run)})
+        return trainer
 
     # ---- the run, top down -------------------------------------------------------------------------
 
@@ -80,18 +89,17 @@ class Trainer:
         """Run to ``cfg.steps``; the final eval table {'init'|'policy'|'anchor': results} on rank 0, else None."""
         from tqdm.auto import tqdm
 
-        cfg = self.cfg
-        if cfg.eval.at_start and self.evaluator.examples and self.step == self.start_step:  # not once it moved
+        cfg, now = self.cfg, self.progress
+        if cfg.eval.at_start and self.evaluator.examples and now.step == self.start_step:  # not once it moved
             results = self._evaluate("policy")
-            self.initial_eval = results["heldout"]
-            self.initial_eval_settings = start_settings(self.evaluator, self.step)
-            self._write({"step": self.step, **_rows("policy", results)})
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.main), desc="emapg",
+            now.initial_eval, now.initial_eval_settings = results["heldout"], start_settings(self.evaluator, now.step)
+            self._write({"step": now.step, **_rows("policy", results)})
+        bar = tqdm(total=cfg.steps, initial=now.step, disable=not (self.show_progress and self.main), desc="emapg",
                    unit="step")
-        while self.step < cfg.steps:
-            step = self.step + 1
+        while now.step < cfg.steps:
+            step = now.step + 1
             row = self.train_step(step)
-            self.step = step
+            now.step = step
             periodic = bool(self.evaluator.examples and cfg.eval.every and step % cfg.eval.every == 0)
             if self.evaluator.examples and (periodic or step == cfg.steps):
                 row.update(_rows("policy", self._evaluate("policy")))
@@ -108,8 +116,8 @@ class Trainer:
                           sharded=self.dist.enabled, main=self.main, plain_model=self.plain_model)
         if not self.main:
             return None
-        table = self.metrics.finish(self.initial_eval)
-        mark_finished(self.run_dir, self.step)  # a resume of a run whose end was cut short finishes it
+        table = self.metrics.finish(now.initial_eval)
+        mark_finished(self.run_dir, now.step)  # a resume of a run whose end was cut short finishes it
         return table
 
     def train_step(self, step: int) -> dict[str, Any]:
@@ -131,7 +139,7 @@ class Trainer:
         mine = rank_prompts(cfg.prompts_per_step, self.plan.mini_prompts, self.plan.world, self.dist.rank)
         examples = [examples[i] for i in mine]  # the global batch is the same on every rank
         if self.engine is not None:
-            self.engine.sync(self.model, version=self.step)  # the weights after self.step updates
+            self.engine.sync(self.model, version=self.progress.step)  # the weights after that many updates
             batch = rollout_for_task(self.model, self.tokenizer, self.task, examples, self.sampling,
                                      engine=self.engine, seed=stream_seed(cfg.seed, step, self.dist.rank))
             self.engine.after_rollout()
@@ -170,11 +178,11 @@ class Trainer:
                 grad_norms.append(done[1])
         self.optimizer.zero_grad(set_to_none=True)
         ema_updated = self.anchor.step(self.model)
-        self.skipped_steps += skipped
+        self.progress.skipped_steps += skipped
         applied = plan.optimizer_steps - skipped
         return {**rollout_row(batch, cfg.rollout.n), **update_row(stats, applied, grad_norms),
                 "lr": lr_used, "ema_updated": int(ema_updated), "skipped_updates": skipped,
-                "skipped_total": self.skipped_steps, "anchor_seconds": t_anchor}
+                "skipped_total": self.progress.skipped_steps, "anchor_seconds": t_anchor}
 
     @torch.no_grad()
     def anchor_pass(self, mb: RolloutBatch) -> AnchorStats:
@@ -251,26 +259,26 @@ class Trainer:
         evaluates = self.engine is not None and BACKENDS[self.cfg.rollout.backend].for_eval is not None
         with model as m, gathered(m) as g, self._autocast():
             if not evaluates:  # the decode loop (a backend that samples for training only: there too)
-                return self.evaluator.run(g, which, self.step, sets, reuse=reuse)
-            self.engine.sync(g, version=self.step if which == "policy" else (which, self.step))
+                return self.evaluator.run(g, which, self.progress.step, sets, reuse=reuse)
+            self.engine.sync(g, version=self.progress.step if which == "policy" else (which, self.progress.step))
             try:
-                return self.evaluator.run(g, which, self.step, sets, reuse=reuse, engine=self.engine)
+                return self.evaluator.run(g, which, self.progress.step, sets, reuse=reuse, engine=self.engine)
             finally:
                 self.engine.after_rollout()
 
     def _initial_anchor_eval(self) -> dict[str, Any] | None:
         """The step-0 evaluation, for an anchor that is the initial policy, same settings (None: run it)."""
-        same = (self.anchor_is_initial and self.initial_eval is not None
-                and self.initial_eval_settings == self.evaluator.settings)
-        return self.initial_eval if same else None
+        now = self.progress
+        same = (self.anchor_is_initial and now.initial_eval is not None
+                and now.initial_eval_settings == self.evaluator.settings)
+        return now.initial_eval if same else None
 
     def save(self) -> Path:
         """Write a checkpoint of whole tensors (any number of processes can resume it). Collective."""
-        state = {"skipped_steps": self.skipped_steps, "scheduler": self.scheduler.state_dict(),
-                 "initial_eval": self.initial_eval, "initial_eval_settings": self.initial_eval_settings,
+        state = {**self.progress.state(), "scheduler": self.scheduler.state_dict(),
                  "anchor_is_initial": self.anchor_is_initial, "seed": self.cfg.seed, "world": self.dist.world,
                  "teacher_sha256": self.teacher_sha256}
-        return save_training(self.run_dir, self.step, self.model, self.anchor, self.optimizer, state,
+        return save_training(self.run_dir, self.progress.step, self.model, self.anchor, self.optimizer, state,
                              keep=self.cfg.keep_checkpoints, main=self.main)
 
     def close(self) -> None:
