@@ -59,9 +59,15 @@ def machine() -> dict:
 
 
 def commit() -> str | None:
+    """The commit of the emapg code this process runs (the tree its imported package is in: another checkout's
+    under PYTHONPATH, for a before/after measurement), "+changes" when its src/ differs from it."""
+    import emapg
+
+    tree = Path(emapg.__file__).resolve().parents[2]
+    tree = tree if (tree / "src" / "emapg").is_dir() else ROOT
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=tree, capture_output=True, text=True)
     except OSError:
         return None
     return (out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) or None

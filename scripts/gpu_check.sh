@@ -97,8 +97,8 @@ fi
 RECIPE=(-m emapg train --config recipes/math_r1_distill_1p5b.yaml device=$DEV model=smollm2-135m mixed_precision=$MP
         task_args.train_file=tests/fixtures/evalsets/deepscaler_train.json
         task_args.eval_file=tests/fixtures/evalsets/aime_2024.jsonl steps=2 prompts_per_step=2 mini_batch_prompts=2
-        rollout.n=4 rollout.max_new_tokens=2048 rollout.vllm_max_model_len=3072
-        rollout.vllm_enforce_eager=true rollout.vllm_sleep=$SLEEP eval.size=0 eval.max_new_tokens=2048 save_every=0
+        rollout.n=4 rollout.max_new_tokens=2048 rollout.backend_args.max_model_len=3072
+        rollout.backend_args.enforce_eager=true rollout.backend_args.sleep=$SLEEP eval.size=0 eval.max_new_tokens=2048 save_every=0
         export=false)
 if $PY -c "import vllm" 2>/dev/null; then
   # 100 s: a cold eager vLLM engine (load, memory profile, KV cache) ~40 s; 2 rollouts of 8 x 2,048 tokens ~20 s;

@@ -135,7 +135,7 @@ def test_the_paper_recipes_plans_from_their_configs():
                        [f"model={CONFIGS / 'deepseek-r1-distill-qwen-1.5b'}"])
     text = P.report(math, gpus=8, gpu_memory_gb=80, prompt_tokens=512)
     assert "1.78B parameters" in text and "fits: peak" in text
-    assert "vLLM engine (weights and cache) | 68.00" in text  # 0.85 of 80 GiB, asleep during the update
+    assert "vllm engine (weights and cache) | 68.00" in text  # 0.85 of 80 GiB, asleep during the update
     search = P.shape_of(P.model_config(str(CONFIGS / "qwen2.5-3b")))
     assert (search.params, search.layers, search.kv_heads, search.head_dim) == (3_085_938_688, 36, 2, 128)
 
@@ -227,7 +227,7 @@ def test_plan_on_one_device_runs_the_checks_train_runs():
     out = P.report(cfg, gpus=1, gpu_memory_gb=80, prompt_tokens=1024)
     assert "\nfits" not in out
     assert "does not run on 1 device(s): `emapg train` refuses it: offload: true needs FSDP2 shards" in out
-    assert "with offload=false" in out and "a lower rollout.vllm_gpu_memory" in out
+    assert "with offload=false" in out and "a lower rollout.backend_args.gpu_memory" in out
     # a batch that does not split over the devices is refused the same way
     out = P.report(load_config(ROOT / "recipes" / "math_r1_distill_1p5b.yaml", _recipe_models("math")), gpus=3,
                    gpu_memory_gb=80, prompt_tokens=1024)

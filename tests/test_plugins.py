@@ -19,11 +19,12 @@ PLUGIN = '''
 """A user's module: a task, an engine backend, a retriever, an advantage estimator and a KL estimator."""
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from emapg.backends import Backend, register_backend
+from emapg.backends import Backend, EngineMemory, backend_settings, register_backend
 from emapg.kl import ESTIMATORS, Estimator, register_estimator
 from emapg.objective import register_advantage
 from emapg.retrieval import Passage, register_retriever
@@ -90,11 +91,23 @@ class LoopEngine:
         self._note(call="close")
 
 
+@dataclass(frozen=True)
+class LoopSettings:  # rollout.backend_args of the loop backend
+    note: str = "none"
+    share_mib: int = 64
+
+
+def loop_memory(settings, params, gpu_memory, device):
+    return EngineMemory(settings.share_mib * 2**20, sleeps=False, fix="a smaller rollout.backend_args.share_mib")
+
+
 def for_run(cfg, model, tokenizer, task, spec, *, device, rank, rows, workdir):
-    return LoopEngine(model, tokenizer, workdir)
+    engine = LoopEngine(model, tokenizer, workdir)
+    engine._note(call="start", note=backend_settings(cfg.rollout).note)
+    return engine
 
 
-register_backend(Backend("loop", for_run=for_run))
+register_backend(Backend("loop", for_run=for_run, settings=LoopSettings, memory=loop_memory))
 
 
 class Keyword:
@@ -131,10 +144,13 @@ def plugin(tmp_path) -> Path:
 
 def test_a_task_a_backend_an_advantage_and_an_estimator_registered_outside_the_package_train(tmp_path, plugin):
     res = run("train", "--config", str(SMOKE), "--out", "run", "plugins=[my_plugin.py]", "task=echo",
-              "task_args={letter: b}", "rollout.backend=loop", "algo.advantage=centred", "algo.kl=my_k3",
-              "steps=2", "export=false", "eval.size=2", "save_every=0", cwd=tmp_path)
+              "task_args={letter: b}", "rollout.backend=loop", "rollout.backend_args.note=mine",
+              "algo.advantage=centred", "algo.kl=my_k3", "steps=2", "export=false", "eval.size=2", "save_every=0",
+              cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     calls = [json.loads(line) for line in (tmp_path / "run" / "loop" / "calls.jsonl").read_text().splitlines()]
+    assert calls[0] == {"call": "start", "note": "mine"}  # its own settings, from rollout.backend_args
+    calls = calls[1:]
     assert [c["call"] for c in calls] == ["sync", "generate", "after_rollout"] * 2 + ["close"]
     assert [c["version"] for c in calls if c["call"] == "sync"] == [0, 1]
     assert all(c["prompts"] == 4 and c["n"] == 4 for c in calls if c["call"] == "generate")
@@ -143,6 +159,49 @@ def test_a_task_a_backend_an_advantage_and_an_estimator_registered_outside_the_p
     assert [r["step"] for r in steps] == [1, 2] and all(r["kl"] >= 0 for r in steps)
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert "my_plugin.py" in saved and "task: echo" in saved  # a resume imports it again
+
+
+def test_a_backend_registered_outside_the_package_plans_checks_its_settings_and_restarts(tmp_path, plugin):
+    """A plugin backend is whole: its settings are its own (``rollout.backend_args``, checked against the dataclass
+    it declares, every wrong key named in one line), ``emapg plan`` counts its engine as its ``memory`` says (and
+    names its fix), and a run that stopped before its first checkpoint starts again with its engine's folder
+    cleared like the rest of the run's files."""
+    common = ["--config", str(SMOKE), "plugins=[my_plugin.py]", "task=echo", "task_args={letter: b}",
+              "rollout.backend=loop"]
+    res = run("plan", *common, "rollout.backend_args.share_mib=4096", "--gpu-memory", "2", cwd=tmp_path)
+    assert "| loop engine, awake through the update | 4.00 |" in res.stdout, res.stdout + res.stderr
+    assert "a smaller rollout.backend_args.share_mib" in res.stdout
+    res = run("train", *common, "--out", "run", "rollout.backend_args={share_mib: x, colour: red}", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "unknown key 'colour'; known: note, share_mib" in res.stderr
+    assert "rollout.backend_args.share_mib: expected <class 'int'>, got 'x'" in res.stderr
+    (tmp_path / "run" / "loop").mkdir(parents=True)  # a run that stopped before its first checkpoint
+    (tmp_path / "run" / "loop" / "calls.jsonl").write_text('{"call": "stale"}\n')
+    (tmp_path / "run" / ".emapg-run").write_text("a run folder of emapg train\n")
+    res = run("train", *common, "--out", "run", "steps=1", "export=false", "eval.size=0", "save_every=0",
+              cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    calls = [json.loads(line)["call"] for line in (tmp_path / "run" / "loop" / "calls.jsonl").read_text().splitlines()]
+    assert calls[0] == "start" and "stale" not in calls
+
+
+def test_a_config_written_before_backend_args_reads_its_vllm_settings_there(tmp_path):
+    """A run folder's config.yaml from an earlier emapg (the vllm_* fields of rollout) loads with them moved into
+    rollout.backend_args where the backend is vllm, and dropped where it is not (they did nothing there); an
+    override with an old name says where it went."""
+    from emapg.config import ConfigError, load_config
+
+    old = tmp_path / "old.yaml"
+    old.write_text("rollout: {backend: vllm, vllm_gpu_memory: 0.7, vllm_sleep: true, backend_args: {seeds: false}}\n")
+    assert load_config(old).rollout.backend_args == {"gpu_memory": 0.7, "sleep": True, "seeds": False}
+    old.write_text("rollout: {backend: hf, vllm_gpu_memory: 0.3, vllm_sleep: false}\n")
+    assert load_config(old).rollout.backend_args == {}
+    with pytest.raises(ConfigError, match="rollout.vllm_sleep is now rollout.backend_args.sleep"):
+        load_config(None, ["rollout.vllm_sleep=true"])
+    with pytest.raises(ConfigError, match="backend hf.*takes no settings, got gpu_memory"):
+        load_config(None, ["rollout.backend_args.gpu_memory=0.5"])
+    with pytest.raises(ConfigError, match="rollout.backend_args.gpu_memory: must be in"):
+        load_config(None, ["rollout.backend=vllm", "rollout.backend_args.gpu_memory=1.5"])
 
 
 def test_the_task_args_of_a_registered_task_are_checked_like_the_built_in_ones(tmp_path, plugin):

@@ -170,10 +170,10 @@ def test_trainer_turns_an_engine_that_cannot_start_into_a_config_error(tmp_path,
     monkeypatch.setattr(vb, "available_memory", lambda: 64 * 2**30)  # not this host's free memory of the moment
     with pytest.raises(ConfigError, match=r"^rollout\.backend: vllm: no engine for cpu in this test$"):
         Trainer(load_config(SMOKE, ["rollout.backend=vllm", "export=false", "device=cpu"]), tmp_path, progress=False)
-    with pytest.raises(ConfigError, match="rollout.vllm_sleep: vLLM's CPU backend has no sleep mode"):
+    with pytest.raises(ConfigError, match="rollout.backend_args.sleep: vLLM's CPU backend has no sleep mode"):
         monkeypatch.setattr(vb, "unavailable_reason", lambda device: None)
-        Trainer(load_config(SMOKE, ["rollout.backend=vllm", "export=false", "device=cpu", "rollout.vllm_sleep=true"]),
-                tmp_path / "b", progress=False)
+        Trainer(load_config(SMOKE, ["rollout.backend=vllm", "export=false", "device=cpu",
+                                    "rollout.backend_args.sleep=true"]), tmp_path / "b", progress=False)
 
 
 def test_cpu_kv_cache_is_sized_from_the_recipe_and_refused_when_memory_is_short():
@@ -192,7 +192,7 @@ def test_cpu_kv_cache_is_sized_from_the_recipe_and_refused_when_memory_is_short(
     assert vb.cpu_kv_cache_gib(smol, "float32", rows=4, max_model_len=96, free_bytes=10 * 2**30) == 1
     from emapg.config import ConfigError
 
-    with pytest.raises(ConfigError, match="needs 2 GiB for one sequence of 32768 tokens.*vllm_max_model_len"):
+    with pytest.raises(ConfigError, match="needs 2 GiB for one sequence of 32768 tokens.*backend_args.max_model_len"):
         vb.cpu_kv_cache_gib(smol, "float32", rows=1, max_model_len=32768, free_bytes=3 * 2**30)
 
 
@@ -372,7 +372,7 @@ def test_no_two_samples_share_a_random_stream(tmp_path, monkeypatch):
 
 
 def test_unseeded_requests_carry_no_seed_and_the_field_reaches_the_engine(tmp_path, monkeypatch):
-    """rollout.vllm_seeds=false: no request carries a seed (the engine's batched path); the field reaches the
+    """rollout.backend_args.seeds=false: no request carries a seed (the engine's batched path); the field reaches the
     engine the trainer builds."""
     tr = Trainer(load_config(SMOKE, ["export=false", "eval.size=0"]), tmp_path / "a", progress=False)
     engine = with_engine(tr)
@@ -382,8 +382,8 @@ def test_unseeded_requests_carry_no_seed_and_the_field_reaches_the_engine(tmp_pa
     made = {}
     monkeypatch.setattr(vb, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(vb.VLLMRollout, "create", classmethod(lambda cls, *a, **kw: made.update(kw) or engine))
-    Trainer(load_config(SMOKE, ["export=false", "eval.size=0", "rollout.backend=vllm", "rollout.vllm_seeds=false"]),
-            tmp_path / "b", progress=False)
+    Trainer(load_config(SMOKE, ["export=false", "eval.size=0", "rollout.backend=vllm",
+                                "rollout.backend_args.seeds=false"]), tmp_path / "b", progress=False)
     assert made["seeded"] is False
 
 

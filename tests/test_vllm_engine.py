@@ -365,7 +365,7 @@ def test_cli_trains_with_the_vllm_backend(tmp_path):
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU engine's KV cache sizing")
 def test_too_little_memory_is_a_config_error_naming_the_field(tmp_path, monkeypatch):
     monkeypatch.setattr(vb, "available_memory", lambda: 2**30)  # 1 GiB free: half of it rounds to 0 GiB
-    with pytest.raises(ConfigError, match="KV cache needs 1 GiB.*vllm_max_model_len"):
+    with pytest.raises(ConfigError, match="KV cache needs 1 GiB.*backend_args.max_model_len"):
         trainer(tmp_path)  # refused before any engine started
 
 

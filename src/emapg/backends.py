@@ -17,14 +17,37 @@ Its builders are given as ``"module:function"`` (imported only when a run asks f
 packages are optional) or as the functions themselves:
 ``for_run(cfg, model, tokenizer, task, spec, *, device, rank, rows, workdir)`` for training and
 ``for_eval(model, tokenizer, tasks, spec, *, device, dtype, seed, rows)`` for ``emapg eval``.
+
+A backend declares the rest of what it is, so the core knows no backend by name: ``settings``, a dataclass of
+its settings (a config's ``rollout.backend_args``, each key checked against it, its ``problems()`` if it has
+one; ``for_run`` reads them with :func:`backend_settings`); ``memory(settings, params, gpu_memory, device)``,
+its engine's share of a device for ``emapg plan`` (an :class:`EngineMemory`); its
+files in a run folder are ``RUN/<name>/`` (``for_run``'s ``workdir``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from emapg.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What a backend's engine holds of a device (a backend's ``memory`` returns it): ``share`` bytes; whether it
+    sleeps through the update (then only the rollout holds it); what the plan could not count; the setting that
+    shrinks it."""
+
+    share: float
+    sleeps: bool
+    notes: tuple[str, ...] = ()
+    fix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -39,21 +62,62 @@ class Backend:
     for_eval: str | Callable[..., Any] | None = None
     recomputes_old: bool = True
     temperatures: tuple[float, float] | None = None
+    settings: str | type | None = None
+    memory: str | Callable[..., Any] | None = None
 
-    def builder(self, which: str) -> Callable[..., Any] | None:
-        """``for_run`` or ``for_eval``, imported if given as ``"module:function"``."""
+    def builder(self, which: str) -> Any:
+        """``for_run``, ``for_eval``, ``settings`` or ``memory``, imported if given as ``"module:name"``."""
         ref = getattr(self, which)
         if not isinstance(ref, str):
             return ref
         module, _, attr = ref.partition(":")
         return getattr(importlib.import_module(module), attr)
 
+    def settings_of(self, args: dict[str, Any]) -> Any:
+        """``args`` (a config's ``rollout.backend_args``) as this backend's settings; ConfigError naming every
+        unknown key, wrong type or value out of range. A backend without settings takes none."""
+        cls = self.builder("settings")
+        where = f"rollout.backend_args (backend {self.name})"
+        if cls is None:
+            if args:
+                raise ConfigError(f"{where}: this backend takes no settings, got {', '.join(sorted(args))}")
+            return None
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        problems = [f"{where}: unknown key {k!r}; known: {', '.join(known)}" for k in args if k not in known]
+        hints = typing.get_type_hints(cls)
+        for k, v in args.items():
+            if k in known and not _fits(v, hints[k]):
+                problems.append(f"rollout.backend_args.{k}: expected {hints[k]}, got {v!r}")
+        if problems:
+            raise ConfigError("; ".join(problems), problems)
+        settings = cls(**args)
+        problems = settings.problems() if hasattr(settings, "problems") else []
+        if problems:
+            raise ConfigError("; ".join(problems), problems)
+        return settings
+
+
+def _fits(value: Any, typ: Any) -> bool:
+    """``value`` is of the settings field's type (an int is a float; a bool is not a number)."""
+    options = typing.get_args(typ) if typing.get_origin(typ) in (typing.Union, types.UnionType) else (typ,)
+    for t in options:
+        if t is type(None) and value is None:
+            return True
+        if t is bool and isinstance(value, bool):
+            return True
+        if t in (int, float) and isinstance(value, int | float) and not isinstance(value, bool):
+            return t is float or isinstance(value, int)
+        if t is str and isinstance(value, str):
+            return True
+    return False
+
 
 BACKENDS: dict[str, Backend] = {
     "hf": Backend("hf", recomputes_old=False),
     # vLLM refuses T > 2 and silently raises T < 0.01 to 0.01 (the loss would then use another T)
     "vllm": Backend("vllm", "emapg.rollout.vllm_backend:engine_for_run", "emapg.rollout.vllm_backend:engine_for_eval",
-                    recomputes_old=True, temperatures=(0.01, 2.0)),
+                    recomputes_old=True, temperatures=(0.01, 2.0), settings="emapg.rollout.vllm_settings:VLLMSettings",
+                    memory="emapg.rollout.vllm_settings:engine_memory"),
 }
 """Every rollout backend, by name; the config's ``rollout.backend`` and ``emapg eval --backend`` take these."""
 
@@ -66,3 +130,8 @@ def register_backend(backend: Backend) -> Backend:
         raise ValueError(f"rollout backend {backend.name!r}: give for_run or for_eval (hf is the decode loop)")
     BACKENDS[backend.name] = backend
     return backend
+
+
+def backend_settings(rollout: Any) -> Any:
+    """The settings of a rollout config's backend (``rollout.backend_args`` checked: :meth:`Backend.settings_of`)."""
+    return BACKENDS[rollout.backend].settings_of(rollout.backend_args)

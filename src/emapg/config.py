@@ -135,25 +135,11 @@ class RolloutConfig:
     agent_cache: bool = True
     """hf, agent tasks: each turn feeds only its new tokens (the retrieved information, the next turn)
     on top of the episode's key/value cache; false re-reads the whole context every turn."""
-    vllm_gpu_memory: float = 0.3
-    """vllm on CUDA: fraction of the GPU's memory the engine may take (weights + KV cache), beside training."""
-    vllm_max_model_len: int | None = None
-    """vllm: the longest prompt + response the engine plans for (None = measured from the task's prompts
-    plus the response budget, at most the model's context)."""
-    vllm_kv_cache_gib: int | None = None
-    """vllm on the CPU: the engine's KV cache in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; None = room for every
-    row of a rollout at vllm_max_model_len, at most half the free memory; too little memory is an error)."""
-    vllm_sleep: bool = False
-    """vllm on CUDA: free the engine's GPU memory during the update (its weights are pushed again before a
-    rollout). The CPU backend has no sleep mode."""
-    vllm_seeds: bool = True
-    """vllm: seed every request from the run's seed, the step, the rank and the prompt (reproducible samples, a
-    resume that replays them); false lets requests draw from the engine's own generator (seeded once at its
-    start): vLLM's batched sampling path, faster on a GPU than a generator per request, but a run's samples then
-    depend on how vLLM batches them."""
-    vllm_enforce_eager: bool | None = None
-    """vllm: run the model eagerly (no CUDA graphs / torch.compile): faster start, slower decoding. None =
-    true on the CPU (compiling takes minutes on a few cores), false on CUDA."""
+    backend_args: dict[str, Any] = field(default_factory=dict)
+    """The backend's own settings, checked against what it declares (:mod:`emapg.backends`). vllm's
+    (``emapg.rollout.vllm_settings.VLLMSettings``): ``gpu_memory`` (0.3: the fraction of a GPU the engine takes),
+    ``max_model_len``, ``kv_cache_gib`` (the CPU engine's cache), ``sleep`` (free its GPU memory during the
+    update), ``seeds`` (a seed per request), ``enforce_eager``. hf takes none."""
 
 
 @dataclass
@@ -375,7 +361,7 @@ def _build(cls, data: dict[str, Any], where: str):
     unknown = set(data) - set(hints)
     if unknown:
         problems.append(f"{where or 'top level'}: unknown key(s) {', '.join(sorted(unknown))}; "
-                        f"known: {', '.join(hints)}")
+                        f"known: {', '.join(hints)}" + _moved(where, unknown))
     for k, v in data.items():
         if k in hints:
             try:
@@ -387,6 +373,31 @@ def _build(cls, data: dict[str, Any], where: str):
     if problems:
         raise _all_of(problems, cls(**kwargs))
     return cls(**kwargs)
+
+
+MOVED = {"rollout": {f"vllm_{k}": f"rollout.backend_args.{k}" for k in
+                    ("gpu_memory", "max_model_len", "kv_cache_gib", "sleep", "seeds", "enforce_eager")}}
+"""Keys an earlier emapg had, by section, and where they are now (named in the unknown-key message)."""
+
+
+def _migrated(data: dict[str, Any]) -> dict[str, Any]:
+    """A config file written by an earlier emapg (a run folder's config.yaml, a study's records): its moved keys
+    read where they are now (:data:`MOVED`). The vllm_* settings go into ``rollout.backend_args`` where the
+    backend is vllm (a value the file also sets there wins) and are dropped elsewhere (they did nothing there)."""
+    rollout = data.get("rollout")
+    if not isinstance(rollout, dict) or not set(rollout) & set(MOVED["rollout"]):
+        return data
+    old = {MOVED["rollout"][k].rsplit(".", 1)[1]: rollout[k] for k in MOVED["rollout"] if k in rollout}
+    rollout = {k: v for k, v in rollout.items() if k not in MOVED["rollout"]}
+    if rollout.get("backend") == "vllm":
+        given = rollout.get("backend_args")
+        rollout["backend_args"] = {**old, **(given if isinstance(given, dict) else {})}
+    return {**data, "rollout": rollout}
+
+
+def _moved(where: str, keys: set[str]) -> str:
+    moved = [f"{where}.{k} is now {MOVED[where][k]}" for k in sorted(keys) if k in MOVED.get(where, {})]
+    return f" ({'; '.join(moved)})" if moved else ""
 
 
 # task_args keys of which a task takes one (search_qa's retriever: an index folder, a server, or the generated
@@ -419,8 +430,12 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         hints = _fields(cls)
         if part not in hints:
             prefix = ".".join(parts[:i]) or "top level"
-            raise ConfigError(f"override {key!r}: unknown key {part!r} in {prefix}; known: {', '.join(hints)}")
+            raise ConfigError(f"override {key!r}: unknown key {part!r} in {prefix}; known: {', '.join(hints)}"
+                              + _moved(".".join(parts[:i]), {part}))
         if i == len(parts) - 1:
+            if (part == "backend" and cls is RolloutConfig and value != node.get("backend", RolloutConfig.backend)
+                    and "backend_args" in node):  # another backend: the settings were the previous one's
+                node.pop("backend_args")
             node[part] = value
         elif dataclasses.is_dataclass(hints[part]):
             node = node.setdefault(part, {})
@@ -467,7 +482,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               "or leave --config out for the defaults)")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
-        data = _extended(data, Path(path), seen=(Path(path).resolve(),))
+        data = _migrated(_extended(data, Path(path), seen=(Path(path).resolve(),)))
     unapplied = []  # an override that cannot apply (an unknown key) is reported with every other problem
     for item in overrides or []:
         try:
@@ -603,6 +618,10 @@ def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[
     parent = _extended(parent, base, (*seen, base.resolve()))
     if "task" in data and data["task"] != parent.get("task"):  # another task: the parent's task_args are not its
         parent = {k: v for k, v in parent.items() if k != "task_args"}
+    mine, theirs = data.get("rollout"), parent.get("rollout")
+    if isinstance(mine, dict) and isinstance(theirs, dict) and mine.get("backend", theirs.get("backend")) != \
+            theirs.get("backend"):  # another backend: the parent's backend_args are not its
+        parent = {**parent, "rollout": {k: v for k, v in theirs.items() if k != "backend_args"}}
     return _merge(parent, data)
 
 
@@ -680,9 +699,6 @@ RULES: dict[str, Rule] = {
     "rollout.max_new_tokens": at_least(1),
     "rollout.max_rows": at_least(1, null=True),
     "rollout.backend": one_of(BACKENDS, "expected a backend of emapg.backends.BACKENDS:"),
-    "rollout.vllm_gpu_memory": within(0, 1, low_open=True, high_open=True),
-    "rollout.vllm_kv_cache_gib": at_least(1, null=True),
-    "rollout.vllm_max_model_len": at_least(2, null=True),
     "steps": at_least(0),
     "prompts_per_step": at_least(1),
     "mini_batch_prompts": at_least(1, null=True),
@@ -817,10 +833,17 @@ registers its own when imported (the tasks build on this module, not the other w
 
 
 def _task_args_problems(cfg: TrainConfig) -> list[str]:
-    """What the registered task checks find wrong in ``task_args`` (by the task's signature and ``ARGS`` rules)."""
-    if not isinstance(cfg.task_args, dict):
-        return []
-    return [p for check in TASK_ARGS_CHECKS for p in check(cfg.task, cfg.task_args)]
+    """What the registered task checks find wrong in ``task_args`` (by the task's signature and ``ARGS`` rules),
+    and the backend's own check of ``rollout.backend_args`` (its declared settings)."""
+    problems = []
+    if isinstance(cfg.task_args, dict):
+        problems += [p for check in TASK_ARGS_CHECKS for p in check(cfg.task, cfg.task_args)]
+    if cfg.rollout.backend in BACKENDS and isinstance(cfg.rollout.backend_args, dict):
+        try:
+            BACKENDS[cfg.rollout.backend].settings_of(cfg.rollout.backend_args)
+        except ConfigError as e:
+            problems += e.problems
+    return problems
 
 
 def check_world(cfg: TrainConfig, world: int) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from emapg.backends import BACKENDS
 from emapg.config import mini_batch_prompts
 
 GIB = 2**30
@@ -346,6 +347,7 @@ class Plan:
     phases: list[Phase]
     host: dict[str, float]
     notes: list[str]
+    engine_fix: str | None = None  # the rollout engine's setting that shrinks it, as its backend names it
 
     @property
     def peak(self) -> float:
@@ -369,8 +371,9 @@ def plan(cfg: Any, shape: ModelShape, *, world: int = 1, prompt_tokens: int = 51
     trainable = shape.params if cfg.lora.r == 0 else _lora_params(shape, cfg)
     budget = response_tokens or cfg.rollout.max_new_tokens
     p = _resident(cfg, shape, teacher, trainable, shard)
-    engine = cfg.rollout.backend == "vllm"
-    if engine:
+    backend = BACKENDS[cfg.rollout.backend]
+    engine = backend.for_run is not None and backend.for_eval is not None  # it evaluates too
+    if backend.for_run is not None:
         _engine_share(cfg, shape, gpu_memory, device, p)
     else:
         rows_step = cfg.prompts_per_step // world * cfg.rollout.n
@@ -390,19 +393,20 @@ def plan(cfg: Any, shape: ModelShape, *, world: int = 1, prompt_tokens: int = 51
 
 
 def _engine_share(cfg: Any, shape: ModelShape, gpu_memory: float | None, device: str, p: Plan) -> None:
-    """vLLM's share of the device added to ``p``: a phase when it sleeps through the update, else resident."""
-    share = cfg.rollout.vllm_gpu_memory * (gpu_memory or 0.0)
-    if device == "cpu":  # the CPU engine holds no share of a device: its weights and its own KV cache
-        share = shape.params * 4 + (cfg.rollout.vllm_kv_cache_gib or 0.0) * GIB
-        if cfg.rollout.vllm_kv_cache_gib is None:
-            p.notes.append("the CPU vLLM engine's KV cache is sized from the run: set rollout.vllm_kv_cache_gib "
-                           "to count it")
-    if cfg.rollout.vllm_sleep and device != "cpu":  # freed during the update (no sleep mode on the CPU)
-        p.phases.append(Phase("rollout", {"vLLM engine (weights and cache)": share}))
+    """The rollout engine's share of the device added to ``p``, as its backend declares it (``memory``: vLLM's
+    in emapg.rollout.vllm_settings): a rollout phase when it sleeps through the update, else resident."""
+    backend = BACKENDS[cfg.rollout.backend]
+    declared = backend.builder("memory")
+    if declared is None:
+        p.notes.append(f"the {backend.name} backend declares no memory (Backend.memory): its engine is not counted")
+        return
+    m = declared(backend.settings_of(cfg.rollout.backend_args), shape.params, gpu_memory, device)
+    p.notes += list(m.notes)
+    p.engine_fix = m.fix
+    if m.sleeps:
+        p.phases.append(Phase("rollout", {f"{backend.name} engine (weights and cache)": m.share}))
     else:
-        p.resident["vLLM engine, awake through the update"] = share
-    if gpu_memory is None and device != "cpu":
-        p.notes.append("vLLM's share is a fraction of the GPU: give --gpu-memory to count it")
+        p.resident[f"{backend.name} engine, awake through the update"] = m.share
 
 
 def _decoding(cfg: Any, shape: ModelShape, world: int, rows: int, prompt_tokens: int, budget: int,
@@ -657,9 +661,9 @@ def too_big(p: Plan, capacity: float, cfg: Any) -> str | None:
         offload = []
     if "rollout" in over and cfg.rollout.backend == "hf":
         fixes.append("rollout.max_rows (fewer rows decoding at once)")
-    if "rollout" in over and cfg.rollout.backend == "vllm":
-        fixes.append(f"a lower rollout.vllm_gpu_memory (the engine takes {cfg.rollout.vllm_gpu_memory:g} of the "
-                     "device while it is awake)")
+    engine_awake = any("awake through the update" in part for part in p.resident)
+    if p.engine_fix and ("rollout" in over or engine_awake):  # asleep, it counts in the rollout only
+        fixes.append(p.engine_fix)
     if over & {"update", "reference"}:
         if not cfg.gradient_checkpointing and "update" in over:
             fixes.append("gradient_checkpointing=true")

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from emapg.backends import backend_settings
 from emapg.errors import ConfigError
 from emapg.models.distributed import whole
 from emapg.rollout import response_budget
@@ -95,7 +96,7 @@ def cpu_kv_cache_gib(config: Any, dtype: str, *, rows: int, max_model_len: int,
         raise ConfigError(
             f"rollout.backend: vllm: the engine's KV cache needs {need} GiB for one sequence of "
             f"{max_model_len} tokens ({per_token} bytes a token) and the CPU has {free / 2**30:.1f} GiB free "
-            "(half of it may go to the cache); lower rollout.vllm_max_model_len or use the hf backend")
+            "(half of it may go to the cache); lower rollout.backend_args.max_model_len or use the hf backend")
     return max(1, min(want, room))
 
 
@@ -252,20 +253,20 @@ def engine_for_run(cfg: Any, model: nn.Module, tokenizer, task: Any, spec: Sampl
     sequence measured from the task unless the config sets it, the CPU KV cache sized from it, eager on
     the CPU unless the config says otherwise. ConfigError
     (one line, naming the field) when the engine cannot start here."""
-    r = cfg.rollout
+    r, s = cfg.rollout, backend_settings(cfg.rollout)
     dtype = "bfloat16" if cfg.mixed_precision == "bf16" or cfg.dtype == "bfloat16" else "float32"
     budget = max(response_budget(task, r.max_new_tokens),  # the run's evaluation samples on it too
                  response_budget(task, cfg.eval.max_new_tokens or r.max_new_tokens))
-    max_len = r.vllm_max_model_len or engine_model_len(task, tokenizer, context_length(model), budget)
-    kv_gib = r.vllm_kv_cache_gib
+    max_len = s.max_model_len or engine_model_len(task, tokenizer, context_length(model), budget)
+    kv_gib = s.kv_cache_gib
     if device == "cpu" and kv_gib is None:
         kv_gib = cpu_kv_cache_gib(model.config, dtype, rows=rows, max_model_len=max_len)
-    eager = r.vllm_enforce_eager if r.vllm_enforce_eager is not None else device == "cpu"
+    eager = s.enforce_eager if s.enforce_eager is not None else device == "cpu"
     return VLLMRollout.create(
         model, tokenizer, eos_ids(model, tokenizer), workdir=workdir, dtype=dtype, device=device,
-        gpu_memory_utilization=r.vllm_gpu_memory, max_model_len=max_len,
-        max_logprobs=spec.k, seed=cfg.seed + rank, sleep=r.vllm_sleep,
-        enforce_eager=eager, cpu_kv_cache_gib=kv_gib, seeded=r.vllm_seeds)
+        gpu_memory_utilization=s.gpu_memory, max_model_len=max_len,
+        max_logprobs=spec.k, seed=cfg.seed + rank, sleep=s.sleep,
+        enforce_eager=eager, cpu_kv_cache_gib=kv_gib, seeded=s.seeds)
 
 
 def engine_for_eval(model: nn.Module, tokenizer, tasks: list[Any], spec: SamplingSpec, *, device: str, dtype: str,
@@ -324,7 +325,7 @@ class VLLMRollout:
             raise ConfigError(f"rollout.backend: vllm: {reason}")
         on_cpu = device.split(":")[0] == "cpu"
         if on_cpu and sleep:
-            raise ConfigError("rollout.vllm_sleep: vLLM's CPU backend has no sleep mode; set it to false")
+            raise ConfigError("rollout.backend_args.sleep: vLLM's CPU backend has no sleep mode; set it to false")
         if on_cpu and cpu_kv_cache_gib is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         from vllm import LLM

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from emapg.atomic import append_line, write_json_atomic
+from emapg.backends import BACKENDS
 from emapg.config import ConfigError, TrainConfig, load_config, save_config, to_dict
 from emapg.run.metrics import PLOTS
 
@@ -30,9 +31,15 @@ LOCK_ENV = "EMAPG_RUN_LOCK"  # set by a launcher holding the lock for the proces
 LAUNCHER_ENV = "EMAPG_LAUNCHER_PID"  # that launcher's PID: its workers' grandparent (torchrun in between)
 _HELD: dict[Path, IO] = {}
 # What a run writes into its folder (removed when a run that never checkpointed starts again;
-# anything else there, such as emapg compare's log of the run, stays).
-RUN_FILES = ("config.yaml", "metrics.jsonl", "resumes.jsonl", "tensorboard", "checkpoints", "export", "vllm",
+# anything else there, such as emapg compare's log of the run, stays); a rollout engine's files are in a
+# folder named for its backend (:func:`run_files`).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "resumes.jsonl", "tensorboard", "checkpoints", "export",
              "eval.json", "eval.md", "finished.json", "wandb", "wandb_id", *(f"{name}.png" for name in PLOTS))
+
+
+def run_files() -> set[str]:
+    """:data:`RUN_FILES` and each registered backend's folder (a plugin's too, once its config imported it)."""
+    return {*RUN_FILES, *(name for name, b in BACKENDS.items() if b.for_run is not None)}
 # What a resume may change without altering the steps it replays: how long, how often to save or
 # evaluate, how to export, how many threads, where the metrics go.
 REPLAY_SAFE = ("steps", "save_every", "keep_checkpoints", "export", "threads", "eval.", "report_to", "wandb_project")
@@ -157,7 +164,7 @@ def claim_run_folder(run_dir: Path, has_checkpoint: bool) -> None:
         raise ConfigError(f"--out {run_dir}: holds files emapg did not write ({shown}); a run starts only in a "
                           "new or empty folder (nothing was changed)")
     lock_run(run_dir)  # before anything is removed: a run still writing here keeps its files
-    left = [name for name in entries if name in RUN_FILES]
+    left = [name for name in entries if name in run_files()]
     if left:  # one of ours that stopped before its first checkpoint: nothing in it can be resumed
         print(f"emapg: {run_dir} holds a run that stopped before its first checkpoint: starting it again",
               file=sys.stderr)
