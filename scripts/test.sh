@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/python -m pytest -q -rs --durations=15 "$@"   # -rs: every skipped test with its reason
 if [ $# -eq 0 ]; then  # the docs' slow blocks too (the README's main job, --nproc 2, compare, TRL, vLLM), scaled
   .venv/bin/python -m pytest -q -m slow tests/test_docs.py -k test_every_documented_block_runs   # down: ~2 min
-  .venv/bin/python -m pytest -q -s -m mainjob tests/test_main_job.py   # the README's main job as written: ~6 min
+  .venv/bin/python -m pytest -q -s -m mainjob tests/test_main_job.py   # the README's main job as written: 6-10 min
 fi
 if [ -x .venv-vllm/bin/python ] && [ "${EMAPG_VLLM:-cpu}" = "cpu" ]; then
   .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py

@@ -1,6 +1,6 @@
 """The README's main job as written: ``bash scripts/demo.sh`` (set up, then EMA-PG on SmolLM2-135M for 30 steps
 on this CPU), keeping what it promises: the trained policy and its EMA anchor above the initial model on the
-held-out problems. About 6 minutes alone on a 2-core machine; scripts/test.sh runs it after the suite (marked
+held-out problems. 6-10 minutes alone on a 2-core machine; scripts/test.sh runs it after the suite (marked
 ``mainjob``, out of the default run). Its one change to the command: the run folder is a temporary one."""
 
 from __future__ import annotations
