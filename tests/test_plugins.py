@@ -202,6 +202,13 @@ def test_a_config_written_before_backend_args_reads_its_vllm_settings_there(tmp_
         load_config(None, ["rollout.backend_args.gpu_memory=0.5"])
     with pytest.raises(ConfigError, match="rollout.backend_args.gpu_memory: must be in"):
         load_config(None, ["rollout.backend=vllm", "rollout.backend_args.gpu_memory=1.5"])
+    # changing the backend drops what the file gave the previous one, not what the overrides give, in any order
+    recipe = SMOKE.parent / "math_r1_distill_1p5b.yaml"
+    assert load_config(recipe).rollout.backend_args == {"gpu_memory": 0.85, "sleep": True}
+    assert load_config(recipe, ["rollout.backend=hf"]).rollout.backend_args == {}
+    for order in (["rollout.backend_args.sleep=true", "rollout.backend=vllm"],
+                  ["rollout.backend=vllm", "rollout.backend_args.sleep=true"]):
+        assert load_config(SMOKE, order).rollout.backend_args == {"sleep": True}
 
 
 def test_the_task_args_of_a_registered_task_are_checked_like_the_built_in_ones(tmp_path, plugin):

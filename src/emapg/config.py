@@ -417,6 +417,28 @@ def merged_task_args(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any
     return out
 
 
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Apply ``overrides`` in order; return the messages of those that cannot apply (an unknown key), reported with
+    every other problem. An override that changes ``rollout.backend`` drops the ``rollout.backend_args`` the
+    config gave the previous backend, keeping those the overrides give (in any order)."""
+    rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+    backend, given = rollout.get("backend", RolloutConfig.backend), rollout.get("backend_args")
+    unapplied = []
+    for item in overrides:
+        try:
+            apply_override(data, item)
+        except ConfigError as e:
+            unapplied.append(str(e))
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict) and rollout.get("backend", backend) != backend and isinstance(given, dict):
+        named = [item.split("=", 1)[0].strip() for item in overrides]
+        if "rollout.backend_args" not in named:
+            mine = {k for k in given if f"rollout.backend_args.{k}" in named}
+            rollout["backend_args"] = {k: v for k, v in (rollout.get("backend_args") or {}).items()
+                                       if k not in given or k in mine}
+    return unapplied
+
+
 def apply_override(data: dict[str, Any], item: str) -> None:
     """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (so 0.9, true, null). A
     task_args key of :data:`ONE_OF_TASK_ARGS` drops the other keys of its group."""
@@ -433,9 +455,6 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {key!r}: unknown key {part!r} in {prefix}; known: {', '.join(hints)}"
                               + _moved(".".join(parts[:i]), {part}))
         if i == len(parts) - 1:
-            if (part == "backend" and cls is RolloutConfig and value != node.get("backend", RolloutConfig.backend)
-                    and "backend_args" in node):  # another backend: the settings were the previous one's
-                node.pop("backend_args")
             node[part] = value
         elif dataclasses.is_dataclass(hints[part]):
             node = node.setdefault(part, {})
@@ -483,12 +502,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
         data = _migrated(_extended(data, Path(path), seen=(Path(path).resolve(),)))
-    unapplied = []  # an override that cannot apply (an unknown key) is reported with every other problem
-    for item in overrides or []:
-        try:
-            apply_override(data, item)
-        except ConfigError as e:
-            unapplied.append(str(e))
+    unapplied = apply_overrides(data, overrides or [])
     if not trust_plugins and data.get("plugins"):
         raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, data['plugins']))}), which "
                           f"are code run on import; a config read from a run folder imports none unless you pass "
