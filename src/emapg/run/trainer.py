@@ -74,14 +74,17 @@ class Trainer(Run):
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
                  force: bool = False):
-        run = assemble(cfg, Path(run_dir), resume=resume, progress=progress, force=force)
-        Run.__init__(self, **{f.name: getattr(run, f.name) for f in dataclasses.fields(Run)})
+        self._take(assemble(cfg, Path(run_dir), resume=resume, progress=progress, force=force))
 
     @classmethod
     def of(cls, run: Run) -> Trainer:
         trainer = cls.__new__(cls)
-        Run.__init__(trainer, **{f.name: getattr(run, f.name) for f in dataclasses.fields(Run)})
+        trainer._take(run)
         return trainer
+
+    def _take(self, run: Run) -> None:
+        """Become ``run``: its parts, field by field."""
+        Run.__init__(self, **{f.name: getattr(run, f.name) for f in dataclasses.fields(Run)})
 
     # ---- the run, top down -------------------------------------------------------------------------
 
