@@ -53,13 +53,13 @@ def test_spec_quick_only_and_errors(tmp_path):
     assert list(quick.configs) == ["a"] and quick.seeds == [0] and quick.overrides[-1] == "steps=1"
     with pytest.raises(ConfigError, match="unknown configs"):
         load_spec(write_spec(tmp_path, SPEC), only=["zzz"])
-    with pytest.raises(ConfigError, match="configs.bad: expected a list"):
+    with pytest.raises(ConfigError, match="configs.bad.overrides: expected a list of KEY=VALUE overrides"):
         load_spec(write_spec(tmp_path, SPEC.replace("b: [algo.eta=0.5]", "bad: [nokeyvalue]")))
-    with pytest.raises(ConfigError, match="missing field 'configs'"):
+    with pytest.raises(ConfigError, match=r"configs: missing \(required\)"):
         load_spec(write_spec(tmp_path, "base: x\n"))
-    with pytest.raises(ConfigError, match="configs: expected a mapping of name"):
+    with pytest.raises(ConfigError, match="configs: expected a mapping"):
         load_spec(write_spec(tmp_path, SPEC.split("configs:")[0] + "configs: [a, b]\n"))
-    with pytest.raises(ConfigError, match="seeds: expected a list of whole numbers, got 'zero'"):
+    with pytest.raises(ConfigError, match="seeds: expected a list of int, got 'zero'"):
         load_spec(write_spec(tmp_path, SPEC.replace("seeds: [0, 1]", "seeds: zero")))
     with pytest.raises(ConfigError, match=r"groups: unknown configs \['c'\]"):
         load_spec(write_spec(tmp_path, SPEC.replace("groups: {main: [a, b]}", "groups: {main: [a, c]}")))
@@ -67,15 +67,38 @@ def test_spec_quick_only_and_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"configs.b: .*algo.eta"):
         load_spec(write_spec(tmp_path, SPEC.replace("b: [algo.eta=0.5]", "b: [algo.eta=7]")))
     # a repeated seed would delete and rerun a finished run, and count it twice
-    with pytest.raises(ConfigError, match=r"seeds: \[0, 0\] repeats a seed"):
+    with pytest.raises(ConfigError, match=r"seeds: repeats a seed .*got \[0, 0\]"):
         load_spec(write_spec(tmp_path, SPEC.replace("seeds: [0, 1]", "seeds: [0, 0]")))
     # a config's name is a folder under --out, never a path out of it
-    with pytest.raises(ConfigError, match=r"configs: '../../x' is not a plain name"):
+    with pytest.raises(ConfigError, match=r"configs: '../../x': not a plain name"):
         load_spec(write_spec(tmp_path, SPEC.replace("b: [algo.eta=0.5]", "../../x: [algo.eta=0.5]")))
     # overrides are a list (a number was a TypeError; one string was split into its characters)
     for bad in ("overrides: 5", "overrides: steps=2"):
-        with pytest.raises(ConfigError, match=r"overrides: expected a list of KEY=VALUE overrides"):
+        with pytest.raises(ConfigError, match=r"overrides: expected a list"):
             load_spec(write_spec(tmp_path, SPEC.replace("overrides: [steps=2, export=false]", bad)))
+
+
+def test_a_spec_is_read_by_the_configs_reader_every_problem_in_one_message(tmp_path):
+    """The spec and its hypotheses are typed and checked as a config is: every wrong field named at once, blamed
+    on the file, before anything runs (each was a message of its own, the first one only)."""
+    from emapg.lab.verdicts import load_hypotheses
+
+    bad = (SPEC.replace("seeds: [0, 1]", "seeds: [0, 0]").replace("overrides: [steps=2, export=false]", "overrides: 5")
+           + "prune_checkpoints: maybe\nextra: 1\nalpha: 2.0\n")
+    with pytest.raises(ConfigError) as e:
+        load_spec(write_spec(tmp_path, bad))
+    message = str(e.value)
+    assert message.startswith(str(tmp_path / "spec.yaml") + ": ") and "\n" not in message
+    for part in ("top level: unknown key(s) extra", "overrides: expected a list", "seeds: repeats a seed",
+                 "prune_checkpoints: expected true or false", "alpha: expected a number in (0, 1), got 2.0"):
+        assert part in message
+    claims = ("hypotheses: {H1: {family: f, claims: [{text: t, config: a, ref: zzz, metric: final, sign: 1}]}}\n")
+    with pytest.raises(ConfigError, match=r"hypotheses: claims name unknown configs \['zzz'\]; known: a, b"):
+        load_hypotheses(write_spec(tmp_path, SPEC + claims))
+    with pytest.raises(ConfigError, match=r"hypotheses.H1.claims\[0\].sign: expected 1, -1, 0 or 'no lower', got 2"):
+        load_hypotheses(write_spec(tmp_path, SPEC + claims.replace("ref: zzz", "ref: b").replace("sign: 1", "sign: 2")))
+    alpha, hypotheses = load_hypotheses(write_spec(tmp_path, SPEC + claims.replace("ref: zzz", "ref: b")))
+    assert alpha == 0.05 and hypotheses[0].claims[0].ref == "b" and hypotheses[0].family == "f"
 
 
 def test_command_line_overrides_come_last_in_every_config(tmp_path):

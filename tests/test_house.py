@@ -114,3 +114,29 @@ def test_the_gpu_acceptance_run_fits_eight_minutes_on_one_gpu():
             "fsdp2"} <= set(limits)
     one_gpu = sum(int(v) for k, v in limits.items() if k != "fsdp2")
     assert one_gpu <= 480, f"the checks on one GPU may take {one_gpu} s"
+
+
+def test_no_table_outside_the_schema_names_a_config_field_by_hand():
+    """Each field's rule, rules across fields, replay-safety, ``emapg eval`` option and TRL keyword are declared on
+    the field (config/schema.py) and read from there: no dict in the source is keyed by a field's dotted name
+    (``"algo.eta": ...``), as RULES, REPLAY_SAFE, the eval options and the TRL table once were."""
+    from emapg.config import CONSISTENCY, EVAL_OPTIONS, RULES, TRL_KEYWORDS, TrainConfig, replay_safe
+    from emapg.config.fields import declared
+
+    fields = declared(TrainConfig)
+    dotted = {name for name in fields if "." in name}
+    keyed = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.relative_to(SRC).as_posix() == "config/schema.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict):
+                keyed += [f"{path.relative_to(SRC)}:{k.lineno}: {k.value}" for k in node.keys
+                          if isinstance(k, ast.Constant) and k.value in dotted]
+    assert keyed == []
+    # and the tables are the declarations' (a field with a rule is in RULES, and only such a field)
+    assert set(RULES) == {n for n, f in fields.items() if f.metadata.get("rule")}
+    assert {n for n, _, _ in CONSISTENCY} == {n for n, f in fields.items() if f.metadata.get("across")}
+    assert EVAL_OPTIONS["eval.samples"] == "--samples" and TRL_KEYWORDS["eta"] == "algo.eta"
+    assert replay_safe("eval.transfer.ops") and replay_safe("steps") and not replay_safe("algo.eta")
+    assert not replay_safe("task_args.digits")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from emapg.config import _extended, load_config
+from emapg.config import load_config
+from emapg.config.loading import _extended
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "REPRODUCE.md"

@@ -130,7 +130,7 @@ def test_eval_samples_and_at_start(tmp_path, monkeypatch):
     rows = read_metrics(tmp_path)
     assert rows[0]["step"] == 1 and not any(k.startswith("eval/") for k in rows[0])
     assert "eval/policy_accuracy" in rows[-1]
-    with pytest.raises(ConfigError, match="eval.samples: 3 samples per problem need eval.greedy: false"):
+    with pytest.raises(ConfigError, match="eval.samples: 3 samples per problem need sampling: eval.greedy: false"):
         load_config(SMOKE, ["eval.samples=3"])
 
 

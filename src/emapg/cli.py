@@ -194,26 +194,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-EVAL_OPTIONS = {"eval.samples": "--samples", "eval.temperature": "--temperature", "eval.top_p": "--top-p",
-                "eval.max_new_tokens": "--max-new-tokens", "eval.size": "--size", "rollout.max_rows": "--batch-size",
-                "rollout.backend": "--backend", "device": "--device", "dtype": "--dtype"}
-"""The config field whose rule checks each ``emapg eval`` option (one table for both)."""
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
-    from emapg.config import EvalConfig, TrainConfig, check_fields, import_plugins
+    from emapg.config import EVAL_OPTIONS, EvalConfig, RolloutConfig, TrainConfig, check_options, import_plugins
     from emapg.run.evalsuite import EvalPlan, markdown, parse_sets, resolve_device, resolve_dtype, run
     from emapg.run.evaluate import eval_sampling
 
     import_plugins(args.plugins or [])
     _eval_protocol(args)
-    if args.samples > 1 and args.temperature == 0:
-        raise ConfigError("--samples: several samples per problem need --temperature > 0 (0 is greedy)")
     temperature = args.temperature or None  # 0: greedy
-    check_fields({"eval.samples": args.samples, "eval.temperature": temperature, "eval.top_p": args.top_p,
-                  "eval.max_new_tokens": args.max_new_tokens, "eval.size": args.size,
-                  "rollout.max_rows": args.batch_size, "rollout.backend": args.backend, "device": args.device},
-                 names=EVAL_OPTIONS)
+    asked = TrainConfig(device=args.device, rollout=RolloutConfig(backend=args.backend, max_rows=args.batch_size),
+                        eval=EvalConfig(samples=args.samples, greedy=temperature is None, temperature=temperature,
+                                        top_p=args.top_p, max_new_tokens=args.max_new_tokens, size=args.size))
+    check_options(asked, {k: v for k, v in EVAL_OPTIONS.items() if k != "dtype"})  # the config's rules, by option
     models, task, task_args = eval_subject(args)
     if args.grader is not None:
         if task != "math":
@@ -221,10 +213,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         task_args = {**task_args, "grader": args.grader}
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    check_fields({"dtype": dtype}, names=EVAL_OPTIONS)
-    spec = eval_sampling(TrainConfig(eval=EvalConfig(samples=args.samples, greedy=temperature is None,
-                                                     temperature=temperature, top_p=args.top_p,
-                                                     max_new_tokens=args.max_new_tokens)))
+    asked.dtype = dtype
+    check_options(asked, {"dtype": EVAL_OPTIONS["dtype"]})
+    spec = eval_sampling(asked)
     plan = EvalPlan(models=models, task=task, task_args=task_args, sets=parse_sets(args.data), spec=spec,
                     device=device, dtype=dtype, backend=args.backend,
                     batch_size=args.batch_size, size=args.size, seed=args.seed, protocol=args.protocol)
@@ -427,8 +418,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="emapg", description="EMA Policy Gradient for language models. Every config key is "
-                "documented where it is declared (src/emapg/config.py) and in docs/USAGE.md; `emapg recipes` lists "
-                "the shipped configs.")
+                "documented where it is declared (src/emapg/config/schema.py) and in docs/USAGE.md; `emapg recipes` "
+                "lists the shipped configs.")
     p.add_argument("--version", action="version", version=f"emapg {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_train_parser, _plan_parser, _eval_parser, _retrieval_parsers, _compare_parser):

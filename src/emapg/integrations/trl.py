@@ -52,7 +52,7 @@ from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 from emapg import kl as klmod
 from emapg.anchor import EMAAnchor
 from emapg.atomic import write_json_atomic
-from emapg.config import ConfigError, check_fields
+from emapg.config import TRL_KEYWORDS, ConfigError, check_fields
 from emapg.logprobs import token_logprobs, transform_logits
 from emapg.models.lm import head_transform
 from emapg.models.zoo import fit_teacher, load_teacher, weights_digest
@@ -93,7 +93,7 @@ def prepare_teacher(trainer: GRPOTrainer, teacher: str | nn.Module, dtype: str |
     policy = _unwrap_peft(trainer.accelerator.unwrap_model(trainer.model))
     field = "EMAPGTrainer: teacher"
     try:  # the config's own rule
-        check_fields({"algo.teacher_dtype": dtype})
+        check_fields({TRL_KEYWORDS["teacher_dtype"]: dtype}, names={TRL_KEYWORDS["teacher_dtype"]: "teacher_dtype"})
     except ConfigError as e:
         raise ConfigError(f"EMAPGTrainer: {e}") from None
     if isinstance(teacher, str):
@@ -136,9 +136,10 @@ class _EMAStep(TrainerCallback):
 def _checked(kl: str, k: int, form: str, head: str, eta: float, ema_every: int, pg_coef: float):
     """The KL's arguments by the config's own table (the same ranges and names as `emapg train` accepts);
     returns the estimator's declaration."""
-    try:
-        check_fields({"algo.kl": kl, "algo.form": form, "algo.k": k, "algo.eta": eta, "algo.ema_every": ema_every,
-                      "algo.pg_coef": pg_coef, "algo.head": head})
+    given = {"kl": kl, "form": form, "k": k, "eta": eta, "ema_every": ema_every, "pg_coef": pg_coef, "head": head}
+    try:  # each keyword by its field's rule, named as the keyword
+        check_fields({TRL_KEYWORDS[key]: value for key, value in given.items()},
+                     names={TRL_KEYWORDS[key]: key for key in given})
     except ConfigError as e:
         raise ConfigError(f"EMAPGTrainer: {e}") from None
     est = klmod.estimator(kl)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -23,10 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from emapg.config import ConfigError, load_config
 from emapg.errors import EmapgError
+from emapg.lab.spec import read_spec_file
 from emapg.run.checkpoint import has_checkpoint
 from emapg.run.folder import LOCK_ENV, MARKER, claim_run_folder, die_with_parent, stop_child, unlock_run
 
@@ -45,59 +43,36 @@ class Spec:
 
 def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None,
               extra: list[str] | None = None) -> Spec:
-    """Read a comparison spec; errors name the file and the field. ``extra``: KEY=VALUE overrides of the command
-    line, applied to every run after the spec's own (the last word)."""
+    """Read a comparison spec (:func:`emapg.lab.spec.read_spec_file`: every problem named with its field and the
+    file), then check that its base exists and that every config loads, before any run starts. ``extra``:
+    KEY=VALUE overrides of the command line, applied to every run after the spec's own (the last word)."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: malformed YAML ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping with base, configs, seeds")
-    for key in ("base", "configs"):
-        if key not in raw:
-            raise ConfigError(f"{path}: missing field {key!r}")
-    configs = {name: [*over, *(extra or [])] for name, over in _configs(path, raw["configs"]).items()}
-    labels = {str(n): s.get("label", n) for n, s in raw["configs"].items() if isinstance(s, dict)}
-    overrides, seeds = _overrides(path, "overrides", raw.get("overrides", [])), raw.get("seeds", [0])
-    if quick:
-        q = raw.get("quick") or {}
-        if not isinstance(q, dict):
-            raise ConfigError(f"{path}: quick: expected a mapping (overrides, seeds, only), got {q!r}")
-        overrides += _overrides(path, "quick.overrides", q.get("overrides", []))
-        seeds = q.get("seeds", seeds)
-        only = only or q.get("only")
+    raw = read_spec_file(path)
+    configs = {str(name): [*entry.overrides, *(extra or [])] for name, entry in raw.configs.items()}
+    labels = {str(name): entry.label or str(name) for name, entry in raw.configs.items()}
+    overrides, seeds = list(raw.overrides), raw.seeds
+    if quick and raw.quick is not None:
+        overrides += raw.quick.overrides
+        seeds = raw.quick.seeds or seeds
+        only = only or raw.quick.only
     if only:
         unknown = [n for n in only if n not in configs]
         if unknown:
             raise ConfigError(f"{path}: unknown configs {unknown}; known: {', '.join(configs)}")
         configs = {n: configs[n] for n in only}
-    if not isinstance(seeds, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds):
-        raise ConfigError(f"{path}: seeds: expected a list of whole numbers, got {seeds!r}")
-    if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"{path}: seeds: {seeds} repeats a seed (each seed is one run per config)")
-    base = Path(raw["base"])
+    base = Path(raw.base)
     if not base.is_absolute():
         base = (path.parent / base).resolve()
     if not base.exists():
         raise ConfigError(f"{path}: base: {base} does not exist")
-    raw_groups = raw.get("groups") or {}
-    if not isinstance(raw_groups, dict) or not all(isinstance(v, list) for v in raw_groups.values()):
-        raise ConfigError(f"{path}: groups: expected a mapping of group name -> list of config names")
-    unknown = sorted({str(n) for names in raw_groups.values() for n in names} - {str(k) for k in raw["configs"]})
-    if unknown:
-        raise ConfigError(f"{path}: groups: unknown configs {unknown}; known: {', '.join(map(str, raw['configs']))}")
     for name, over in configs.items():  # every config is checked before the first run starts
         try:
             load_config(base, [*overrides, *over])
         except ConfigError as e:
             raise ConfigError(f"{path}: configs.{name}: {e}") from None
-    groups = {g: [n for n in names if n in configs] for g, names in raw_groups.items()}
-    prune = raw.get("prune_checkpoints", False)
-    if not isinstance(prune, bool):
-        raise ConfigError(f"{path}: prune_checkpoints: expected true or false, got {prune!r}")
-    return Spec(base=base, overrides=overrides, seeds=[int(s) for s in seeds], configs=configs, labels=labels,
-                prune_checkpoints=prune, source=path,
+    groups = {g: [str(n) for n in names if str(n) in configs] for g, names in raw.groups.items()}
+    return Spec(base=base, overrides=overrides, seeds=list(seeds), configs=configs, labels=labels,
+                prune_checkpoints=raw.prune_checkpoints, source=path,
                 groups={g: names for g, names in groups.items() if names})
 
 
@@ -200,25 +175,3 @@ def _finish(run: Path, proc: subprocess.Popen, t0: float, err) -> None:
         raise EmapgError(f"run {run} failed (exit {proc.returncode}):\n{tail}")
     prev = json.loads((run / "compute.json").read_text())["seconds"] if (run / "compute.json").exists() else 0
     (run / "compute.json").write_text(json.dumps({"seconds": prev + seconds}))
-
-
-def _overrides(path: Path, field: str, value: Any) -> list[str]:
-    """A spec's list of KEY=VALUE overrides, or a ConfigError naming the field (a bare string is not a list)."""
-    if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
-        raise ConfigError(f"{path}: {field}: expected a list of KEY=VALUE overrides, got {value!r}")
-    return list(value)
-
-
-def _configs(path: Path, raw: Any) -> dict[str, list[str]]:
-    """A spec's ``configs``: each a plain name (its runs' folder under --out) with its list of overrides."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: configs: expected a mapping of name -> list of KEY=VALUE overrides, got "
-                          f"{type(raw).__name__}")
-    configs = {}
-    for name, spec in raw.items():
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", str(name)):  # a folder's name under --out, nothing more
-            raise ConfigError(f"{path}: configs: {name!r} is not a plain name (letters, digits, _ . + -): it names "
-                              "the runs' folder under --out")
-        over = spec.get("overrides", []) if isinstance(spec, dict) else spec
-        configs[str(name)] = _overrides(path, f"configs.{name}", over)
-    return configs

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from emapg.errors import ConfigError
+from emapg.lab.spec import read_spec_file
 from emapg.stats import holm, interval95, sign_flip_p, t_pvalue
 
 
@@ -51,27 +49,11 @@ class Hypothesis:
 
 
 def load_hypotheses(path: str | Path) -> tuple[float, list[Hypothesis]]:
-    """A spec's ``alpha`` (default 0.05) and ``hypotheses``; errors name the file and the field."""
-    path = Path(path)
-    raw = yaml.safe_load(path.read_text()) or {}
-    alpha = raw.get("alpha", 0.05)
-    if not isinstance(alpha, float) or not 0 < alpha < 1:
-        raise ConfigError(f"{path}: alpha: expected a number in (0, 1), got {alpha!r}")
-    out = []
-    for name, h in (raw.get("hypotheses") or {}).items():
-        where = f"{path}: hypotheses.{name}"
-        if not isinstance(h, dict) or not isinstance(h.get("claims"), list) or not h["claims"]:
-            raise ConfigError(f"{where}: expected a mapping with family and a non-empty list of claims")
-        claims = []
-        for i, c in enumerate(h["claims"]):
-            missing = [k for k in ("text", "config", "metric", "sign") if not isinstance(c, dict) or k not in c]
-            if missing:
-                raise ConfigError(f"{where}.claims[{i}]: missing {', '.join(missing)}")
-            if c["sign"] not in (1, -1, 0, "no lower"):
-                raise ConfigError(f"{where}.claims[{i}].sign: expected 1, -1, 0 or 'no lower', got {c['sign']!r}")
-            claims.append(Claim(str(c["text"]), str(c["config"]), c.get("ref"), str(c["metric"]), c["sign"]))
-        out.append(Hypothesis(str(name), str(h.get("family", "all")), claims))
-    return alpha, out
+    """A spec's ``alpha`` (default 0.05) and ``hypotheses``, read with the rest of the spec
+    (:func:`emapg.lab.spec.read_spec_file`: every problem named with its field and the file)."""
+    spec = read_spec_file(path)
+    return spec.alpha, [Hypothesis(str(name), h.family, [Claim(c.text, c.config, c.ref, c.metric, c.sign)
+                                                         for c in h.claims]) for name, h in spec.hypotheses.items()]
 
 
 def paired_diffs(run: dict[str, Any], ref: dict[str, Any], which: str) -> tuple[list[str], list[float]]:

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from emapg.atomic import append_line, write_json_atomic
 from emapg.backends import BACKENDS
-from emapg.config import ConfigError, TrainConfig, load_config, save_config, to_dict
+from emapg.config import ConfigError, TrainConfig, load_config, replay_safe, save_config, to_dict
 from emapg.run.metrics import PLOTS
 
 MARKER = ".emapg-run"
@@ -40,9 +40,6 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "resumes.jsonl", "tensorboard", "ch
 def run_files() -> set[str]:
     """:data:`RUN_FILES` and each registered backend's folder (a plugin's too, once its config imported it)."""
     return {*RUN_FILES, *(name for name, b in BACKENDS.items() if b.for_run is not None)}
-# What a resume may change without altering the steps it replays: how long, how often to save or
-# evaluate, how to export, how many threads, where the metrics go.
-REPLAY_SAFE = ("steps", "save_every", "keep_checkpoints", "export", "threads", "eval.", "report_to", "wandb_project")
 
 
 def lock_run(run_dir: Path) -> None:
@@ -208,7 +205,7 @@ def check_resume(run_dir: Path, cfg_file: Path, cfg: TrainConfig, overrides: lis
     alter the replay, unless ``force``."""
     before, after = _flat(to_dict(load_config(cfg_file))), _flat(to_dict(cfg))
     changed = {k: [before.get(k), after[k]] for k in after if before.get(k) != after[k]}
-    unsafe = [k for k in changed if not k.startswith(REPLAY_SAFE)]
+    unsafe = [k for k in changed if not replay_safe(k)]  # the schema's replay_safe fields
     if unsafe and not force:
         listed = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in unsafe)
         raise ConfigError(f"--resume {run_dir}: {listed} would change what the resumed steps replay; pass --force "

@@ -1,0 +1,51 @@
+"""The training configuration, in three parts: what a field is (:mod:`~emapg.config.schema`, each field declared
+once with its rule), what a valid config is (:mod:`~emapg.config.rules`, tables derived from the schema) and how
+a config is read (:mod:`~emapg.config.loading`: YAML, ``extends:``, overrides, plugins). How a field is declared
+is :mod:`~emapg.config.fields`. Everything is importable from here: ``from emapg.config import load_config``."""
+
+from emapg.config.fields import Rule, above, across_rules, at_least, one_of, rule_problems, setting, within
+from emapg.config.loading import (
+    MOVED,
+    SHIPPED_RECIPES,
+    TRUST_FLAG,
+    apply_override,
+    apply_overrides,
+    import_plugins,
+    load_config,
+    merged_task_args,
+    save_config,
+    to_dict,
+    typed,
+)
+from emapg.config.rules import (
+    CONSISTENCY,
+    EVAL_OPTIONS,
+    RULES,
+    TASK_ARGS_CHECKS,
+    TRL_KEYWORDS,
+    check_fields,
+    check_options,
+    check_world,
+    replay_safe,
+    validate,
+    value_of,
+)
+from emapg.config.schema import (
+    DTYPE_NAMES,
+    AlgoConfig,
+    EvalConfig,
+    LoraConfig,
+    RolloutConfig,
+    TrainConfig,
+    mini_batch_prompts,
+    recomputes_old,
+)
+from emapg.errors import ConfigError
+
+__all__ = [
+    "AlgoConfig", "CONSISTENCY", "ConfigError", "DTYPE_NAMES", "EVAL_OPTIONS", "EvalConfig", "LoraConfig", "MOVED",
+    "RULES", "RolloutConfig", "Rule", "SHIPPED_RECIPES", "TASK_ARGS_CHECKS", "TRL_KEYWORDS", "TRUST_FLAG",
+    "TrainConfig", "above", "across_rules", "apply_override", "apply_overrides", "at_least", "check_fields",
+    "check_options", "check_world", "import_plugins", "load_config", "merged_task_args", "mini_batch_prompts",
+    "one_of", "recomputes_old", "replay_safe", "rule_problems", "save_config", "setting", "to_dict", "typed",
+    "validate", "value_of", "within"]

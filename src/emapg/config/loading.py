@@ -1,0 +1,378 @@
+"""Reading a config: YAML files (with ``extends:``), dotted ``KEY=VALUE`` overrides, plugins, and the typed
+reading of a mapping into the schema's dataclasses that every file kind of emapg's uses.
+
+``load_config(path, overrides)`` reads a YAML file, applies overrides (``algo.k=16``) and validates it
+(:mod:`emapg.config.rules`); every error names the field, the file (and line, for YAML syntax) or the override
+that set it, and what was expected, all problems in one message. :func:`typed` is the reader: a mapping into a
+dataclass, every field's type checked and every problem collected (a study's spec is read with it too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import types
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from emapg.atomic import write_text_atomic
+from emapg.config.fields import rule_problems
+from emapg.config.rules import _all_of, validate
+from emapg.config.schema import RolloutConfig, TrainConfig
+from emapg.errors import ConfigError
+
+SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _type_name(typ: Any) -> str:
+    if get_origin(typ) in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(typ))
+    if get_origin(typ) is not None:
+        return str(typ).replace("typing.", "")
+    return getattr(typ, "__name__", str(typ))
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check/convert a YAML value to the declared type; raise ConfigError naming ``where``."""
+    if typ is Any:
+        return value
+    if get_origin(typ) in (Union, types.UnionType):  # X | None: the only unions the config declares
+        if value is None and type(None) in get_args(typ):
+            return None
+        (inner,) = [a for a in get_args(typ) if a is not type(None)]
+        if value is None:
+            raise ConfigError(f"{where}: must not be null (expected {_type_name(typ)})")
+        return _coerce(value, inner, where)
+    if value is None:
+        raise ConfigError(f"{where}: must not be null (expected {_type_name(typ)})")
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {typ.__name__} fields, got {value!r}")
+        return typed(typ, value, where)
+    origin = get_origin(typ) or typ
+    if origin is bool and isinstance(value, bool):
+        return value
+    if origin is bool:
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if origin is list:
+        (item,) = get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        item = get_args(typ)[1] if get_args(typ) else Any
+        return {k: _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
+    if origin is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if origin is float and number:
+        return float(value)
+    if (origin is int and number and isinstance(value, int)) or (origin is str and isinstance(value, str)):
+        return value
+    raise ConfigError(f"{where}: expected {_type_name(typ)}, got {value!r}")
+
+
+def typed(cls, data: dict[str, Any], where: str):
+    """``data`` read into the dataclass ``cls``: each value coerced to its declared type and checked by its field's
+    rule (``where``: the dotted name of ``data`` in its file), unknown and missing keys named; one ConfigError for
+    every problem, carrying what was built from the valid fields (``partial``; None without a required one).
+    Every file emapg reads as settings (a config, a study's spec) goes through here."""
+    hints, declared = get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+    problems, kwargs = [], {}
+    unknown = set(data) - set(hints)
+    if unknown:
+        problems.append(f"{where or 'top level'}: unknown key(s) {', '.join(sorted(unknown))}; "
+                        f"known: {', '.join(hints)}" + _moved(where, unknown))
+    missing = [k for k, f in declared.items() if k not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    problems += [f"{where}.{k}: missing (required)" if where else f"{k}: missing (required)" for k in missing]
+    for k, v in data.items():
+        if k in hints:
+            name = f"{where}.{k}" if where else k
+            try:
+                kwargs[k] = _coerce(v, hints[k], name)
+            except ConfigError as e:  # every wrong field is reported, not only the first
+                problems += e.problems
+                if e.partial is not None:  # a section with wrong fields: its valid ones are still checked
+                    kwargs[k] = e.partial
+                continue
+            if (rule := declared[k].metadata.get("rule")) is not None:
+                problems += rule_problems({name: rule}, {name: kwargs[k]})
+    if problems:
+        required = {k for k, f in declared.items() if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING}
+        raise _all_of(problems, cls(**kwargs) if required <= set(kwargs) else None)
+    return cls(**kwargs)
+
+
+MOVED = {"rollout": {f"vllm_{k}": f"rollout.backend_args.{k}" for k in
+                    ("gpu_memory", "max_model_len", "kv_cache_gib", "sleep", "seeds", "enforce_eager")}}
+"""Keys an earlier emapg had, by section, and where they are now (named in the unknown-key message)."""
+
+
+def _migrated(data: dict[str, Any]) -> dict[str, Any]:
+    """A config file written by an earlier emapg (a run folder's config.yaml, a study's records): its moved keys
+    read where they are now (:data:`MOVED`). The vllm_* settings go into ``rollout.backend_args`` where the
+    backend is vllm (a value the file also sets there wins) and are dropped elsewhere (they did nothing there)."""
+    rollout = data.get("rollout")
+    if not isinstance(rollout, dict) or not set(rollout) & set(MOVED["rollout"]):
+        return data
+    old = {MOVED["rollout"][k].rsplit(".", 1)[1]: rollout[k] for k in MOVED["rollout"] if k in rollout}
+    rollout = {k: v for k, v in rollout.items() if k not in MOVED["rollout"]}
+    if rollout.get("backend") == "vllm":
+        given = rollout.get("backend_args")
+        rollout["backend_args"] = {**old, **(given if isinstance(given, dict) else {})}
+    return {**data, "rollout": rollout}
+
+
+def _moved(where: str, keys: set[str]) -> str:
+    moved = [f"{where}.{k} is now {MOVED[where][k]}" for k in sorted(keys) if k in MOVED.get(where, {})]
+    return f" ({'; '.join(moved)})" if moved else ""
+
+
+# task_args keys of which a task takes one (search_qa's retriever: an index folder, a server, or the generated
+# knowledge base): an override naming one drops the others the config file set.
+ONE_OF_TASK_ARGS = (frozenset({"index", "retriever_url", "synthetic"}),)
+
+
+def merged_task_args(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated with ``new``, where a key of :data:`ONE_OF_TASK_ARGS` set in ``new`` (not null) drops the
+    other keys of its group from ``base`` (the retriever named last replaces the earlier one)."""
+    out = dict(base)
+    for group in ONE_OF_TASK_ARGS:
+        if any(new.get(k) is not None for k in group):
+            for other in group - set(new):
+                out.pop(other, None)
+    out.update(new)
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Apply ``overrides`` in order; return the messages of those that cannot apply (an unknown key), reported with
+    every other problem. An override that changes ``rollout.backend`` drops the ``rollout.backend_args`` the
+    config gave the previous backend, keeping those the overrides give (in any order)."""
+    rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+    backend, given = rollout.get("backend", RolloutConfig.backend), rollout.get("backend_args")
+    unapplied = []
+    for item in overrides:
+        try:
+            apply_override(data, item)
+        except ConfigError as e:
+            unapplied.append(str(e))
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict) and rollout.get("backend", backend) != backend and isinstance(given, dict):
+        named = [item.split("=", 1)[0].strip() for item in overrides]
+        if "rollout.backend_args" not in named:
+            mine = {k for k in given if f"rollout.backend_args.{k}" in named}
+            rollout["backend_args"] = {k: v for k, v in (rollout.get("backend_args") or {}).items()
+                                       if k not in given or k in mine}
+    return unapplied
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (so 0.9, true, null). A
+    task_args key of :data:`ONE_OF_TASK_ARGS` drops the other keys of its group."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. algo.eta=0.95")
+    key, raw = item.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    parts = key.strip().split(".")
+    cls, node = TrainConfig, data
+    for i, part in enumerate(parts):
+        hints = get_type_hints(cls)
+        if part not in hints:
+            prefix = ".".join(parts[:i]) or "top level"
+            raise ConfigError(f"override {key!r}: unknown key {part!r} in {prefix}; known: {', '.join(hints)}"
+                              + _moved(".".join(parts[:i]), {part}))
+        if i == len(parts) - 1:
+            node[part] = value
+        elif dataclasses.is_dataclass(hints[part]):
+            node = node.setdefault(part, {})
+            cls = hints[part]
+        elif "dict" in str(hints[part]):  # free-form mapping (task_args.digits=3)
+            node = node.setdefault(part, {})
+            entry = {".".join(parts[i + 1 :]): value}
+            merged = merged_task_args(node, entry) if part == "task_args" else {**node, **entry}
+            node.clear()
+            node.update(merged)
+            return
+        else:
+            raise ConfigError(f"override {key!r}: {part!r} is not a section")
+
+
+TRUST_FLAG = "--trust-plugins"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                trust_plugins: bool = True) -> TrainConfig:
+    """Read a YAML config (or the defaults), apply overrides, validate, and return it. A config's ``plugins``
+    are code: one read from a run folder (``trust_plugins=False``: a folder another person may have written)
+    imports none unless the user asked on the command line (``--trust-plugins``); it is refused, naming them."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_bytes().decode("utf-8")
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            line = e.object[: e.start].count(b"\n") + 1
+            byte = e.object[e.start]
+            raise ConfigError(f"config file {path}, line {line}: not UTF-8 text (byte {byte:#04x})") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f", line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"config file {path}{line}: invalid YAML: {getattr(e, 'problem', e)}") from e
+        if data is None:
+            raise ConfigError(f"config file {path}: the file is empty (give at least one key, e.g. model: ..., "
+                              "or leave --config out for the defaults)")
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level")
+        data = _migrated(_extended(data, Path(path), seen=(Path(path).resolve(),)))
+    unapplied = apply_overrides(data, overrides or [])
+    if not trust_plugins and data.get("plugins"):
+        raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, data['plugins']))}), which "
+                          f"are code run on import; a config read from a run folder imports none unless you pass "
+                          f"{TRUST_FLAG} (read them first)")
+    try:
+        import_plugins(data.get("plugins") or [])
+        cfg = typed(TrainConfig, data, "")  # every field's type and own rule: all problems at once
+        validate(cfg)
+    except ConfigError as e:  # each problem blamed on where its value came from: the file or an override
+        blames = [_blamed(p, source, overrides or []) for p in e.problems]
+        if len(set(blames)) == 1 and not unapplied:  # one place to fix: named once
+            head = f"{blames[0]}: " + (f"{len(blames)} problems: " if len(blames) > 1 else "")
+            raise ConfigError(head + "; ".join(e.problems), [f"{blames[0]}: {p}" for p in e.problems]) from None
+        raise _all_of(unapplied + [f"{b}: {p}" for b, p in zip(blames, e.problems, strict=True)]) from None
+    if unapplied:
+        raise _all_of(unapplied)
+    return cfg
+
+
+def import_plugins(names: Any) -> None:
+    """Import a config's ``plugins`` (module names or ``.py`` files), each once per process; ConfigError naming
+    the plugin when one is not found or fails to import."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(f"plugins: expected a list of module names or .py files, got {names!r}")
+    for name in names:
+        try:
+            if name.endswith(".py"):
+                path = Path(name).resolve()
+                key = f"emapg_plugin_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}_{path.stem}"
+                if key in sys.modules or _imported_from(path):  # once, by file or as a module
+                    continue
+                if not path.is_file():
+                    raise ConfigError(f"plugins: {name}: no such file (relative to {Path.cwd()})")
+                spec = importlib.util.spec_from_file_location(key, path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[key] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[key]
+                    raise
+            else:
+                if str(Path.cwd()) not in sys.path and "" not in sys.path:
+                    sys.path.append(str(Path.cwd()))  # as `python -m` finds a module in the working directory
+                spec = importlib.util.find_spec(name)
+                if spec is not None and spec.origin and name not in sys.modules and _imported_from(Path(spec.origin)):
+                    continue  # the same file was imported as a .py plugin already
+                importlib.import_module(name)
+        except ConfigError:
+            raise
+        except SystemExit as e:  # a plugin's own sys.exit or argparse error: not emapg's exit
+            raise ConfigError(f"plugins: importing {name} exited (SystemExit {e.code!r}): a plugin must not exit or "
+                              "parse the command line on import") from None
+        except ModuleNotFoundError as e:
+            raise ConfigError(f"plugins: {name}: {e}") from None
+        except Exception as e:  # the plugin's own error, named in one line
+            raise ConfigError(f"plugins: importing {name} failed: {type(e).__name__}: {e}") from None
+
+
+def _imported_from(path: Path) -> bool:
+    """Whether a module imported already was loaded from ``path`` (a plugin named once as a module and once as
+    its file is the same plugin: importing it twice would register its names twice)."""
+    import sys
+
+    target = path.resolve()
+    for module in list(sys.modules.values()):
+        origin = getattr(module, "__file__", None)
+        if origin and origin.endswith(".py") and Path(origin).resolve() == target:
+            return True
+    return False
+
+
+def _blamed(message: str, source: str, overrides: list[str]) -> str:
+    """Where a bad value came from: the command line's ``KEY=VALUE`` that set the field the message names
+    (``override steps=abc (over smoke.yaml)``), else the config file."""
+    field = message.split(":", 1)[0].strip()
+    for item in reversed(overrides):  # the last override of a field is the one that counts
+        key = item.split("=", 1)[0].strip()
+        if key == field or key.startswith(field + ".") or field.startswith(key + "."):
+            return f"override {item} (over {source})"
+    return source
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, section by section (a mapping in both is merged; anything else replaced)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    """A config with ``extends: OTHER`` (a file beside it, or a shipped recipe's name): OTHER's keys, then
+    this file's over them, so a recipe's variant states only what differs. A file that sets another task than
+    OTHER's takes none of OTHER's ``task_args`` (they are that task's)."""
+    if "extends" not in data:
+        return data
+    name = data.pop("extends")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"config file {path}: extends: expected the name or file of another config, got {name!r}")
+    file = name if name.endswith(".yaml") else f"{name}.yaml"
+    base = path.parent / file
+    if not base.exists() and (SHIPPED_RECIPES / file).exists():  # a shipped recipe's name
+        base = SHIPPED_RECIPES / file
+    if base.resolve() in seen:
+        raise ConfigError(f"config file {path}: extends: {name} extends this file again (a cycle)")
+    try:
+        parent = yaml.safe_load(base.read_text())
+    except OSError as e:
+        raise ConfigError(f"config file {path}: extends: {base}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: extends: {base}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(parent, dict):
+        raise ConfigError(f"config file {base}: expected a mapping at the top level")
+    parent = _extended(parent, base, (*seen, base.resolve()))
+    if "task" in data and data["task"] != parent.get("task"):  # another task: the parent's task_args are not its
+        parent = {k: v for k, v in parent.items() if k != "task_args"}
+    mine, theirs = data.get("rollout"), parent.get("rollout")
+    if isinstance(mine, dict) and isinstance(theirs, dict) and mine.get("backend", theirs.get("backend")) != \
+            theirs.get("backend"):  # another backend: the parent's backend_args are not its
+        parent = {**parent, "rollout": {k: v for k, v in theirs.items() if k != "backend_args"}}
+    return _merge(parent, data)
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Plain-data form for config.yaml in the run folder."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    """config.yaml of a run folder, written atomically."""
+    write_text_atomic(Path(path), yaml.safe_dump(to_dict(cfg), sort_keys=False))
