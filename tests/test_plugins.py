@@ -75,6 +75,11 @@ class LoopEngine:
         self._note(call="sync", version=version)
         return True
 
+    def rollout(self, task, examples, spec, *, seed=None, device=None):  # one turn or episodes, from the two below
+        from emapg.rollout import sampled_rollout
+
+        return sampled_rollout(self, self.tokenizer, task, examples, spec, seed=seed, device=device)
+
     def generate(self, examples, spec, *, seed=None, device=None):
         from emapg.rollout.hf import generate
 

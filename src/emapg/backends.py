@@ -1,16 +1,17 @@
 """Rollout backends, by name (``rollout.backend``; ``emapg eval --backend``): who samples a run's responses.
 
-``hf`` is emapg's own decode loop over the training model (no engine). Any other backend is an *engine*
-that holds a copy of the policy's weights and samples with them; it is declared once here, and from a
-user's own module with :func:`register_backend` (listed in a config's ``plugins``). An engine has
+``hf`` is emapg's own decode loop over the training model (:class:`emapg.rollout.DecodeLoop`, built by the run;
+no builder). Any other backend is an *engine* that holds a copy of the policy's weights and samples with them;
+it is declared once here, and from a user's own module with :func:`register_backend` (listed in a config's
+``plugins``). An engine has
 
-- ``eos``: the token ids that end a response;
 - ``sync(model, version) -> bool``: take the policy's weights when ``version`` (the steps done) changed;
-- ``generate(examples, spec, *, seed, device) -> RolloutBatch``: ``spec.n`` responses per example, each
+- ``rollout(task, examples, spec, *, seed, device) -> RolloutBatch``: ``spec.n`` responses per example, each
   token's log-prob under the sampling distribution and, when ``spec.k``, its top-k ids (the contract of
-  :mod:`emapg.rollout.sampling`);
-- ``sampler(spec, *, stop, seed)``: a function ``(contexts, max_new_tokens) -> Sampled`` that continues
-  token contexts (tool episodes, :mod:`emapg.rollout.agent`);
+  :mod:`emapg.rollout.sampling`); :func:`emapg.rollout.sampled_rollout` builds it from the engine's
+- ``generate(examples, spec, *, seed, device) -> RolloutBatch`` (one turn), ``sampler(spec, *, stop, seed)`` (a
+  function ``(contexts, max_new_tokens) -> Sampled`` that continues token contexts: tool episodes,
+  :mod:`emapg.rollout.agent`) and ``eos`` (the token ids that end a response);
 - ``after_rollout()`` and ``close()``.
 
 Its builders are given as ``"module:function"`` (imported only when a run asks for the backend, so its

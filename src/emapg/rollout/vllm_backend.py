@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from emapg.backends import backend_settings
 from emapg.errors import ConfigError
 from emapg.models.distributed import whole
-from emapg.rollout import response_budget
+from emapg.rollout import response_budget, sampled_rollout
 from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
 from emapg.rollout.prompts import context_length, engine_model_len
 from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left, stream_seed
@@ -420,6 +420,11 @@ class VLLMRollout:
             return self.sample(contexts, max_new_tokens, spec, stop=stop, seed=turn_seed)
 
         return run
+
+    def rollout(self, task: Any, examples: list[Example], spec: SamplingSpec, *, seed: int | None = None,
+                device: torch.device | str = "cpu") -> RolloutBatch:
+        """A step's (or an evaluation's) rollout: one turn by :meth:`generate`, tool episodes by :meth:`sampler`."""
+        return sampled_rollout(self, self.tokenizer, task, examples, spec, seed=seed, device=device)
 
     def generate(self, examples: list[Example], spec: SamplingSpec, *, seed: int | None = None,
                  device: torch.device | str = "cpu") -> RolloutBatch:

@@ -26,7 +26,7 @@ from emapg.config import ConfigError, TrainConfig, check_world, save_config
 from emapg.models import distributed
 from emapg.models.forward import SHARD_METHODS
 from emapg.models.zoo import policy_model, teacher_model, training_policy, weights_digest
-from emapg.rollout import response_budget
+from emapg.rollout import DecodeLoop, response_budget
 from emapg.rollout.prompts import context_length, fit_prompts
 from emapg.rollout.sampling import SamplingSpec
 from emapg.run.checkpoint import Progress, intact_checkpoint, restore_training, starting_checkpoint, tied_names
@@ -46,8 +46,9 @@ class Run:
     which then gives the sampler's head too); ``head`` and ``sampling`` are the estimator's head and the rollout's
     spec; ``teacher`` (None: the KL is to the anchor) and the sha256 of its weights; ``init_anchor``, the frozen
     initial policy where kl_to_init needs its own; ``plain_model`` makes an unsharded model for rank 0's export;
-    ``engine`` (None: our decode loop samples); ``metrics``, rank 0's writer (None elsewhere); ``progress``, where
-    the run stands (a checkpoint keeps it); ``start_step``, the step a new run starts at (None on a resume)."""
+    ``engine``, the rollout backend's (the decode loop's for hf); ``metrics``, rank 0's writer (None elsewhere);
+    ``progress``, where the run stands (a checkpoint keeps it); ``start_step``, the step a new run starts at (None
+    on a resume)."""
 
     cfg: TrainConfig
     run_dir: Path
@@ -235,13 +236,15 @@ def build_teacher(model: torch.nn.Module, tokenizer, cfg: TrainConfig, dist: dis
 
 def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, sampling, dist: distributed.DistInfo,
                  run_dir: Path):
-    """None: our decode loop samples (``rollout.backend: hf``); another backend (:mod:`emapg.backends`: vllm, or
-    a user's own): this process's engine, sized for its share of a step's responses, its files in
-    ``RUN/<backend>/``."""
+    """The run's rollout engine (:mod:`emapg.rollout`): emapg's decode loop over the policy (``rollout.backend:
+    hf``), or another backend's (:mod:`emapg.backends`: vllm, or a user's own), this process's, sized for its share
+    of a step's responses, its files in ``RUN/<backend>/``."""
     backend = BACKENDS[cfg.rollout.backend]
     open_engine = backend.builder("for_run")
-    if open_engine is None:
-        return None
+    if open_engine is None:  # the hf backend
+        return DecodeLoop(tokenizer, prefix_sharing=cfg.prefix_sharing, reuse_cache=cfg.rollout.agent_cache,
+                          max_rows=cfg.rollout.max_rows,
+                          autocast=lambda: distributed.autocast(cfg.mixed_precision, dist))
     return open_engine(cfg, model, tokenizer, task, sampling, rows=cfg.prompts_per_step // dist.world * sampling.n,
                        device=dist.device.type, rank=dist.rank, workdir=run_dir / backend.name)
 

@@ -34,7 +34,6 @@ from emapg.models.distributed import gathered
 from emapg.models.forward import model_logprobs
 from emapg.models.lm import set_pass_mode
 from emapg.objective import group_advantages
-from emapg.rollout import rollout_for_task
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.sampling import stream_seed
 from emapg.run.assembly import Run, assemble
@@ -141,16 +140,10 @@ class Trainer(Run):
                                     step_seed(cfg.seed, step))
         mine = rank_prompts(cfg.prompts_per_step, self.plan.mini_prompts, self.plan.world, self.dist.rank)
         examples = [examples[i] for i in mine]  # the global batch is the same on every rank
-        if self.engine is not None:
-            self.engine.sync(self.model, version=self.progress.step)  # the weights after that many updates
-            batch = rollout_for_task(self.model, self.tokenizer, self.task, examples, self.sampling,
-                                     engine=self.engine, seed=stream_seed(cfg.seed, step, self.dist.rank))
-            self.engine.after_rollout()
-        else:
-            with gathered(self.model) as model, self._autocast():
-                batch = rollout_for_task(model, self.tokenizer, self.task, examples, self.sampling,
-                                         prefix_sharing=cfg.prefix_sharing, reuse_cache=cfg.rollout.agent_cache,
-                                         max_rows=cfg.rollout.max_rows)
+        self.engine.sync(self.model, version=self.progress.step)  # the weights after that many updates
+        seed = stream_seed(cfg.seed, step, self.dist.rank)  # an engine's requests' (the decode loop: torch's, seeded)
+        batch = self.engine.rollout(self.task, examples, self.sampling, seed=seed, device=self.dist.device)
+        self.engine.after_rollout()
         batch.rewards = score_completions(self.task, batch.completions, examples, cfg.rollout.n,
                                           truncated=batch.truncated).to(self.dist.device)
         batch.advantages = group_advantages(batch.rewards, cfg.rollout.n, cfg.algo.advantage)
@@ -259,7 +252,7 @@ class Trainer(Run):
         evaluated weights (the policy's are the version the next rollout asks for; the anchor's are not, so
         that rollout pushes the policy back) and sleeps again after, as after a rollout."""
         model = self.anchor.use(self.model) if which == "anchor" else contextlib.nullcontext(self.model)
-        evaluates = self.engine is not None and BACKENDS[self.cfg.rollout.backend].for_eval is not None
+        evaluates = BACKENDS[self.cfg.rollout.backend].for_eval is not None  # else the evaluator's decode loop
         with model as m, gathered(m) as g, self._autocast():
             if not evaluates:  # the decode loop (a backend that samples for training only: there too)
                 return self.evaluator.run(g, which, self.progress.step, sets, reuse=reuse)
@@ -285,7 +278,7 @@ class Trainer(Run):
                              keep=self.cfg.keep_checkpoints, main=self.main)
 
     def close(self) -> None:
-        """Shut the vLLM engine down (rollout.backend vllm); nothing else holds resources past train()."""
+        """Shut the rollout engine down (vLLM's holds a GPU share); nothing else holds resources past train()."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
