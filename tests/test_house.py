@@ -140,3 +140,18 @@ def test_no_table_outside_the_schema_names_a_config_field_by_hand():
     assert EVAL_OPTIONS["eval.samples"] == "--samples" and TRL_KEYWORDS["eta"] == "algo.eta"
     assert replay_safe("eval.transfer.ops") and replay_safe("steps") and not replay_safe("algo.eta")
     assert not replay_safe("task_args.digits")
+
+
+def test_the_step_on_one_page_calls_only_what_the_code_defines():
+    """ARCHITECTURE's "step on one page" is a condensed copy of run/trainer.py: every function it calls is defined
+    in emapg (or is Python's or torch's), so the page cannot keep a helper the code no longer has."""
+    import re
+
+    doc = (SRC.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    page = doc.split("## The step, on one page", 1)[1].split("\n## ", 1)[0]
+    code = re.sub(r"#.*", "", "\n".join(line for line in page.splitlines() if line.startswith("    ")))
+    called = {name.split(".")[-1] for name in re.findall(r"([A-Za-z_][\w.]*)\(", code)}
+    defined = {n.name for p in SRC.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+    assert len(called) > 15
+    assert called - defined == {"Random", "manual_seed", "range", "zero_grad", "zip"}
