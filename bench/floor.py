@@ -19,6 +19,11 @@ from the rollout's own token counts:
   layer's own matrices in turn, as a decoding step of 32 rows does once per token; one matrix repeated stays
   in cache and runs faster than any decoding step can).
 
+The update, by part: each part timed inside the step (the policy's forward with the loss, its backward, the
+gradient clip, AdamW's step, the EMA update, the rest), the products' parts against their FLOP floor and the
+parts that multiply nothing (AdamW, the clip, the EMA: each reads and writes every parameter's fp32 state)
+against a memory floor, their bytes at this machine's copy bandwidth measured in the same run.
+
 Step 1 is a warm-up; medians over the rest.
 """
 
@@ -70,6 +75,70 @@ def streamed_rate(cfg, rows: int, seconds: float = 1.0) -> float:
             xs[w.shape[0]] @ w
         times.append(time.perf_counter() - t0)
     return flops / min(times)  # the fastest pass, as gemm_rate
+
+
+def copy_rate(mib: int = 512, seconds: float = 1.0) -> float:
+    """Measured bytes/s of ``c = a + b`` over ``mib`` MiB tensors (two reads and a write per element, far larger
+    than the caches): the rate an elementwise pass over a model's parameters can reach (the fastest of repeats)."""
+    a, b = torch.randn(mib << 18), torch.randn(mib << 18)
+    c = torch.empty_like(a)
+    torch.add(a, b, out=c)
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        t0 = time.perf_counter()
+        torch.add(a, b, out=c)
+        times.append(time.perf_counter() - t0)
+    return 3 * a.numel() * 4 / min(times)
+
+
+class PartTimer:
+    """Seconds spent in each timed part of the update, per step: the trainer's ``micro_loss`` (the policy's forward
+    and the loss), ``Tensor.backward``, the gradient clip, the optimizer's and the anchor's ``step``."""
+
+    def __init__(self, tr):
+        import emapg.run.trainer as trainer_module
+
+        self.seconds: dict[str, float] = {}
+        tr.micro_loss = self._timed("forward + loss", tr.micro_loss)
+        tr.optimizer.step = self._timed("AdamW step", tr.optimizer.step)
+        tr.anchor.step = self._timed("EMA update", tr.anchor.step)
+        dist = trainer_module.distributed
+        self._undo = [(torch.Tensor, "backward", torch.Tensor.backward),
+                      (dist, "clip_grad_norm", dist.clip_grad_norm)]
+        torch.Tensor.backward = self._timed("backward", torch.Tensor.backward)
+        dist.clip_grad_norm = self._timed("gradient clip", dist.clip_grad_norm)
+
+    def _timed(self, part: str, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
+        return run
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
+
+    def close(self) -> None:
+        for owner, name, fn in self._undo:
+            setattr(owner, name, fn)
+
+
+def update_parts(params: int, parts: list[dict[str, float]], updates: list[float], fwd: dict[str, float],
+                 rates: dict[str, float], bandwidth: float) -> dict[str, dict[str, float]]:
+    """Each part's median seconds beside its floor: the forward's FLOPs (``fwd``, with its head) and the backward's
+    (twice those) at ``rates``; AdamW (reads parameter, gradient and both moments, writes three: 28 bytes per fp32
+    parameter), the clip (reads the gradients twice, writes them: 12) and the EMA (reads both copies, writes one:
+    12) at ``bandwidth``; the rest is the update's time outside them."""
+    flops = sum(fwd[k] / rates[k] for k in fwd)
+    floors = {"forward + loss": flops, "backward": 2 * flops, "gradient clip": 12 * params / bandwidth,
+              "AdamW step": 28 * params / bandwidth, "EMA update": 12 * params / bandwidth}
+    med = {p: statistics.median(s.get(p, 0.0) for s in parts) for p in floors}
+    med["rest"] = statistics.median(u - sum(s.values()) for u, s in zip(updates, parts, strict=True))
+    return {p: {"measured_s": med[p], "floor_s": floors.get(p, 0.0),
+                "ratio": med[p] / floors[p] if floors.get(p) else None} for p in med}
 
 
 def layer_flops(cfg, tokens: int, context: float) -> float:
@@ -128,8 +197,13 @@ def main() -> None:
             return batch
 
         tr.rollout = counted
-        rows = [tr.train_step(s) for s in range(1, args.steps + 1)]
-        model_cfg = tr.model.config
+        timer = PartTimer(tr)
+        rows, parts = [], []
+        for s in range(1, args.steps + 1):
+            rows.append(tr.train_step(s))
+            parts.append(timer.take())
+        timer.close()
+        model_cfg, params = tr.model.config, sum(p.numel() for p in tr.model.parameters())
     measured = {"generation": [r["gen_seconds"] for r in rows[1:]], "anchor": [r["anchor_seconds"] for r in rows[1:]],
                 "update": [r["step_seconds"] - r["gen_seconds"] - r["anchor_seconds"] for r in rows[1:]],
                 "step": [r["step_seconds"] for r in rows[1:]]}
@@ -151,6 +225,7 @@ def main() -> None:
                         "ratio": seconds / floor, "rate_gflops": {k: v / 1e9 for k, v in rates[phase].items()},
                         "floor_streamed_s": floor_streamed, "ratio_streamed": seconds / floor_streamed,
                         "rate_streamed_gflops": {k: v / 1e9 for k, v in streamed.get(phase, rates[phase]).items()}}
+    by_part = update_parts(params, parts[1:], measured["update"], flops["anchor"], rates["update"], copy_rate())
     total_floor = sum(t["floor_s"] for t in table.values())
     total_streamed = sum(t["floor_streamed_s"] for t in table.values())
     step = statistics.median(measured["step"])
@@ -166,10 +241,17 @@ def main() -> None:
                          for key in ("rate_gflops", "rate_streamed_gflops")) if "rate_gflops" in t else ""
         print(f"| {phase} | {t['gflops']:.1f} | {rate} | {t['floor_s']:.2f}; {t['floor_streamed_s']:.2f} | "
               f"{t['measured_s']:.2f} | {t['ratio']:.1f}x; {t['ratio_streamed']:.1f}x |")
+    print("\nThe update, by part (medians over the same steps; products' floors at the update's GEMM rates, the rest "
+          "at this machine's copy bandwidth):\n")
+    print("| part | measured s | floor s | measured / floor |")
+    print("|---|---|---|---|")
+    for part, t in by_part.items():
+        ratio = f"{t['ratio']:.1f}x" if t["ratio"] else ""
+        print(f"| {part} | {t['measured_s']:.2f} | {t['floor_s']:.2f} | {ratio} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine(), "commit": commit(), "steps": args.steps,
                                               "prompt_tokens": prompt_len, "response_tokens": resp_len,
-                                              "phases": table}, indent=1) + "\n")
+                                              "phases": table, "update_parts": by_part}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

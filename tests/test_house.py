@@ -121,7 +121,7 @@ def test_no_table_outside_the_schema_names_a_config_field_by_hand():
     the field (config/schema.py) and read from there: no dict in the source is keyed by a field's dotted name
     (``"algo.eta": ...``), as RULES, REPLAY_SAFE, the eval options and the TRL table once were."""
     from emapg.config import CONSISTENCY, EVAL_OPTIONS, RULES, TRL_KEYWORDS, TrainConfig, replay_safe
-    from emapg.config.fields import declared
+    from emapg.settings import declared
 
     fields = declared(TrainConfig)
     dotted = {name for name in fields if "." in name}

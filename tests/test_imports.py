@@ -82,7 +82,7 @@ LAYERS = [
                      "emapg.rewards.math", "emapg.rewards.math_reference", "emapg.rewards.qa", "emapg.tasks.base",
                      "emapg.tasks.multihop_kb",
                      "emapg.retrieval.client", "emapg.integrations", "emapg.stats", "emapg.backends",
-                     "emapg.rollout.vllm_settings", "emapg.models", "emapg.config.fields",
+                     "emapg.rollout.vllm_settings", "emapg.models", "emapg.settings",
                      "emapg.run", "emapg.lab"]),
     ("config", ["emapg.config.schema", "emapg.config.rules", "emapg.config.loading", "emapg.config",
                 "emapg.kl_moments"]),

@@ -28,15 +28,13 @@ files in a run folder are ``RUN/<name>/`` (``for_run``'s ``workdir``).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from emapg.errors import ConfigError
+from emapg.settings import typed
 
 
 @dataclass(frozen=True)
@@ -76,41 +74,20 @@ class Backend:
 
     def settings_of(self, args: dict[str, Any]) -> Any:
         """``args`` (a config's ``rollout.backend_args``) as this backend's settings; ConfigError naming every
-        unknown key, wrong type or value out of range. A backend without settings takes none."""
+        unknown key, wrong type or value out of range (the config's reader, :func:`emapg.settings.typed`: its
+        fields are declared with ``setting(default, rule=...)`` as the config's are). A backend without settings
+        takes none."""
         cls = self.builder("settings")
         where = f"rollout.backend_args (backend {self.name})"
         if cls is None:
             if args:
                 raise ConfigError(f"{where}: this backend takes no settings, got {', '.join(sorted(args))}")
             return None
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        problems = [f"{where}: unknown key {k!r}; known: {', '.join(known)}" for k in args if k not in known]
-        hints = typing.get_type_hints(cls)
-        for k, v in args.items():
-            if k in known and not _fits(v, hints[k]):
-                problems.append(f"rollout.backend_args.{k}: expected {hints[k]}, got {v!r}")
-        if problems:
-            raise ConfigError("; ".join(problems), problems)
-        settings = cls(**args)
-        problems = settings.problems() if hasattr(settings, "problems") else []
+        settings = typed(cls, args, "rollout.backend_args")  # its types and each field's rule, every problem at once
+        problems = settings.problems() if hasattr(settings, "problems") else []  # a plugin's own checks across fields
         if problems:
             raise ConfigError("; ".join(problems), problems)
         return settings
-
-
-def _fits(value: Any, typ: Any) -> bool:
-    """``value`` is of the settings field's type (an int is a float; a bool is not a number)."""
-    options = typing.get_args(typ) if typing.get_origin(typ) in (typing.Union, types.UnionType) else (typ,)
-    for t in options:
-        if t is type(None) and value is None:
-            return True
-        if t is bool and isinstance(value, bool):
-            return True
-        if t in (int, float) and isinstance(value, int | float) and not isinstance(value, bool):
-            return t is float or isinstance(value, int)
-        if t is str and isinstance(value, str):
-            return True
-    return False
 
 
 BACKENDS: dict[str, Backend] = {

@@ -1,9 +1,9 @@
 """The training configuration, in three parts: what a field is (:mod:`~emapg.config.schema`, each field declared
 once with its rule), what a valid config is (:mod:`~emapg.config.rules`, tables derived from the schema) and how
 a config is read (:mod:`~emapg.config.loading`: YAML, ``extends:``, overrides, plugins). How a field is declared
-is :mod:`~emapg.config.fields`. Everything is importable from here: ``from emapg.config import load_config``."""
+and a mapping read into the dataclasses is :mod:`emapg.settings` (below the config: a backend's settings and a
+task's arguments use it too). Everything is importable from here: ``from emapg.config import load_config``."""
 
-from emapg.config.fields import Rule, above, across_rules, at_least, one_of, rule_problems, setting, within
 from emapg.config.loading import (
     MOVED,
     SHIPPED_RECIPES,
@@ -15,7 +15,6 @@ from emapg.config.loading import (
     merged_task_args,
     save_config,
     to_dict,
-    typed,
 )
 from emapg.config.rules import (
     CONSISTENCY,
@@ -41,6 +40,7 @@ from emapg.config.schema import (
     recomputes_old,
 )
 from emapg.errors import ConfigError
+from emapg.settings import Rule, above, across_rules, at_least, one_of, rule_problems, setting, typed, within
 
 __all__ = [
     "AlgoConfig", "CONSISTENCY", "ConfigError", "DTYPE_NAMES", "EVAL_OPTIONS", "EvalConfig", "LoraConfig", "MOVED",

@@ -11,105 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import types
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, get_type_hints
 
 import yaml
 
 from emapg.atomic import write_text_atomic
-from emapg.config.fields import rule_problems
-from emapg.config.rules import _all_of, validate
+from emapg.config.rules import validate
 from emapg.config.schema import RolloutConfig, TrainConfig
 from emapg.errors import ConfigError
+from emapg.settings import all_of, moved_hint, typed
 
 SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
-def _type_name(typ: Any) -> str:
-    if get_origin(typ) in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(typ))
-    if get_origin(typ) is not None:
-        return str(typ).replace("typing.", "")
-    return getattr(typ, "__name__", str(typ))
-
-
-def _coerce(value: Any, typ: Any, where: str) -> Any:
-    """Check/convert a YAML value to the declared type; raise ConfigError naming ``where``."""
-    if typ is Any:
-        return value
-    if get_origin(typ) in (Union, types.UnionType):  # X | None: the only unions the config declares
-        if value is None and type(None) in get_args(typ):
-            return None
-        (inner,) = [a for a in get_args(typ) if a is not type(None)]
-        if value is None:
-            raise ConfigError(f"{where}: must not be null (expected {_type_name(typ)})")
-        return _coerce(value, inner, where)
-    if value is None:
-        raise ConfigError(f"{where}: must not be null (expected {_type_name(typ)})")
-    if dataclasses.is_dataclass(typ):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of {typ.__name__} fields, got {value!r}")
-        return typed(typ, value, where)
-    origin = get_origin(typ) or typ
-    if origin is bool and isinstance(value, bool):
-        return value
-    if origin is bool:
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if origin is list:
-        (item,) = get_args(typ)
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}")
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        item = get_args(typ)[1] if get_args(typ) else Any
-        return {k: _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
-    if origin is float and isinstance(value, str):
-        try:  # YAML 1.1 reads 1e-5 (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if origin is float and number:
-        return float(value)
-    if (origin is int and number and isinstance(value, int)) or (origin is str and isinstance(value, str)):
-        return value
-    raise ConfigError(f"{where}: expected {_type_name(typ)}, got {value!r}")
-
-
-def typed(cls, data: dict[str, Any], where: str):
-    """``data`` read into the dataclass ``cls``: each value coerced to its declared type and checked by its field's
-    rule (``where``: the dotted name of ``data`` in its file), unknown and missing keys named; one ConfigError for
-    every problem, carrying what was built from the valid fields (``partial``; None without a required one).
-    Every file emapg reads as settings (a config, a study's spec) goes through here."""
-    hints, declared = get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
-    problems, kwargs = [], {}
-    unknown = set(data) - set(hints)
-    if unknown:
-        problems.append(f"{where or 'top level'}: unknown key(s) {', '.join(sorted(unknown))}; "
-                        f"known: {', '.join(hints)}" + _moved(where, unknown))
-    missing = [k for k, f in declared.items() if k not in data and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    problems += [f"{where}.{k}: missing (required)" if where else f"{k}: missing (required)" for k in missing]
-    for k, v in data.items():
-        if k in hints:
-            name = f"{where}.{k}" if where else k
-            try:
-                kwargs[k] = _coerce(v, hints[k], name)
-            except ConfigError as e:  # every wrong field is reported, not only the first
-                problems += e.problems
-                if e.partial is not None:  # a section with wrong fields: its valid ones are still checked
-                    kwargs[k] = e.partial
-                continue
-            if (rule := declared[k].metadata.get("rule")) is not None:
-                problems += rule_problems({name: rule}, {name: kwargs[k]})
-    if problems:
-        required = {k for k, f in declared.items() if f.default is dataclasses.MISSING
-                    and f.default_factory is dataclasses.MISSING}
-        raise _all_of(problems, cls(**kwargs) if required <= set(kwargs) else None)
-    return cls(**kwargs)
 
 
 MOVED = {"rollout": {f"vllm_{k}": f"rollout.backend_args.{k}" for k in
@@ -133,8 +46,7 @@ def _migrated(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _moved(where: str, keys: set[str]) -> str:
-    moved = [f"{where}.{k} is now {MOVED[where][k]}" for k in sorted(keys) if k in MOVED.get(where, {})]
-    return f" ({'; '.join(moved)})" if moved else ""
+    return moved_hint(MOVED, where, keys)
 
 
 # task_args keys of which a task takes one (search_qa's retriever: an index folder, a server, or the generated
@@ -246,16 +158,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                           f"{TRUST_FLAG} (read them first)")
     try:
         import_plugins(data.get("plugins") or [])
-        cfg = typed(TrainConfig, data, "")  # every field's type and own rule: all problems at once
+        cfg = typed(TrainConfig, data, "", MOVED)  # every field's type and own rule: all problems at once
         validate(cfg)
     except ConfigError as e:  # each problem blamed on where its value came from: the file or an override
         blames = [_blamed(p, source, overrides or []) for p in e.problems]
         if len(set(blames)) == 1 and not unapplied:  # one place to fix: named once
             head = f"{blames[0]}: " + (f"{len(blames)} problems: " if len(blames) > 1 else "")
             raise ConfigError(head + "; ".join(e.problems), [f"{blames[0]}: {p}" for p in e.problems]) from None
-        raise _all_of(unapplied + [f"{b}: {p}" for b, p in zip(blames, e.problems, strict=True)]) from None
+        raise all_of(unapplied + [f"{b}: {p}" for b, p in zip(blames, e.problems, strict=True)]) from None
     if unapplied:
-        raise _all_of(unapplied)
+        raise all_of(unapplied)
     return cfg
 
 

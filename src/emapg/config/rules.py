@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from emapg.backends import BACKENDS
-from emapg.config.fields import Rule, across_rules, declared, rule_problems
 from emapg.config.schema import TrainConfig, mini_batch_prompts
 from emapg.errors import ConfigError
+from emapg.settings import Rule, across_rules, all_of, declared, rule_problems
 
 _FIELDS = declared(TrainConfig)
 
@@ -43,19 +43,13 @@ def replay_safe(name: str) -> bool:
     return False
 
 
-def _all_of(problems: list[str], partial: Any = None) -> ConfigError:
-    """One error for every problem found: ``a: ...; b: ...`` (one line); ``partial``: what was built from
-    the valid fields."""
-    return ConfigError("; ".join(problems), problems, partial)
-
-
 def check_fields(values: dict[str, Any], names: dict[str, str] | None = None) -> None:
     """Check settings by the table: ``{"algo.eta": 0.9, ...}``; one ConfigError naming every bad field, or
     the option it came from (``names``: ``{"eval.samples": "--samples"}``). The config loader checks every
     field this way; ``emapg eval`` checks its options and the TRL plug-in its keyword arguments."""
     problems = rule_problems(RULES, values, names)
     if problems:
-        raise _all_of(problems)
+        raise all_of(problems)
 
 
 def check_options(cfg: TrainConfig, names: dict[str, str]) -> None:
@@ -66,7 +60,7 @@ def check_options(cfg: TrainConfig, names: dict[str, str]) -> None:
     if not problems:  # the rules across fields assume each field's own
         problems = [f"{names[n]}: {message(cfg)}" for n, ok, message in CONSISTENCY if n in names and not ok(cfg)]
     if problems:
-        raise _all_of(problems)
+        raise all_of(problems)
 
 
 def value_of(cfg: Any, name: str) -> Any:
@@ -82,11 +76,11 @@ def validate(cfg: TrainConfig) -> None:
     try:
         check_fields({name: value_of(cfg, name) for name in RULES})  # first: the rules across fields assume these
     except ConfigError as e:
-        raise _all_of(e.problems + _task_args_problems(cfg)) from None
+        raise all_of(e.problems + _task_args_problems(cfg)) from None
     problems = [f"{name}: {message(cfg)}" for name, ok, message in CONSISTENCY if not ok(cfg)]
     problems += _task_args_problems(cfg)
     if problems:
-        raise _all_of(problems)
+        raise all_of(problems)
 
 
 TASK_ARGS_CHECKS: list[Callable[[str, dict[str, Any]], list[str]]] = []

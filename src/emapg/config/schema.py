@@ -1,6 +1,6 @@
 """The training configuration's schema: dataclasses with the paper's names, one declaration per field.
 
-Each field is ``name: type = setting(default, rule=..., ...)`` (:mod:`emapg.config.fields`) with its docstring
+Each field is ``name: type = setting(default, rule=..., ...)`` (:mod:`emapg.settings`) with its docstring
 below it: its type, default, the values it takes, the rules across fields blamed on it, whether a resume may
 change it, the ``emapg eval`` option and the TRL keyword that set it. :mod:`emapg.config.rules` derives its
 tables from these declarations; :mod:`emapg.config.loading` reads YAML files into them. Names of estimators,
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from emapg.backends import BACKENDS
-from emapg.config.fields import above, at_least, one_of, setting, within
 from emapg.kl import ESTIMATORS, HEAD_CHOICES, TAILS
 from emapg.objective import ADVANTAGES, AGGREGATIONS
+from emapg.settings import above, at_least, one_of, setting, within
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """The weight dtypes a config, the TRL plug-in and ``emapg eval`` name (emapg.models.zoo.DTYPES maps them)."""

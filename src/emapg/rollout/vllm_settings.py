@@ -7,18 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from emapg.backends import EngineMemory
+from emapg.settings import at_least, setting, within
 
 GIB = 1024**3
 
 
 @dataclass(frozen=True)
 class VLLMSettings:
-    gpu_memory: float = 0.3
+    gpu_memory: float = setting(0.3, rule=within(0, 1, low_open=True, high_open=True))
     """On CUDA: the fraction of the GPU's memory the engine may take (weights + KV cache), beside training."""
-    max_model_len: int | None = None
+    max_model_len: int | None = setting(None, rule=at_least(2, null=True))
     """The longest prompt + response the engine plans for (None = measured from the task's prompts plus the
     response budget, at most the model's context)."""
-    kv_cache_gib: int | None = None
+    kv_cache_gib: int | None = setting(None, rule=at_least(1, null=True))
     """On the CPU: the engine's KV cache in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; None = room for every row of a
     rollout at max_model_len, at most half the free memory; too little memory is an error)."""
     sleep: bool = False
@@ -32,17 +33,6 @@ class VLLMSettings:
     enforce_eager: bool | None = None
     """Run the model eagerly (no CUDA graphs / torch.compile): faster start, slower decoding. None = true on the
     CPU (compiling takes minutes on a few cores), false on CUDA."""
-
-    def problems(self) -> list[str]:
-        """What is out of range, each naming its key under ``rollout.backend_args``."""
-        out = []
-        if not 0 < self.gpu_memory < 1:
-            out.append(f"rollout.backend_args.gpu_memory: must be in (0, 1), got {self.gpu_memory!r}")
-        if self.kv_cache_gib is not None and self.kv_cache_gib < 1:
-            out.append(f"rollout.backend_args.kv_cache_gib: must be >= 1 or null, got {self.kv_cache_gib!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            out.append(f"rollout.backend_args.max_model_len: must be >= 2 or null, got {self.max_model_len!r}")
-        return out
 
 
 def engine_memory(s: VLLMSettings, params: float, gpu_memory: float | None, device: str) -> EngineMemory:

@@ -1,4 +1,4 @@
-"""How a config field is declared: its type and default, and on the same line every fact about it.
+"""How a setting is declared and read: a field's type and default, and on the same line every fact about it.
 
 A field of the schema (:mod:`emapg.config.schema`) is ``name: type = setting(default, rule=..., ...)`` with its
 docstring below it. ``setting`` keeps what the rest of emapg needs to know about the field in the dataclass
@@ -16,16 +16,20 @@ name):
   problem is named by the option.
 - ``trl``: the ``EMAPGTrainer`` keyword that sets it (``eta``), checked by this rule.
 
-This module is pure (no torch, no registry): the rule builders are also what a task's ``ARGS`` and a backend's
-settings use.
+:func:`typed` reads a mapping (a YAML file's) into such a dataclass: each value's type, each field's rule,
+unknown and missing keys, every problem in one ConfigError. This module is pure (no torch, no registry): a task's
+``ARGS`` and a backend's settings are declared and read with it too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from emapg.errors import ConfigError
 
 Rule = tuple[Callable[[Any], bool], Any]
 """(whether a value is valid, what is expected: shown with ``str()``)."""
@@ -101,11 +105,113 @@ def rule_problems(rules: dict[str, Rule], values: dict[str, Any], names: dict[st
     return problems
 
 
+def all_of(problems: list[str], partial: Any = None) -> ConfigError:
+    """One error for every problem found: ``a: ...; b: ...`` (one line); ``partial``: what was built from the
+    valid fields."""
+    return ConfigError("; ".join(problems), problems, partial)
+
+
+Moved = dict[str, dict[str, str]] | None
+"""Keys an earlier version had, by section (a dotted name, "" for the top level): old key -> where it is now."""
+
+
+def moved_hint(moved: Moved, where: str, keys: set[str]) -> str:
+    """`` (a.b is now c.d; ...)`` for the keys ``moved`` knows in section ``where``, else ""."""
+    known = (moved or {}).get(where, {})
+    hints = [f"{where + '.' if where else ''}{k} is now {known[k]}" for k in sorted(keys) if k in known]
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
+def _type_name(typ: Any) -> str:
+    if get_origin(typ) in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(typ))
+    if get_origin(typ) is not None:
+        return str(typ).replace("typing.", "")
+    return getattr(typ, "__name__", str(typ))
+
+
+def _coerce(value: Any, typ: Any, where: str, moved: Moved) -> Any:
+    """Check/convert a YAML value to the declared type; raise ConfigError naming ``where``."""
+    if typ is Any:
+        return value
+    if get_origin(typ) in (Union, types.UnionType):  # X | None: the only unions the config declares
+        if value is None and type(None) in get_args(typ):
+            return None
+        (inner,) = [a for a in get_args(typ) if a is not type(None)]
+        if value is None:
+            raise ConfigError(f"{where}: must not be null (expected {_type_name(typ)})")
+        return _coerce(value, inner, where, moved)
+    if value is None:
+        raise ConfigError(f"{where}: must not be null (expected {_type_name(typ)})")
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {typ.__name__} fields, got {value!r}")
+        return typed(typ, value, where, moved)
+    origin = get_origin(typ) or typ
+    if origin is bool and isinstance(value, bool):
+        return value
+    if origin is bool:
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if origin is list:
+        (item,) = get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of {_type_name(item)}, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]", moved) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        item = get_args(typ)[1] if get_args(typ) else Any
+        return {k: _coerce(v, item, f"{where}.{k}", moved) for k, v in value.items()}
+    if origin is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if origin is float and number:
+        return float(value)
+    if (origin is int and number and isinstance(value, int)) or (origin is str and isinstance(value, str)):
+        return value
+    raise ConfigError(f"{where}: expected {_type_name(typ)}, got {value!r}")
+
+
+def typed(cls, data: dict[str, Any], where: str = "", moved: Moved = None):
+    """``data`` read into the dataclass ``cls``: each value coerced to its declared type and checked by its field's
+    rule (``where``: the dotted name of ``data`` in its file), unknown and missing keys named; one ConfigError for
+    every problem, carrying what was built from the valid fields (``partial``; None without a required one).
+    ``moved``: keys an earlier emapg had, by section, and where they are now (named beside an unknown key). Every
+    file emapg reads as settings (a config, a study's spec, a backend's settings) goes through here."""
+    hints, declared = get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+    problems, kwargs = [], {}
+    unknown = set(data) - set(hints)
+    if unknown:
+        problems.append(f"{where or 'top level'}: unknown key(s) {', '.join(sorted(unknown))}; "
+                        f"known: {', '.join(hints)}" + moved_hint(moved, where, unknown))
+    missing = [k for k, f in declared.items() if k not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    problems += [f"{where}.{k}: missing (required)" if where else f"{k}: missing (required)" for k in missing]
+    for k, v in data.items():
+        if k in hints:
+            name = f"{where}.{k}" if where else k
+            try:
+                kwargs[k] = _coerce(v, hints[k], name, moved)
+            except ConfigError as e:  # every wrong field is reported, not only the first
+                problems += e.problems
+                if e.partial is not None:  # a section with wrong fields: its valid ones are still checked
+                    kwargs[k] = e.partial
+                continue
+            if (rule := declared[k].metadata.get("rule")) is not None:
+                problems += rule_problems({name: rule}, {name: kwargs[k]})
+    if problems:
+        required = {k for k, f in declared.items() if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING}
+        raise all_of(problems, cls(**kwargs) if required <= set(kwargs) else None)
+    return cls(**kwargs)
+
+
 def declared(cls: type, prefix: str = "") -> dict[str, dataclasses.Field]:
     """Every field of a schema dataclass and of its sections, by dotted name (``algo.eta``), in declaration
     order; a section's ``replay_safe`` passes to its fields."""
-    from typing import get_type_hints
-
     hints = get_type_hints(cls)
     out: dict[str, dataclasses.Field] = {}
     for f in dataclasses.fields(cls):
