@@ -224,16 +224,20 @@ def _saved_bytes(model: nn.Module, mb, autocast: bool, sharing: bool = True) -> 
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
+    kept: list[torch.Tensor] = []  # alive until the pass ends, so that no two saved storages share an address
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in params:
             seen[ptr] = t.untyped_storage().nbytes()
-        return t
+        kept.append(t)
+        return None  # the graph keeps nothing: no backward runs, and a tensor saved by its own node would make a
+        # cycle through its grad_fn that Python's collector cannot see (each calibration kept its copies alive)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         response_hidden(model, mb, prefix_sharing=sharing)
+    kept.clear()
     return sum(seen.values())
 
 
