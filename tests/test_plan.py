@@ -41,6 +41,23 @@ CALIBRATIONS = [P.Calibration("float32", None, False), P.Calibration("float32", 
                 P.Calibration("float32", None, True, (4, 8.0, ("q_proj", "v_proj", "down_proj")))]
 
 
+@pytest.mark.parametrize("how", [CALIBRATIONS[0], CALIBRATIONS[3]], ids=["float32", "bf16-checkpointed"])
+def test_a_calibration_leaves_nothing_alive(how):
+    """A measured pass keeps no tensor once it returns: its copies of the model and what the pass saved go (the
+    graph holding every saved tensor made a cycle through grad_fn that Python's collector cannot free, and every
+    calibration of a 3B model left ~5 GB alive: 18.8 GB in this file's process)."""
+    import gc
+    import weakref
+
+    shape = P.shape_of(P.model_config("tiny-qwen2"))
+    model = P._layers_model(shape.config, 2, how)
+    gone = weakref.ref(model.get_input_embeddings().weight)
+    P._saved_bytes(model, P._calibration_batch(2, 3, 20, 30), how.mixed_precision == "bf16")
+    del model
+    gc.collect()
+    assert gone() is None
+
+
 @pytest.mark.parametrize("how", CALIBRATIONS, ids=lambda c: f"{c.dtype}-{c.mixed_precision}-ck{int(c.checkpointing)}"
                          f"-lora{int(c.lora is not None)}")
 def test_the_activation_cost_fitted_at_short_rows_predicts_a_long_pass_to_the_byte(how):
