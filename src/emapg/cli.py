@@ -24,8 +24,8 @@ from typing import Any
 
 import emapg.tasks  # noqa: F401 (registers the task_args check a config's loading runs)
 from emapg.config import SHIPPED_RECIPES as RECIPES
-from emapg.config import ConfigError, load_config, merged_task_args
-from emapg.errors import EmapgError
+from emapg.config import ConfigError, check_world, load_config, merged_task_args
+from emapg.errors import EmapgError, regular_file
 from emapg.retrieval import SERVER_LIMITS
 
 DEFAULT_RECIPE = "cpu_demo"
@@ -33,7 +33,11 @@ DEFAULT_RECIPE = "cpu_demo"
 
 def recipe_path(name_or_path: str) -> Path:
     """A config file: a path, or the name of a recipe shipped with emapg (``smoke``, ``cpu_demo.yaml``)."""
+    if not str(name_or_path).strip():  # an unset shell variable in --config "$CFG": not the default recipe
+        raise ConfigError("--config: empty (give a config file or a recipe's name, or leave --config out for the "
+                          "default)")
     path = Path(name_or_path)
+    regular_file(path, "--config")
     if path.exists():
         return path
     shipped = RECIPES / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
@@ -52,7 +56,7 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     cmd += ["--resume", str(run_dir)] if args.resume else ["--out", str(run_dir)]
     cmd += ["--force"] if args.force else []
     cmd += ["--trust-plugins"] if args.trust_plugins else []
-    if args.config:
+    if args.config is not None:
         cmd += ["--config", str(recipe_path(args.config))]
     from emapg.run.folder import LAUNCHER_ENV, LOCK_ENV, die_with_parent, stop_child
 
@@ -79,8 +83,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
-    if args.resume and (args.out or args.config):  # a resume continues its folder with its own config.yaml
-        given = " and ".join(o for o, v in (("--out", args.out), ("--config", args.config)) if v)
+    if args.resume and (args.out is not None or args.config is not None):  # a resume: its folder, its config.yaml
+        given = " and ".join(o for o, v in (("--out", args.out), ("--config", args.config)) if v is not None)
         raise ConfigError(f"{given}: not with --resume, which continues {args.resume} with its own config.yaml "
                           "(change settings with KEY=VALUE overrides)")
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -96,8 +100,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
         cfg = load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins)
     else:
-        cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
+        cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
+    if args.nproc > 1 and not launched:  # the batch must split over the processes: said once, before torchrun
+        check_world(cfg, args.nproc)
     change = None
     try:  # the run folder's one writer from here to the end of the command (rank 0: the others only read)
         if rank0 and args.resume:
@@ -179,14 +185,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from emapg.models.plan import report
 
-    cfg = load_config(recipe_path(args.config or DEFAULT_RECIPE), args.overrides)
+    cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides)
     if args.gpu_memory is None:  # a GPU's 80 GiB, or on the CPU this host's memory shared by the processes
         from emapg.run.assembly import host_share
 
         host = host_share(max(args.gpus, 1)) if args.device == "cpu" else None
         args.gpu_memory = 80.0 if host is None else host / 2**30
+    responses = 1 if args.response_tokens is None else args.response_tokens  # 0 is refused, not "not given"
     for name, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory),
-                        ("--prompt-tokens", args.prompt_tokens), ("--response-tokens", args.response_tokens or 1)):
+                        ("--prompt-tokens", args.prompt_tokens), ("--response-tokens", responses)):
         if not value > 0 or value == float("inf"):  # NaN compares false: refused too
             raise ConfigError(f"{name}: must be a finite number > 0, got {value}")
     print(report(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, prompt_tokens=args.prompt_tokens,
@@ -366,13 +373,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_kb_make(args: argparse.Namespace) -> int:
+    from emapg.atomic import write_text_atomic
     from emapg.tasks.multihop_kb import make_kb
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     kb = make_kb(seed=args.seed)
-    for name, rows in kb.items():
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts = {out / f"{name}.jsonl": "".join(json.dumps(r) + "\n" for r in rows) for name, rows in kb.items()}
+    other = [str(f) for f, text in texts.items() if f.exists() and (not f.is_file() or f.read_bytes() != text.encode())]
+    if other:  # the same knowledge base again is fine; anything else there is the user's
+        raise ConfigError(f"--out {out}: {', '.join(other)} already exist and are not this knowledge base; pick "
+                          "another folder (nothing was changed)")
+    out.mkdir(parents=True, exist_ok=True)
+    for f, text in texts.items():
+        write_text_atomic(f, text)
     print(f"emapg kb: {len(kb['corpus'])} passages, {len(kb['train'])} training and {len(kb['eval'])} held-out "
           f"questions in {out}", file=sys.stderr)
     return 0
@@ -624,6 +637,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
+    for arg in sys.argv[1:] if argv is None else argv:  # bytes that are not UTF-8 arrive as lone surrogates
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as e:
+            parser.error(f"argument {arg.encode('utf-8', 'backslashreplace').decode()!r} is not UTF-8 text (byte "
+                         f"{ord(arg[e.start]) - 0xDC00:#04x}): emapg's configs, files and names are UTF-8")
     # KEY=VALUE overrides may stand anywhere after `train`, also after its options (--out DIR steps=3)
     args, extra = parser.parse_known_args(argv)
     if args.command in ("train", "plan"):

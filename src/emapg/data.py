@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from emapg.errors import EmapgError
+from emapg.errors import EmapgError, regular_file
 
 SHIPPED = Path(__file__).resolve().parent / "data_files"  # data the recipes need, named emapg:NAME
 
@@ -92,6 +93,7 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, dict]]:
         raise DataError(f"data file {path} does not exist")
     if path.is_dir():
         return iter(_read_table(path))
+    regular_file(path, "data file")  # a FIFO or a device would be read for ever
     if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
         return _iter_jsonl(path)
     if path.suffix == ".json":
@@ -139,9 +141,10 @@ def _read_table(path: Path) -> list[tuple[str, dict]]:
 def answer_text(value: Any, where: str | None = None) -> str:
     """A gold answer as text: a string as it is, a number as written (a whole float, AMC's 142.0, as its integer);
     anything else (a null, a list, true) is a DataError naming ``where`` (file, line, field) when given."""
-    if value is None or isinstance(value, bool) or not isinstance(value, str | int | float):
+    if value is None or isinstance(value, bool) or not isinstance(value, str | int | float) or (
+            isinstance(value, float) and not math.isfinite(value)):  # NaN and inf: no answer (\boxed{nan} matched)
         at = f"{where}: " if where else ""
-        raise DataError(f"{at}an answer is {value!r} ({type(value).__name__}); expected text or a number")
+        raise DataError(f"{at}an answer is {value!r} ({type(value).__name__}); expected text or a finite number")
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 

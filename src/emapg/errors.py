@@ -29,3 +29,29 @@ class MissingPackage(EmapgError, ImportError):
 
 class CheckpointError(EmapgError, ValueError):
     """A checkpoint that cannot be read: the message names the folder and the damaged file."""
+
+
+class NotAFile(EmapgError, ValueError):
+    """A path emapg reads that is not a regular file: a FIFO waits for a writer for ever and a device such as
+    /dev/zero never ends, so neither is read."""
+
+
+def regular_file(path, what: str = "") -> None:
+    """Refuse, naming ``path`` (and ``what`` it is, e.g. ``--config``), anything that exists and is not a regular
+    file (symbolic links are followed); an absent path is the caller's to report."""
+    import os
+    import stat
+    from pathlib import Path
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise NotAFile(f"{what + ' ' if what else ''}{path}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (a named pipe)" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        raise NotAFile(f"{what + ' ' if what else ''}{Path(path)}: {kind}, not a regular file; emapg reads "
+                       "configs, data and run files only from regular files")

@@ -41,7 +41,21 @@ def model_text(completion: str) -> str:
     return INFO_RE.sub(" ", completion).replace(INVALID_ACTION.strip(), " ")
 
 
+def answers_in(text: str) -> list[str]:
+    """What ``ANSWER_RE.findall(text)`` finds (each leftmost ``<answer>`` to the next ``</answer>``), in time linear
+    in the text: the regular expression rescans to the end from every unclosed ``<answer>`` (9,000 of them in
+    72,000 characters took seconds)."""
+    found, pos = [], 0
+    while (start := text.find("<answer>", pos)) >= 0:
+        end = text.find("</answer>", start + 8)
+        if end < 0:
+            break
+        found.append(text[start + 8 : end])
+        pos = end + 9
+    return found
+
+
 def extract_answer(completion: str) -> str | None:
     """The content of the last <answer>...</answer> the model wrote, or None."""
-    found = ANSWER_RE.findall(model_text(completion))
+    found = answers_in(model_text(completion))
     return found[-1].strip() if found else None

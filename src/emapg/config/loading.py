@@ -19,7 +19,7 @@ import yaml
 from emapg.atomic import write_text_atomic
 from emapg.config.rules import validate
 from emapg.config.schema import RolloutConfig, TrainConfig
-from emapg.errors import ConfigError
+from emapg.errors import ConfigError, regular_file
 from emapg.settings import all_of, moved_hint, typed
 
 SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -131,6 +131,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     source = "defaults"
     if path is not None:
         source = str(path)
+        regular_file(path, "config file")
         try:
             text = Path(path).read_bytes().decode("utf-8")
         except OSError as e:
@@ -153,7 +154,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _migrated(_extended(data, Path(path), seen=(Path(path).resolve(),)))
     unapplied = apply_overrides(data, overrides or [])
     if not trust_plugins and data.get("plugins"):
-        raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, data['plugins']))}), which "
+        named = data["plugins"] if isinstance(data["plugins"], list) else [data["plugins"]]
+        raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, named))}), which "
                           f"are code run on import; a config read from a run folder imports none unless you pass "
                           f"{TRUST_FLAG} (read them first)")
     try:
@@ -262,8 +264,13 @@ def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[
         base = SHIPPED_RECIPES / file
     if base.resolve() in seen:
         raise ConfigError(f"config file {path}: extends: {name} extends this file again (a cycle)")
+    regular_file(base, f"config file {path}: extends:")
     try:
-        parent = yaml.safe_load(base.read_text())
+        parent = yaml.safe_load(base.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path}: extends: {base}, line {line}: not UTF-8 text (byte "
+                          f"{e.object[e.start]:#04x})") from None
     except OSError as e:
         raise ConfigError(f"config file {path}: extends: {base}: {e.strerror}") from None
     except yaml.YAMLError as e:

@@ -264,7 +264,7 @@ class TrainConfig:
     """Keyword arguments of the task, e.g. digits, ops, terms."""
     steps: int = setting(60, rule=at_least(0), replay_safe=True)
     """Training steps; one step = one rollout batch."""
-    seed: int = setting(0)
+    seed: int = setting(0, rule=within(-2**63, 2**63 - 1))
     """Seed of prompts, sampling and initialisation."""
     prompts_per_step: int = setting(8, rule=at_least(1))
     """Distinct prompts per rollout batch (the batch is prompts_per_step * rollout.n responses)."""

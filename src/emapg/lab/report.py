@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from emapg.errors import EmapgError, regular_file
 from emapg.lab.study import Spec
 from emapg.lab.verdicts import Judged, anchor_minus_policy, judge, load_hypotheses, paired_diffs, table, unit
 from emapg.run.metrics import METRIC_UNITS, draw_series, finish_axes, read_metrics
@@ -100,6 +101,39 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _EVAL_OK(d: Any) -> bool:  # noqa: N802 - a rule, named as the file it checks
+    return (isinstance(d, dict) and isinstance(d.get("policy"), dict) and _number(d["policy"].get("accuracy"))
+            and all(isinstance(d.get(k), dict | None) for k in ("init", "anchor")))
+
+
+def _COMPUTE_OK(d: Any) -> bool:  # noqa: N802
+    return isinstance(d, dict) and _number(d.get("seconds"))
+
+
+def _run_json(file: Path, ok, shape: str) -> Any:
+    """A run's JSON file as the report reads it, or one EmapgError naming the file and what it should hold."""
+    try:
+        regular_file(file)
+        data = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise EmapgError(f"{file}: damaged ({type(e).__name__}: {e}); rerun that run (remove its folder)") from None
+    if not ok(data):
+        raise EmapgError(f"{file}: expected {shape}, got {json.dumps(data)[:80]}; rerun that run (remove its folder)")
+    return data
+
+
+def _rows(run: Path) -> list[dict[str, Any]]:
+    rows = read_metrics(run)
+    if not rows:
+        raise EmapgError(f"{run / 'metrics.jsonl'}: no rows, in a run with an eval.json; rerun that run (remove its "
+                         "folder)")
+    return rows
+
+
 def summarize(spec: Spec, out: Path) -> dict[str, Any]:
     """Per config: mean/std curves over seeds, final numbers, compute. Runs not finished are left out."""
     summary: dict[str, Any] = {}
@@ -108,7 +142,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
         runs = [out / name / f"seed{s}" for s in done]
         if not runs:
             continue
-        metrics = [read_metrics(r) for r in runs]
+        metrics = [_rows(r) for r in runs]
         curves = {}
         for key in (*CURVES.values(), *TEACHER_CURVES.values()):
             per_seed = [_anchor_curve(m) if key == "eval/anchor_accuracy" else _curve(m, key) for m in metrics]
@@ -116,7 +150,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
             curves[key] = {"steps": steps,
                            "mean": [_mean_std([c[s] for c in per_seed])[0] for s in steps],
                            "std": [_mean_std([c[s] for c in per_seed])[1] for s in steps]}
-        finals = [json.loads((r / "eval.json").read_text()) for r in runs]
+        finals = [_run_json(r / "eval.json", _EVAL_OK, "{policy: {accuracy: N}, ...}") for r in runs]
 
         def accuracies(which: str, finals=finals) -> list[float]:
             return [f[which]["accuracy"] for f in finals if f.get(which) and f[which].get("accuracy") is not None]
@@ -129,7 +163,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
         final = [f["policy"]["accuracy"] for f in finals]
         drawdown = [pk - fi for pk, fi in zip(peak, final, strict=True)]
         auc = [_auc(_curve(m, "eval/policy_accuracy")) for m in metrics]
-        compute = [json.loads((r / "compute.json").read_text())["seconds"] for r in runs
+        compute = [_run_json(r / "compute.json", _COMPUTE_OK, "{seconds: N}")["seconds"] for r in runs
                    if (r / "compute.json").exists()]
         ends = [endpoints(m) for m in metrics]
         summary[name] = {

@@ -26,7 +26,15 @@ from emapg.config import ConfigError, load_config
 from emapg.errors import EmapgError
 from emapg.lab.spec import read_spec_file
 from emapg.run.checkpoint import has_checkpoint
-from emapg.run.folder import LOCK_ENV, MARKER, claim_run_folder, die_with_parent, stop_child, unlock_run
+from emapg.run.folder import (
+    LOCK_ENV,
+    MARKER,
+    check_not_busy,
+    claim_run_folder,
+    die_with_parent,
+    stop_child,
+    unlock_run,
+)
 
 
 @dataclass
@@ -126,6 +134,7 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
                 # its config.yaml came from the user's spec: its plugins are the user's own
                 cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run), "--trust-plugins"]
             elif run.exists():  # stopped before its first checkpoint: start it again, its leftovers set aside
+                check_not_busy(run)  # unless a live writer holds it (its lock's PID named; nothing moved)
                 stale = run.with_name(run.name + ".stale")  # (the last failure's log stays readable there)
                 shutil.rmtree(stale, ignore_errors=True)
                 run.rename(stale)

@@ -27,8 +27,10 @@ cannot fit.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,11 +78,25 @@ def model_config(name: str, trust_remote_code: bool = False, field: str = "model
     from transformers import AutoConfig
 
     path = models.smollm2_folder() if name == "smollm2-135m" else name
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:  # no folder, no config.json, a Hub name not cached while offline
-        from emapg.errors import ConfigError
+    from emapg.errors import ConfigError
 
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        raw = Path(path) / "config.json"
+        if raw.is_file():  # a missing size takes the class's default, which fits no checkpoint of this model
+            data = json.loads(raw.read_text())
+            if "vocab_size" not in data and "vocab_size" not in (data.get("text_config") or {}):
+                raise ConfigError(f"{field}: {raw} has no vocab_size")
+        return config
+    except ConfigError:
+        raise
+    except Exception as e:
+        if type(e).__name__.startswith("StrictDataclass"):  # a config.json field of the wrong type
+            cause = " ".join(str(e).split())
+            raise ConfigError(f"{field}: {path}'s config.json: {cause}") from None
+        if not isinstance(e, OSError | ValueError):
+            raise
+        # no folder, no config.json, a Hub name not cached while offline
         why = str(e).strip().splitlines()[0]
         raise ConfigError(f"{field}: {name!r} is neither a built-in name ({', '.join(models.BUILTIN)}) nor a model "
                           f"folder with a config.json, nor a Hub name this machine has ({why})") from None
@@ -94,13 +110,26 @@ def shape_of(config) -> ModelShape:
     from emapg.errors import ConfigError
 
     text = getattr(config, "text_config", None) or config
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+                 "num_key_value_heads", "head_dim"):
         value = getattr(text, name, None)
+        if value is None and name == "vocab_size":
+            raise ConfigError("model: its config.json has no vocab_size")
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"model: its config.json's {name} is {value!r}, expected a whole number >= 1")
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None)
+    if kv is not None and heads % kv:
+        raise ConfigError(f"model: its config.json's num_attention_heads ({heads}) is not a multiple of "
+                          f"num_key_value_heads ({kv})")
+    if getattr(text, "head_dim", None) is None and text.hidden_size % heads:
+        raise ConfigError(f"model: its config.json's hidden_size ({text.hidden_size}) does not split into "
+                          f"num_attention_heads ({heads}) and it gives no head_dim")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (RuntimeError, ValueError, TypeError, OverflowError) as e:  # sizes no model can have
+        raise ConfigError(f"model: its config.json describes no model transformers can build "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     from emapg.models.lm import decoder_and_head
 
     decoder, head = decoder_and_head(model)

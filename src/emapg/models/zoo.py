@@ -179,7 +179,14 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
             raise FileNotFoundError(
                 f"model: {name!r} is neither a built-in name ({', '.join(BUILTIN)}) nor a local model folder "
                 "with a config.json (nothing is downloaded from a hub)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    except Exception as e:  # safetensors' and transformers' own errors for a cut or garbage weights file
+        if type(e).__name__ not in ("SafetensorError", "HeaderTooLarge", "OSError", "EnvironmentError") \
+                and not isinstance(e, OSError):
+            raise
+        raise ConfigError(f"model: {path}: its weights cannot be read ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]})") from None
     return model, load_tokenizer(path, trust_remote_code)
 
 
@@ -202,8 +209,14 @@ def policy_model(cfg: Any) -> tuple[nn.Module, Any]:
     if cfg.lora.r > 0:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                                                 target_modules=cfg.lora.target_modules))
+        try:
+            model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                     lora_dropout=cfg.lora.dropout,
+                                                     target_modules=cfg.lora.target_modules))
+        except ValueError:  # peft's: no module of the model has such a name
+            names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise ConfigError(f"lora.target_modules: {cfg.lora.target_modules} names no module of {cfg.model} "
+                              f"(its linear layers: {', '.join(names)})") from None
     return model, tokenizer
 
 

@@ -77,8 +77,9 @@ class HTTPRetriever:
             req = urllib.request.Request(self.url, data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
             try:
+                deadline = time.monotonic() + self.timeout
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    raw = resp.read()
+                    raw = _read_by(resp, deadline)
             except urllib.error.HTTPError as e:
                 message, stated = _error_message(e)
                 if stated and stated != self._limits and e.code in (400, 413):
@@ -189,3 +190,15 @@ def _error_message(e: urllib.error.HTTPError) -> tuple[str, dict]:
     except (json.JSONDecodeError, UnicodeDecodeError):
         pass
     return raw.decode("utf-8", "replace")[:500] or str(e.reason), {}
+
+
+def _read_by(resp, deadline: float) -> bytes:
+    """An answer's body, read in pieces until ``deadline`` (time.monotonic()): a socket timeout bounds each read
+    only, so a server that drips its answer a byte at a time would otherwise hold a run for ever. Past the
+    deadline a TimeoutError (retried as a timeout)."""
+    chunks = []
+    while chunk := resp.read1(1 << 16):
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            raise TimeoutError("the answer took longer than the timeout to arrive")
+    return b"".join(chunks)

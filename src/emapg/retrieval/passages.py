@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from emapg.data import DataError, check_text, iter_rows
+from emapg.errors import regular_file
 
 PASSAGES_FILE = "passages.jsonl"
 DENSE_DIR, DENSE_META = "dense", "dense.json"
@@ -180,13 +181,19 @@ def write_passages(passages: Passages, folder: Path) -> None:
 def read_passages(folder: Path) -> Passages:
     """The folder's passages, hashed as they are read (one pass over the file gives both)."""
     out, h = Passages([], [], []), hashlib.sha256()
-    with open(folder / PASSAGES_FILE, "rb") as f:
-        for line in f:
+    file = folder / PASSAGES_FILE
+    regular_file(file, "index")
+    with open(file, "rb") as f:
+        for i, line in enumerate(f, 1):
             h.update(line)
-            p = json.loads(line)
-            out.ids.append(p["id"])
-            out.titles.append(p["title"])
-            out.texts.append(p["text"])
+            try:
+                p = json.loads(line)
+                out.ids.append(p["id"])
+                out.titles.append(p["title"])
+                out.texts.append(p["text"])
+            except (ValueError, KeyError, TypeError) as e:  # an index this version did not write whole
+                raise DataError(f"{file}, line {i}: damaged ({type(e).__name__}: {e}); build the index again "
+                                "(emapg index build)") from None
     out.sha256 = h.hexdigest()
     return out
 

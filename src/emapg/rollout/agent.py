@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from emapg.rollout.batch import RolloutBatch, concat
 from emapg.rollout.hf import HFSampler
 from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left
-from emapg.tags import ANSWER_RE, SEARCH_RE, STOPS, format_information
+from emapg.tags import SEARCH_RE, STOPS, answers_in, format_information
 from emapg.tasks.base import AgentConfig, Example
 
 # A sampler continues B contexts (token lists) by at most ``max_new_tokens`` tokens, stopping each row
@@ -119,7 +119,7 @@ def _model_turn(e: _Episode, out: Sampled, row: int, budget: int, tokenizer, eos
     text = e.lead + tokenizer.decode(new[:length], skip_special_tokens=True)
     e.lead = ""
     searching = why == "stop" and SEARCH_RE.findall(text)
-    if why == "stop" and ANSWER_RE.search(text):
+    if why == "stop" and answers_in(text):
         e.done = True
     elif searching and e.turns <= cfg.max_turns:  # (with every earlier turn a search: e.searches < max_turns)
         return searching[-1].strip()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from emapg import algo
 from emapg.anchor import EMAAnchor
@@ -29,7 +30,14 @@ from emapg.models.zoo import policy_model, teacher_model, training_policy, weigh
 from emapg.rollout import DecodeLoop, response_budget
 from emapg.rollout.prompts import context_length, fit_prompts
 from emapg.rollout.sampling import SamplingSpec
-from emapg.run.checkpoint import Progress, intact_checkpoint, restore_training, starting_checkpoint, tied_names
+from emapg.run.checkpoint import (
+    CheckpointError,
+    Progress,
+    intact_checkpoint,
+    restore_training,
+    starting_checkpoint,
+    tied_names,
+)
 from emapg.run.evaluate import RunEvaluator
 from emapg.run.folder import check_teacher
 from emapg.run.metrics import MetricsWriter
@@ -290,7 +298,23 @@ def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: dict[str, list[i
         return intact_checkpoint(run_dir, names, warn=warn, known=known)
     if not cfg.init_from:
         return None
-    return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn, known=known)
+    try:
+        return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn, known=known)
+    except CheckpointError as e:  # healthy checkpoints of another model do not fit: say so, not only "damaged"
+        theirs = _model_of(Path(cfg.init_from))
+        if theirs is None or theirs == cfg.model:
+            raise
+        raise ConfigError(f"init_from: {cfg.init_from} is a run of model {theirs}, not {cfg.model}, and its "
+                          f"checkpoints do not fit this one ({e})") from None
+
+
+def _model_of(run_dir: Path) -> str | None:
+    """The ``model`` a run folder's config.yaml names, or None where it cannot be read."""
+    try:
+        model = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("model")
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -160,6 +160,8 @@ def latest_checkpoint(run_dir: Path) -> Path:
             return found[-1]
         raise FileNotFoundError(f"--resume {run_dir}: no checkpoint found ({pointer} does not exist)")
     try:
+        if not pointer.is_file():  # a FIFO or a device would be read for ever
+            raise ValueError("not a regular file")
         name = json.loads(pointer.read_text())["checkpoint"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{pointer} is damaged ({type(e).__name__}: {e})") from None
@@ -201,6 +203,8 @@ STATE_KEYS = ("step", "optimizer")  # what save_checkpoint itself writes; the tr
 
 def _read_state(path: Path) -> dict[str, Any]:
     file = path / "state.json"
+    if file.exists() and not file.is_file():  # a FIFO or a device would be read for ever
+        raise CheckpointError(f"{file} is damaged: not a regular file")
     try:
         state = json.loads(file.read_text())
     except (OSError, ValueError, UnicodeDecodeError) as e:
@@ -211,6 +215,11 @@ def _read_state(path: Path) -> dict[str, Any]:
     step = state["step"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{file} is damaged: step {step!r} is not a whole number >= 0")
+    opt = state["optimizer"]
+    if not (isinstance(opt, dict) and isinstance(opt.get("param_groups"), list)
+            and all(isinstance(g, dict) for g in opt["param_groups"]) and isinstance(opt.get("scalars", {}), dict)):
+        raise CheckpointError(f"{file} is damaged: its optimizer is {opt!r:.80}, not {{param_groups: [...], "
+                              "scalars: {...}}")
     if path.name[len("step_"):].isdigit() and _step_of(path) != step:
         raise CheckpointError(f"{file} is damaged: it says step {step}, its folder is {path.name}")
     return state

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from emapg.atomic import naming_failed_writes, write_text_atomic
 from emapg.backends import BACKENDS
 from emapg.config import ConfigError
 from emapg.rollout.sampling import SamplingSpec
@@ -51,6 +52,8 @@ def parse_sets(items: list[str] | None) -> list[tuple[str, str | None]]:
         name, eq, path = item.partition("=")
         if not eq or "/" in name or not name:
             name, path = Path(item).name.split(".")[0], item
+        if not path.strip():
+            raise ConfigError(f"--data {item}: no file after {name}= (NAME=FILE, or FILE)")
         named.append((name, path))
     return list(zip(unique_names([n for n, _ in named]), [p for _, p in named], strict=True))
 
@@ -148,8 +151,8 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
                     "max_new_tokens": plan.spec.max_new_tokens, "device": plan.device, "dtype": plan.dtype,
                     "backend": plan.backend, "seed": plan.seed, "protocol": plan.protocol,
                     "grader": plan.task_args.get("grader")}
-        (out / "eval.json").write_text(json.dumps({**settings, "rows": rows}, indent=1))
-        (out / "eval.md").write_text(markdown(rows))
+        write_text_atomic(out / "eval.json", json.dumps({**settings, "rows": rows}, indent=1))
+        write_text_atomic(out / "eval.md", markdown(rows))
     return rows
 
 
@@ -202,7 +205,8 @@ def model_labels(models: list[str]) -> dict[str, str | None]:
 
 def _write_records(out: Path, label: str | None, name: str, records: list[dict]) -> None:
     stem = f"{label}__{name}" if label else name
-    with open(out / f"{stem}.samples.jsonl", "w") as f:
+    target = out / f"{stem}.samples.jsonl"
+    with naming_failed_writes(target), open(target, "w") as f:  # a full disk names the file
         f.writelines(json.dumps(r, default=str) + "\n" for r in records)
 
 

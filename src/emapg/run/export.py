@@ -5,6 +5,7 @@ exported merged (base + adapters), the anchor with its averaged adapters."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from torch import nn
@@ -60,6 +61,8 @@ def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None =
     anchor.load_state_dict(dict(ckpt["anchor"]))
     out = Path(out) if out is not None else run_dir / f"export-step_{step:06d}"
     for name in ("policy", "anchor"):
+        check_replaceable(out / name)
+    for name in ("policy", "anchor"):
         with folder_atomic(out / name) as tmp:
             if name == "policy":
                 save_hf_folder(model, tokenizer, tmp)
@@ -67,6 +70,25 @@ def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None =
                 with anchor.use(model) as m:
                     save_hf_folder(m, tokenizer, tmp)
     return out
+
+
+EXPORTED = re.compile(r"config\.json|generation_config\.json|.*\.safetensors|model\.safetensors\.index\.json|"
+                      r"tokenizer.*|special_tokens_map\.json|chat_template\.jinja|added_tokens\.json|vocab\.json|"
+                      r"merges\.txt")
+"""The files a Hugging Face model folder holds (what an export writes)."""
+
+
+def check_replaceable(folder: Path) -> None:
+    """An export replaces ``folder`` whole: only when it is absent, empty, or a model folder holding nothing but a
+    model's files (an earlier export); otherwise a CheckpointError names what it would lose (nothing written)."""
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise CheckpointError(f"--out: {folder} is a file, not a folder an export may replace (nothing was written)")
+    other = sorted(p.name for p in folder.iterdir() if not (p.is_file() and EXPORTED.fullmatch(p.name)))
+    if other:
+        raise CheckpointError(f"--out: {folder} holds {', '.join(other[:5])}, not a model's files: an export replaces "
+                              "the folder whole; pick another --out (nothing was written)")
 
 
 def _checkpoint_folder(run_dir: Path, step: int | None) -> Path:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from emapg.atomic import append_line, naming_failed_writes, write_json_atomic, write_text_atomic
-from emapg.errors import EmapgError
+from emapg.errors import EmapgError, regular_file
 from emapg.models import distributed
 from emapg.run.outcomes import anchor_against_policy
 
@@ -179,6 +179,7 @@ def metrics_lines(path: Path, warn: bool = True) -> list[tuple[str, dict[str, An
     """The rows of a metrics.jsonl with their text, each a JSON object with a whole ``step`` >= 0; anything else
     is a MetricsError naming the file and the line. A last line cut short (a kill while it was written: no
     newline at its end) is dropped with a warning: its step is re-run on resume."""
+    regular_file(path, "metrics")  # a FIFO or a device would be read for ever
     raw = Path(path).read_bytes()
     lines = raw.decode("utf-8", errors="replace").split("\n")
     out = []

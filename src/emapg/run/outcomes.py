@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from emapg.errors import EmapgError, regular_file
 from emapg.stats import mcnemar_p
 
 
@@ -18,13 +19,21 @@ def final_outcomes(run: Path, model: str = "policy", which_set: str = "heldout",
     path, ids = run / "outcomes" / "outcomes.jsonl", run / "outcomes" / f"{which_set}.ids.json"
     if not path.exists():
         return None
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    mine = [x for x in lines if x["model"] == model and x["set"] == which_set]
-    if not mine:
-        return None
-    last = max(mine, key=lambda x: x["step"])
-    solved = [min(1, int(c)) for c in last["solved"]]
-    return (json.loads(ids.read_text()) if ids.exists() else list(range(len(solved)))), solved, last["step"]
+    try:
+        regular_file(path)
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        mine = [x for x in lines if x["model"] == model and x["set"] == which_set]
+        if not mine:
+            return None
+        last = max(mine, key=lambda x: x["step"])
+        solved = [min(1, int(c)) for c in last["solved"]]
+        if ids.exists():
+            regular_file(ids)
+        known = json.loads(ids.read_text()) if ids.exists() else list(range(len(solved)))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise EmapgError(f"{path.parent}: damaged outcomes ({type(e).__name__}: {e}); remove the folder to leave "
+                         "this run's problem-by-problem comparison out") from None
+    return known, solved, last["step"]
 
 
 def anchor_against_policy(run: Path, which_set: str = "heldout") -> str | None:

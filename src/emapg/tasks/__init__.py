@@ -64,7 +64,13 @@ def make_task(name: str, **kwargs: Any) -> Task:
     problems = task_args_problems(name, kwargs)
     if problems:
         raise ConfigError("; ".join(problems), problems)
-    return TASKS[name](**kwargs)
+    try:
+        return TASKS[name](**kwargs)
+    except TypeError as e:  # a task taking **kwargs passes them on, to a class that refuses one by name
+        if "unexpected keyword argument" not in str(e):
+            raise
+        key = str(e).rsplit("argument", 1)[-1].strip(" '\"")
+        raise ConfigError(f"task_args.{key}: task {name} does not take it ({e})") from None
 
 
 def _config_check(name: str, kwargs: dict[str, Any]) -> list[str]:

@@ -10,12 +10,13 @@ Templates (``template``):
 from __future__ import annotations
 
 import random
+import re
 
 from emapg.config import at_least, one_of
 from emapg.data import DataError, answer_text, check_text, load_rows
 from emapg.errors import ConfigError
 from emapg.rewards.math import boxed_format_reward, math_reward
-from emapg.rewards.math_reference import reference_math_reward
+from emapg.rewards.math_reference import gold_forms, normalize, reference_math_reward
 from emapg.tasks.base import Example, Task
 
 R1_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -45,6 +46,18 @@ def gold_answers(value, together: bool = False) -> list[str]:
             text = text[1:-1].strip()
         out.append(text)
     return out
+
+
+_WRAPPING = re.compile(r"\\(?:boxed|text|mathrm|textbf|mbox)|[{}$\s]")
+
+
+def gradable(golds: list[str], grader: str) -> bool:
+    """Whether some answer could match one of ``golds`` under ``grader``: the reference's accepted forms (a closed
+    ``\\boxed``) with a non-empty normal form, or for the lenient grader some text beside the LaTeX wrapping
+    (a gold of ``\\boxed{}`` or ``\\text{}`` matched nothing, or an empty answer)."""
+    if grader == "reference":
+        return any(normalize(form) for form in gold_forms(golds))
+    return any(_WRAPPING.sub("", gold) for gold in golds)
 
 
 def math_rows(path: str, problem_field: str, answer_field: str, alternatives: bool = False) -> list[dict]:
@@ -115,6 +128,10 @@ class MathTask(Task):
         alternatives = grader == "reference"
         train = math_rows(train_file, problem_field, answer_field, alternatives) if train_file else []
         held = math_rows(eval_file, problem_field, answer_field, alternatives) if eval_file else []
+        for row in (*train, *held):
+            if not gradable(row["answer"], grader):
+                raise DataError(f"{row['_source']}: the answer {row['answer']!r} has nothing the {grader} grader can "
+                                "match (it normalises to nothing, or its \\boxed is not closed): fix or drop the row")
         if not held:
             if train and len(train) <= eval_size:
                 raise ConfigError(f"task_args.train_file: {train_file} has {len(train)} rows, and without an eval_file "

@@ -17,6 +17,7 @@ import json
 import random
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from emapg.config import at_least, one_of, within
 from emapg.data import DataError, check_text, load_rows
@@ -58,6 +59,10 @@ def search_r1_question(question: str) -> str:
     return question if question.endswith("?") else question + "?"
 
 
+def _http_url(v: str | None) -> bool:
+    return v is None or (urlsplit(v).scheme in ("http", "https") and bool(urlsplit(v).netloc))
+
+
 def qa_rows(path: str, question_field: str = "question", answers_field: str = "answers") -> list[dict]:
     """QA rows with ``question``, ``answers`` (a list) and ``data_source``, from the published formats:
     ``{id, question, answers}`` (emapg's), FlashRAG's ``{id, question, golden_answers}``, and Search-R1's
@@ -70,10 +75,15 @@ def qa_rows(path: str, question_field: str = "question", answers_field: str = "a
         if "prompt" in row and "reward_model" in row:  # Search-R1's parquet: its prompt is what the reference read
             try:
                 content = row["prompt"][0]["content"]
-                row["answers"] = list(row["reward_model"]["ground_truth"]["target"])
+                row["answers"] = row["reward_model"]["ground_truth"]["target"]  # a list, or one answer alone
             except (TypeError, KeyError, IndexError) as e:
                 raise DataError(f"{row['_source']}: not a Search-R1 row (prompt[0].content, "
                                 f"reward_model.ground_truth.target): {type(e).__name__} {e}") from None
+            if not isinstance(content, str):
+                raise DataError(f"{row['_source']}: prompt[0].content is {type(content).__name__}, expected text")
+            if not isinstance(row.get("extra_info") or {}, dict):
+                raise DataError(f"{row['_source']}: extra_info is {type(row['extra_info']).__name__}, expected a "
+                                "mapping (its index names the row)")
             if "Question: " not in content:
                 raise DataError(f"{row['_source']}: the prompt holds no 'Question: ' to take the question from")
             row["question"] = content.partition("Question: ")[2].rstrip("\n")
@@ -153,7 +163,8 @@ class SearchQATask(Task):
             "one_hop_frac": within(0, 1), "format_weight": at_least(0, finite=True), "eval_size": at_least(1),
             "max_turns": at_least(1), "passages": at_least(1), "max_turn_tokens": at_least(1),
             "max_total_tokens": at_least(1), "max_info_tokens": at_least(0),
-            "retriever_timeout": at_least(0.1, finite=True)}
+            "retriever_timeout": at_least(0.1, finite=True),
+            "retriever_url": (_http_url, "expected http://host:port[/retrieve]")}
 
     def __init__(self, train_file: str | list[str] | None = None, eval_file: str | None = None,
                  index: str | None = None, retriever_url: str | None = None, synthetic: bool | dict | None = None,

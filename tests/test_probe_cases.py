@@ -1,0 +1,344 @@
+"""The second adversarial probe's findings (issue 56, 385 cases against e0b3ed4): each case that did not hold, as
+a test that failed on that code. Data a command would have lost, results silently wrong, reads that never end,
+and tracebacks for a user's mistake; the roots are fixed where they are (one regular-file rule for every file
+emapg reads, one typed reader, one bounded answer parser)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from emapg.cli import main
+from emapg.config import ConfigError, load_config
+from emapg.data import DataError, load_rows
+from emapg.errors import EmapgError
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "recipes" / "smoke.yaml"
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err
+
+
+# ---- files that never end: a FIFO waits for a writer for ever, a device such as /dev/zero never stops ---------
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "f.yaml"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("args", [["train", "--config", "{f}"], ["plan", "--config", "{f}"],
+                                  ["compare", "--spec", "{f}", "--out", "{d}/out"]])
+def test_a_fifo_given_as_a_file_is_refused_not_read_for_ever(fifo, tmp_path, capsys, args):
+    args = [a.format(f=fifo, d=tmp_path) for a in args]
+    assert main(args) == 2
+    assert f"{fifo}: a FIFO (a named pipe), not a regular file" in one_line(capsys)
+
+
+def test_every_reader_refuses_a_fifo_or_a_device(tmp_path):
+    os.mkfifo(tmp_path / "d.jsonl")
+    with pytest.raises(EmapgError, match="d.jsonl: a FIFO"):
+        load_rows(tmp_path / "d.jsonl")  # eval --data, task_args.train_file, index build --corpus
+    (tmp_path / "z.jsonl").symlink_to("/dev/zero")
+    with pytest.raises(EmapgError, match="z.jsonl: a device, not a regular file"):
+        load_rows(tmp_path / "z.jsonl")
+    child = tmp_path / "child.yaml"
+    os.mkfifo(tmp_path / "parent.yaml")
+    child.write_text("extends: parent\n")
+    with pytest.raises(EmapgError, match="extends: .*parent.yaml: a FIFO"):
+        load_config(child)
+
+
+def test_a_run_file_that_is_a_fifo_is_damaged_and_the_resume_falls_back(tmp_path):
+    from emapg.run.checkpoint import CheckpointError, _read_state, latest_checkpoint
+
+    folder = tmp_path / "checkpoints" / "step_000001"
+    folder.mkdir(parents=True)
+    os.mkfifo(folder / "state.json")
+    with pytest.raises(CheckpointError, match="state.json is damaged: not a regular file"):
+        _read_state(folder)
+    os.mkfifo(tmp_path / "checkpoints" / "latest")
+    with pytest.raises(CheckpointError, match="latest is damaged"):
+        latest_checkpoint(tmp_path)
+
+
+# ---- data a command would have lost --------------------------------------------------------------------------
+
+def test_kb_make_never_overwrites_files_that_are_not_its_own(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "train.jsonl").write_text('{"my": "data"}\n')
+    assert main(["kb", "make", "--out", str(mine)]) == 2
+    assert "train.jsonl already exist and are not this knowledge base" in one_line(capsys)
+    assert (mine / "train.jsonl").read_text() == '{"my": "data"}\n'
+    out = tmp_path / "kb"
+    assert main(["kb", "make", "--out", str(out)]) == 0 and main(["kb", "make", "--out", str(out)]) == 0  # again
+
+
+def test_an_export_replaces_only_a_model_folder(tmp_path):
+    from emapg.errors import EmapgError
+    from emapg.run.export import check_replaceable
+
+    check_replaceable(tmp_path / "absent")
+    model = tmp_path / "earlier"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        (model / name).write_text("x")
+    check_replaceable(model)  # an earlier export: replaced
+    (model / "notes.txt").write_text("mine")
+    with pytest.raises(EmapgError, match=r"holds notes.txt, not a model's files"):
+        check_replaceable(model)
+
+
+def test_compare_moves_no_folder_a_live_writer_holds(tmp_path, capsys):
+    import fcntl
+
+    from emapg.lab.study import load_spec, run_all
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"base: {SMOKE}\nseeds: [0]\nconfigs: {{a: [steps=1]}}\n")
+    run = tmp_path / "out" / "a" / "seed0"
+    run.mkdir(parents=True)
+    (run / ".emapg-run").write_text("")
+    (run / "metrics.jsonl").write_text("")
+    with open(run / ".emapg.lock", "w") as held:  # held as a live `emapg train` holds it (another open file)
+        held.write("424242")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ConfigError, match=r"another emapg process \(PID 424242\) is writing this run folder"):
+            run_all(load_spec(spec), tmp_path / "out", log=lambda m: None)
+    assert (run / "metrics.jsonl").exists() and not run.with_name("seed0.stale").exists()  # nothing moved
+
+
+# ---- results silently wrong ------------------------------------------------------------------------------------
+
+def test_a_search_r1_target_given_as_one_string_is_one_answer(tmp_path):
+    from emapg.tasks.search_qa import qa_rows
+
+    row = {"data_source": "nq", "prompt": [{"role": "user", "content": "Question: capital of France?\n"}],
+           "reward_model": {"ground_truth": {"target": "Paris"}}, "extra_info": {"index": 3}}
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    assert qa_rows(str(tmp_path / "d.jsonl"))[0]["answers"] == ["Paris"]  # was ['P', 'a', 'r', 'i', 's']
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_gold_answer_that_is_not_a_finite_number_is_refused(tmp_path, bad):
+    from emapg.tasks.math import math_rows
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"problem": "p", "answer": bad}) + "\n")
+    with pytest.raises(DataError, match="expected text or a finite number"):
+        math_rows(str(tmp_path / "d.jsonl"), "problem", "answer")
+
+
+@pytest.mark.parametrize("gold", ["\\boxed{}", "{}", "\\text{}", "\\boxed{"])
+@pytest.mark.parametrize("grader", ["reference", "lenient"])
+def test_a_gold_answer_nothing_could_match_is_refused_at_load(tmp_path, gold, grader):
+    from emapg.tasks.math import MathTask, gradable
+
+    assert not gradable([gold], grader) and gradable(["\\frac{1}{2}"], grader) and gradable(["0"], grader)
+    rows = [{"problem": f"p{i}", "answer": "3"} for i in range(3)] + [{"problem": "q", "answer": gold}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=f"line 4: the answer .* has nothing the {grader} grader can match"):
+        MathTask(train_file=str(tmp_path / "d.jsonl"), eval_size=1, grader=grader)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["plan", "--config", "smoke", "--response-tokens", "0"], "--response-tokens: must be a finite number > 0, got 0"),
+    (["plan", "--config", ""], "--config: empty"),
+    (["train", "--config", ""], "--config: empty"),
+    (["eval", "--model", "tiny-llama", "--task", "math", "--data", "x="], "--data x=: no file after x="),
+    (["train", "--config", "smoke", "wandb_project=x\udcff"], "is not UTF-8 text (byte 0xff)"),
+    (["train", "--config", "smoke", "seed=99999999999999999999"], "seed: must be in"),
+])
+def test_what_was_read_as_not_given_or_passed_on_is_refused(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's own refusal (an argument that is not UTF-8)
+        code = e.code
+    assert code == 2 and message in one_line(capsys)
+    assert not list(tmp_path.iterdir())  # nothing started
+
+
+# ---- work bounded per completion, and a server that drips its answer -------------------------------------------
+
+def test_the_answer_parser_is_the_regular_expression_in_linear_time():
+    from emapg.tags import ANSWER_RE, answers_in, extract_answer
+
+    rng = random.Random(0)
+    pieces = ["<answer>", "</answer>", "a", "b\n", "<ans", ">", " "]
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        assert answers_in(text) == ANSWER_RE.findall(text), text
+    assert extract_answer("<answer>" * 20000) is None  # the regular expression took seconds here (quadratic)
+
+
+def test_the_retrieval_client_gives_up_on_a_server_that_drips_its_answer():
+    from emapg.retrieval import RetrieverError
+    from emapg.retrieval.client import HTTPRetriever
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    stop = threading.Event()
+
+    def drip():
+        while not stop.is_set():
+            try:
+                server.settimeout(0.2)
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+            while not stop.is_set():  # a byte well inside the socket timeout, for ever
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    break
+                time.sleep(0.1)
+            conn.close()
+
+    threading.Thread(target=drip, daemon=True).start()
+    client = HTTPRetriever(f"http://127.0.0.1:{server.getsockname()[1]}", timeout=1.0, retries=1, backoff=0.1)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RetrieverError, match="failed after 2 attempts: TimeoutError"):
+            client._post({"queries": ["q"], "topk": 1})
+    finally:
+        stop.set()
+        server.close()
+    assert time.monotonic() - t0 < 30  # a deadline per attempt (it never returned before)
+
+
+# ---- tracebacks for a user's mistake ---------------------------------------------------------------------------
+
+def test_a_state_json_with_a_wrong_optimizer_is_damaged(tmp_path):
+    from emapg.run.checkpoint import CheckpointError, _read_state
+
+    folder = tmp_path / "step_000001"
+    folder.mkdir()
+    for bad in (None, {"param_groups": "x"}, {"param_groups": [1]}):
+        (folder / "state.json").write_text(json.dumps({"step": 1, "optimizer": bad}))
+        with pytest.raises(CheckpointError, match="state.json is damaged: its optimizer is"):
+            _read_state(folder)
+
+
+@pytest.mark.parametrize("file,text,message", [
+    ("eval.json", "[1, 2]", "eval.json: expected {policy: {accuracy: N}, ...}, got [1, 2]"),
+    ("eval.json", '{"init": {"accuracy": 0.5}}', "eval.json: expected {policy"),
+    ("eval.json", '{"policy": ', "eval.json: damaged (JSONDecodeError"),
+    ("compute.json", "{garbage", "compute.json: damaged"),
+    ("metrics.jsonl", "", "metrics.jsonl: no rows"),
+])
+def test_a_studys_report_names_a_damaged_run_file(tmp_path, file, text, message):
+    from emapg.lab.report import summarize
+    from emapg.lab.study import Spec
+
+    run = tmp_path / "a" / "seed0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5, "eval/policy_accuracy": 0.5}) + "\n")
+    (run / "eval.json").write_text(json.dumps({"policy": {"accuracy": 0.5}}))
+    (run / "compute.json").write_text(json.dumps({"seconds": 1.0}))
+    (run / file).write_text(text)
+    with pytest.raises(EmapgError, match=message.replace("[", r"\[").replace("(", r"\(").replace("{", r"\{")):
+        summarize(Spec(base=SMOKE, overrides=[], seeds=[0], configs={"a": []}), tmp_path)
+
+
+def test_an_index_cut_short_is_named(tmp_path):
+    from emapg.retrieval.passages import PASSAGES_FILE, read_passages
+
+    (tmp_path / PASSAGES_FILE).write_text('{"id": "1", "title": "t", "text": "x"}\n{"id": "2", "ti')
+    with pytest.raises(DataError, match=f"{PASSAGES_FILE}, line 2: damaged"):
+        read_passages(tmp_path)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_key_value_heads": 0}, "num_key_value_heads is 0, expected a whole number >= 1"),
+    ({"num_key_value_heads": 3}, "num_attention_heads (16) is not a multiple of num_key_value_heads (3)"),
+    ({"head_dim": 0}, "head_dim is 0"),
+    ({"hidden_size": 64.5}, "config.json: Validation error for field 'hidden_size'"),
+    ({"vocab_size": "removed"}, "config.json has no vocab_size"),
+])
+def test_the_plan_names_a_config_json_no_model_could_have(tmp_path, change, message):
+    from emapg.models import plan as P
+
+    config = json.loads((ROOT / "tests/fixtures/model_configs/qwen2.5-3b/config.json").read_text())
+    config = {k: v for k, v in {**config, **change}.items() if v != "removed"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        P.shape_of(P.model_config(str(tmp_path)))
+
+
+def test_an_extended_file_that_is_not_utf8_names_its_line(tmp_path):
+    (tmp_path / "base.yaml").write_bytes(b"model: tiny-llama\n# caf\xe9\n")
+    (tmp_path / "child.yaml").write_text("extends: base\n")
+    with pytest.raises(ConfigError, match=r"extends: .*base.yaml, line 2: not UTF-8 text \(byte 0xe9\)"):
+        load_config(tmp_path / "child.yaml")
+
+
+def test_a_plugin_task_passing_an_unknown_keyword_on_is_named(monkeypatch):
+    from emapg.tasks import TASKS, make_task
+    from emapg.tasks.arithmetic import ArithmeticTask
+
+    class Loose(ArithmeticTask):
+        def __init__(self, digits: int = 1, **kwargs):
+            super().__init__(digits=digits, **kwargs)
+
+    monkeypatch.setitem(TASKS, "loose", Loose)
+    with pytest.raises(ConfigError, match="task_args.digitz: task loose does not take it"):
+        make_task("loose", digitz=2)
+
+
+def test_lora_targets_that_name_no_module_are_named():
+    from emapg.models.zoo import policy_model
+
+    cfg = load_config(SMOKE, ["lora.r=4", "lora.target_modules=[nope]"])
+    with pytest.raises(ConfigError, match=r"lora.target_modules: \['nope'\] names no module of tiny-llama"):
+        policy_model(cfg)
+
+
+def test_a_cut_weights_file_is_named(tmp_path):
+    from emapg.models.zoo import load_model, save_hf_folder
+
+    model, tok = load_model("tiny-llama")
+    save_hf_folder(model, tok, tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(ConfigError, match=r"model: .*m: its weights cannot be read"):
+        load_model(str(tmp_path / "m"))
+
+
+def test_a_batch_that_does_not_split_over_nproc_is_refused_before_torchrun(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--nproc", "2", "--config", "smoke", "--out", "r", "prompts_per_step=3",
+                 "micro_batch_prompts=1"]) == 2
+    assert "prompts_per_step: 3 does not split over 2 processes" in one_line(capsys)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_folders_plugins_given_as_one_string_are_named_whole(tmp_path):
+    (tmp_path / "config.yaml").write_text("plugins: /somewhere/evil.py\nmodel: tiny-llama\n")
+    with pytest.raises(ConfigError, match=r"it names plugins \(/somewhere/evil.py\)"):
+        load_config(tmp_path / "config.yaml", trust_plugins=False)
+
+
+def test_math_is_finite_everywhere_a_gold_is_read():
+    from emapg.data import answer_text
+
+    assert answer_text(142.0) == "142" and answer_text(2.5) == "2.5"
+    with pytest.raises(DataError):
+        answer_text(math.nan)
