@@ -185,7 +185,8 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
         if type(e).__name__ not in ("SafetensorError", "HeaderTooLarge", "OSError", "EnvironmentError") \
                 and not isinstance(e, OSError):
             raise
-        raise ConfigError(f"model: {path}: its weights cannot be read ({type(e).__name__}: "
+        files = sorted(p.name for p in Path(path).glob("*.safetensors")) or ["its weights"]
+        raise ConfigError(f"model: {path}: {', '.join(files)} cannot be read ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]})") from None
     return model, load_tokenizer(path, trust_remote_code)
 

@@ -59,7 +59,7 @@ class HTTPRetriever:
             health = self.url.removesuffix("/retrieve") + "/health"
             try:
                 with urllib.request.urlopen(health, timeout=self.timeout) as resp:
-                    stated = json.loads(resp.read()).get("limits")
+                    stated = json.loads(_read_by(resp, time.monotonic() + self.timeout)).get("limits")
             except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError, AttributeError):
                 stated = None
             self._limits = _valid_limits(stated)
