@@ -198,10 +198,10 @@ def main() -> None:
 
         tr.rollout = counted
         timer = PartTimer(tr)
-        rows, parts = [], []
+        rows, timed = [], []
         for s in range(1, args.steps + 1):
             rows.append(tr.train_step(s))
-            parts.append(timer.take())
+            timed.append(timer.take())
         timer.close()
         model_cfg, params = tr.model.config, sum(p.numel() for p in tr.model.parameters())
     measured = {"generation": [r["gen_seconds"] for r in rows[1:]], "anchor": [r["anchor_seconds"] for r in rows[1:]],
@@ -225,7 +225,7 @@ def main() -> None:
                         "ratio": seconds / floor, "rate_gflops": {k: v / 1e9 for k, v in rates[phase].items()},
                         "floor_streamed_s": floor_streamed, "ratio_streamed": seconds / floor_streamed,
                         "rate_streamed_gflops": {k: v / 1e9 for k, v in streamed.get(phase, rates[phase]).items()}}
-    by_part = update_parts(params, parts[1:], measured["update"], flops["anchor"], rates["update"], copy_rate())
+    by_part = update_parts(params, timed[1:], measured["update"], flops["anchor"], rates["update"], copy_rate())
     total_floor = sum(t["floor_s"] for t in table.values())
     total_streamed = sum(t["floor_streamed_s"] for t in table.values())
     step = statistics.median(measured["step"])
