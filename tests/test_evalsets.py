@@ -235,8 +235,8 @@ def test_eval_of_a_merged_search_r1_file_prints_a_row_per_source(tmp_path):
      "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
     (["--model", "tiny-llama", "--task", "math", "--dtype", "int8"], "--dtype: expected one of float32, bfloat16"),
     (["--model", "tiny-llama", "--task", "math", "--samples", "0", "--top-p", "2", "--backend", "nope"],
-     "--samples: must be >= 1, got 0; --top-p: must be in (0, 1], got 2.0; --backend: expected a "
-     "backend of emapg.backends.BACKENDS: hf, vllm, got 'nope'"),
+     "--backend: expected a backend of emapg.backends.BACKENDS: hf, vllm, got 'nope'; --top-p: must be in (0, 1], "
+     "got 2.0; --samples: must be >= 1, got 0"),
     (["--model", "tiny-llama", "--task", "math", "--temperature", "-1"], "--temperature: must be > 0, got -1.0"),
     (["--model", "tiny-llama", "--task", "math", "--plugins", "no_such_plugin_module"],
      "plugins: no_such_plugin_module: No module named 'no_such_plugin_module'"),

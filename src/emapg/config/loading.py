@@ -17,7 +17,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from emapg.atomic import write_text_atomic
-from emapg.config.rules import validate
+from emapg.config.rules import args_problems, validate
 from emapg.config.schema import RolloutConfig, TrainConfig
 from emapg.errors import ConfigError, regular_file
 from emapg.settings import all_of, moved_hint, typed
@@ -160,7 +160,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                           f"{TRUST_FLAG} (read them first)")
     try:
         import_plugins(data.get("plugins") or [])
-        cfg = typed(TrainConfig, data, "", MOVED)  # every field's type and own rule: all problems at once
+        try:
+            cfg = typed(TrainConfig, data, "", MOVED)  # every field's type and own rule: all problems at once
+        except ConfigError as e:  # and task_args and backend_args, checked on what was read, in the same message
+            raise all_of(e.problems + (args_problems(e.partial) if e.partial is not None else [])) from None
         validate(cfg)
     except ConfigError as e:  # each problem blamed on where its value came from: the file or an override
         blames = [_blamed(p, source, overrides or []) for p in e.problems]

@@ -76,9 +76,9 @@ def validate(cfg: TrainConfig) -> None:
     try:
         check_fields({name: value_of(cfg, name) for name in RULES})  # first: the rules across fields assume these
     except ConfigError as e:
-        raise all_of(e.problems + _task_args_problems(cfg)) from None
+        raise all_of(e.problems + args_problems(cfg)) from None
     problems = [f"{name}: {message(cfg)}" for name, ok, message in CONSISTENCY if not ok(cfg)]
-    problems += _task_args_problems(cfg)
+    problems += args_problems(cfg)
     if problems:
         raise all_of(problems)
 
@@ -88,7 +88,7 @@ TASK_ARGS_CHECKS: list[Callable[[str, dict[str, Any]], list[str]]] = []
 registers its own when imported (the tasks build on this module, not the other way round)."""
 
 
-def _task_args_problems(cfg: TrainConfig) -> list[str]:
+def args_problems(cfg: TrainConfig) -> list[str]:
     """What the registered task checks find wrong in ``task_args`` (by the task's signature and ``ARGS`` rules),
     and the backend's own check of ``rollout.backend_args`` (its declared settings)."""
     problems = []

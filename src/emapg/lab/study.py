@@ -134,9 +134,8 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
                 # its config.yaml came from the user's spec: its plugins are the user's own
                 cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run), "--trust-plugins"]
             elif run.exists():  # stopped before its first checkpoint: start it again, its leftovers set aside
-                check_not_busy(run)  # unless a live writer holds it (its lock's PID named; nothing moved)
-                stale = run.with_name(run.name + ".stale")  # (the last failure's log stays readable there)
-                shutil.rmtree(stale, ignore_errors=True)
+                check_not_busy(run)  # (unless a live writer holds it); the last failure's log stays in .stale
+                shutil.rmtree(stale := run.with_name(run.name + ".stale"), ignore_errors=True)
                 run.rename(stale)
             pending.append((run, cmd, f"[{done}/{total}] {name} seed {seed}: {' '.join(cmd[3:])}"))
     running: list[tuple[Path, subprocess.Popen, float, Any]] = []
