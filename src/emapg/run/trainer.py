@@ -252,7 +252,8 @@ class Trainer(Run):
         evaluated weights (the policy's are the version the next rollout asks for; the anchor's are not, so
         that rollout pushes the policy back) and sleeps again after, as after a rollout."""
         model = self.anchor.use(self.model) if which == "anchor" else contextlib.nullcontext(self.model)
-        evaluates = BACKENDS[self.cfg.rollout.backend].for_eval is not None  # else the evaluator's decode loop
+        evaluates = self.engine is not None and BACKENDS[self.cfg.rollout.backend].for_eval is not None  # else the
+        # evaluator's decode loop (the hf backend's, or with no engine at all)
         with model as m, gathered(m) as g, self._autocast():
             if not evaluates:  # the decode loop (a backend that samples for training only: there too)
                 return self.evaluator.run(g, which, self.progress.step, sets, reuse=reuse)
