@@ -187,8 +187,9 @@ def typed(cls, data: dict[str, Any], where: str = "", moved: Moved = None):
     if unknown:
         problems.append(f"{where or 'top level'}: unknown key(s) {', '.join(sorted(unknown))}; "
                         f"known: {', '.join(hints)}" + moved_hint(moved, where, unknown))
-    missing = [k for k, f in declared.items() if k not in data and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    required = {k for k, f in declared.items() if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING}
+    missing = [k for k in declared if k in required and k not in data]
     problems += [f"{where}.{k}: missing (required)" if where else f"{k}: missing (required)" for k in missing]
     for k, v in data.items():
         if k in hints:
@@ -203,8 +204,6 @@ def typed(cls, data: dict[str, Any], where: str = "", moved: Moved = None):
             if (rule := declared[k].metadata.get("rule")) is not None:
                 problems += rule_problems({name: rule}, {name: kwargs[k]})
     if problems:
-        required = {k for k, f in declared.items() if f.default is dataclasses.MISSING
-                    and f.default_factory is dataclasses.MISSING}
         raise all_of(problems, cls(**kwargs) if required <= set(kwargs) else None)
     return cls(**kwargs)
 
