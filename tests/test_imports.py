@@ -79,8 +79,8 @@ def test_emapg_has_no_import_cycle():
 LAYERS = [
     ("foundations", ["emapg", "emapg.errors", "emapg.atomic", "emapg.data", "emapg.tags", "emapg.kl", "emapg.objective",
                      "emapg.logprobs", "emapg.rollout.batch", "emapg.rollout.sampling", "emapg.rewards",
-                     "emapg.rewards.math", "emapg.rewards.math_reference", "emapg.rewards.qa", "emapg.tasks.base",
-                     "emapg.tasks.multihop_kb",
+                     "emapg.rewards.magnitude", "emapg.rewards.math", "emapg.rewards.math_reference",
+                     "emapg.rewards.qa", "emapg.tasks.base", "emapg.tasks.multihop_kb",
                      "emapg.retrieval.client", "emapg.integrations", "emapg.stats", "emapg.backends",
                      "emapg.rollout.vllm_settings", "emapg.models", "emapg.settings",
                      "emapg.run", "emapg.lab"]),

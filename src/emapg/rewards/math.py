@@ -2,14 +2,26 @@
 
 The completion's answer is its last ``\\boxed{...}`` when there is one, else whatever math-verify
 extracts (a final LaTeX expression or number). Equivalence is symbolic and numeric (fractions vs
-decimals, intervals, tuples, sets, units stripped). Model text is parsed, never executed, and
-math-verify bounds each parse and comparison in time, so no answer can hang training.
+decimals, intervals, tuples, sets, units stripped). Model text is parsed, never executed, and its work is
+bounded per completion (measured in ``bench/grader_bounds.py``):
+
+- an answer is parsed within :data:`PARSE_SECONDS` (answers parse in milliseconds; a 35,000-item tuple took
+  minutes), and a boxed answer longer than :data:`LONG_ANSWER` characters and twice the gold's length is
+  compared as text only, not parsed;
+- a parsed form whose exact numbers would exceed :data:`emapg.rewards.magnitude.DIGITS_LIMIT` digits
+  (``99999999!``, ``10^{10^{10}}``) is compared as text only, never computed;
+- math-verify bounds each comparison at ``timeout`` seconds.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
+from emapg.rewards.magnitude import too_large
+
+PARSE_SECONDS = 1
+LONG_ANSWER = 500
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
 
@@ -59,10 +71,13 @@ def _normalise_number_text(s: str) -> str:
     return s
 
 
-def _parse(text: str, timeout: int | None):
+def _parse(text: str, timeout: int | None) -> list:
+    """math-verify's forms of a text (a sympy expression and its string), the sympy ones dropped where their
+    numbers are too large to compute (the string forms still compare)."""
     from math_verify import parse
 
-    return parse(text, parsing_timeout=timeout)
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeout warnings print the whole completion
+    return [form for form in parse(text, parsing_timeout=timeout) if isinstance(form, str) or not too_large(form)]
 
 
 def math_reward(completion: str, answer: str, timeout: int = 5) -> float:
@@ -82,8 +97,11 @@ def math_reward(completion: str, answer: str, timeout: int = 5) -> float:
     if not gold:
         return 0.0
     boxed = last_boxed(completion)
-    pred_text = f"${_normalise_number_text(boxed)}$" if boxed is not None else completion
-    pred = _parse(pred_text, timeout)
+    if boxed is not None and len(boxed) > max(LONG_ANSWER, 2 * len(gold_text)):
+        pred = [_normalise_number_text(boxed)]  # compared with the gold's string form
+    else:
+        pred_text = f"${_normalise_number_text(boxed)}$" if boxed is not None else completion
+        pred = _parse(pred_text, timeout and min(timeout, PARSE_SECONDS))
     if not pred:
         return 0.0
     try:

@@ -19,16 +19,19 @@ The rules, in order:
 5. **Truncated** responses score 0 (rLLM's engine resets the reward of a response that ran out of tokens),
    which the caller applies (:func:`emapg.tasks.scoring.score_completions`).
 
-Ours alone: sympy's simplification is bounded in time in the main thread (5 s, then not equal) so that no
-answer hangs training; the reference has no bound. sympy's parser evaluates the normalised answer in sympy's
-namespace, as the reference does, and only where the reference deems it safe: at most two distinct letters (no
-import, no builtin call can be spelled), no braced or large exponent.
+Ours alone: an answer whose exact numbers would exceed 10,000 digits (``99999999!``, ``9**9**9``: the reference
+computes them for minutes or hours, or until memory runs out) is not equal, decided from its unevaluated parse
+(:mod:`emapg.rewards.magnitude`); and sympy's simplification is bounded in time in the main thread (5 s, then not
+equal) so that no answer hangs training; the reference has no bound. sympy's parser evaluates the normalised
+answer in sympy's namespace, as the reference does, and only where the reference deems it safe: at most two
+distinct letters (no import, no builtin call can be spelled), no braced or large exponent.
 """
 
 from __future__ import annotations
 
 import re
 
+from emapg.rewards.magnitude import too_large
 from emapg.rewards.math import closing_brace
 
 THINK_END = "</think>"
@@ -248,9 +251,25 @@ def _safe_to_evaluate(expr: str) -> bool:
     return len(letters) <= 2 and "^{" not in expr and "^(" not in expr and not any(r.search(expr) for r in _UNSAFE)
 
 
+def _parsed(expr: str, evaluate: bool = True):
+    """The reference's sympy parse of a normalised difference; unevaluated, with factorials left unevaluated too
+    (sympy's parser computes ``99999999!`` as it reads it), for :func:`emapg.rewards.magnitude.too_large`."""
+    import sympy
+    from sympy.parsing import sympy_parser
+
+    transformations = sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)
+    if evaluate:
+        return sympy_parser.parse_expr(expr.replace("^", "**"), transformations=transformations)
+    held = {"factorial": lambda n: sympy.factorial(n, evaluate=False),
+            "factorial2": lambda n: sympy.factorial2(n, evaluate=False)}
+    return sympy_parser.parse_expr(expr.replace("^", "**"), transformations=transformations, local_dict=held,
+                                   evaluate=False)
+
+
 def sympy_equal(gold: str, given: str, timeout: int = 5) -> bool:
-    """``simplify(gold - given) == 0`` for normalised elements, when safe to evaluate; bounded in time in the
-    main thread (then: not equal)."""
+    """``simplify(gold - given) == 0`` for normalised elements, when safe to evaluate; not equal, without
+    computing, when its numbers would exceed :data:`~emapg.rewards.magnitude.DIGITS_LIMIT` digits; bounded in
+    time in the main thread (then: not equal)."""
     import signal
     import threading
 
@@ -258,12 +277,15 @@ def sympy_equal(gold: str, given: str, timeout: int = 5) -> bool:
     if not _safe_to_evaluate(expr):
         return False
     import sympy
-    from sympy.parsing import sympy_parser
 
     def check() -> bool:
-        parsed = sympy_parser.parse_expr(expr.replace("^", "**"), transformations=(
-            sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)))
-        return sympy.simplify(parsed) == 0
+        try:
+            unevaluated = _parsed(expr, evaluate=False)
+        except Exception:  # the reference's parse alone decides
+            unevaluated = None
+        if unevaluated is not None and too_large(unevaluated):
+            return False
+        return sympy.simplify(_parsed(expr)) == 0
 
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
         try:
