@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from emapg.errors import EmapgError, regular_file
+from emapg.errors import EmapgError, not_utf8, regular_file
 
 SHIPPED = Path(__file__).resolve().parent / "data_files"  # data the recipes need, named emapg:NAME
 
@@ -109,8 +109,7 @@ def _read_json(path: Path) -> list[tuple[str, dict]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise DataError(f"{path}, line {line}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
+        raise DataError(f"{path}, {not_utf8(e)}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -55,3 +55,10 @@ def regular_file(path, what: str = "") -> None:
                 else "not a regular file")
         raise NotAFile(f"{what + ' ' if what else ''}{Path(path)}: {kind}, not a regular file; emapg reads "
                        "configs, data and run files only from regular files")
+
+
+def not_utf8(e: UnicodeDecodeError) -> str:
+    """Where a whole file's bytes stop being UTF-8, for a message after its name: ``line N: not UTF-8 text (byte
+    0xNN)``."""
+    line = e.object[: e.start].count(b"\n") + 1
+    return f"line {line}: not UTF-8 text (byte {e.object[e.start]:#04x})"

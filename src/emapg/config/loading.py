@@ -19,7 +19,7 @@ import yaml
 from emapg.atomic import write_text_atomic
 from emapg.config.rules import args_problems, validate
 from emapg.config.schema import RolloutConfig, TrainConfig
-from emapg.errors import ConfigError, regular_file
+from emapg.errors import ConfigError, not_utf8, regular_file
 from emapg.settings import all_of, moved_hint, typed
 
 SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -137,9 +137,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except OSError as e:
             raise ConfigError(f"config file {path}: {e.strerror}") from e
         except UnicodeDecodeError as e:
-            line = e.object[: e.start].count(b"\n") + 1
-            byte = e.object[e.start]
-            raise ConfigError(f"config file {path}, line {line}: not UTF-8 text (byte {byte:#04x})") from None
+            raise ConfigError(f"config file {path}, {not_utf8(e)}") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -271,9 +269,7 @@ def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[
     try:
         parent = yaml.safe_load(base.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
-        line = e.object[: e.start].count(b"\n") + 1
-        raise ConfigError(f"config file {path}: extends: {base}, line {line}: not UTF-8 text (byte "
-                          f"{e.object[e.start]:#04x})") from None
+        raise ConfigError(f"config file {path}: extends: {base}, {not_utf8(e)}") from None
     except OSError as e:
         raise ConfigError(f"config file {path}: extends: {base}: {e.strerror}") from None
     except yaml.YAMLError as e:

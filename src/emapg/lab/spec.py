@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from emapg.config import ConfigError, across_rules, setting, typed
-from emapg.errors import regular_file
+from emapg.errors import not_utf8, regular_file
 
 _OVERRIDES = ((lambda v: all("=" in o for o in v)), "expected a list of KEY=VALUE overrides")
 _PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
@@ -109,12 +109,11 @@ def read_spec_file(path: str | Path) -> SpecFile:
     path = Path(path)
     regular_file(path, "--spec")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"{path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        line = e.object[: e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}, line {line}: not UTF-8 text (byte {e.object[e.start]:#04x})") from None
+        raise ConfigError(f"{path}, {not_utf8(e)}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f", line {mark.line + 1}" if mark is not None else ""
