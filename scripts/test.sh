@@ -11,7 +11,7 @@ if [ "${EMAPG_VLLM:-}" = "cpu" ] && [ ! -x .venv-vllm/bin/python ]; then  # aske
   exit 1
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-.venv/bin/ruff check src tests bench examples
+.venv/bin/ruff check src tests bench examples studies
 # the 15 slowest tests end the log: the default suite is kept under 10 minutes
 .venv/bin/python -m pytest -q -rs --durations=15 "$@"   # -rs: every skipped test with its reason
 if [ $# -eq 0 ]; then  # the docs' slow blocks too (the README's main job, --nproc 2, compare, TRL, vLLM), scaled

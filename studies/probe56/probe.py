@@ -168,7 +168,7 @@ class Ctx:
         r = Result(shown, proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
                    timed_out, time.monotonic() - t0, timeout)
         if log:
-            self.outputs.append(f"$ {shown}\n[exit {r.rc}{', TIMED OUT after %ds' % timeout if timed_out else ''}, "
+            self.outputs.append(f"$ {shown}\n[exit {r.rc}{f', TIMED OUT after {timeout}s' if timed_out else ''}, "
                                 f"{r.seconds:.1f} s]\n{r.tail()}")
         return r
 
@@ -449,7 +449,8 @@ def r1_compare_live_child(c):
         if moved or not live.exists() or changed(before, digest(live)):
             return LOST, ("compare renamed the live run's folder out/a/seed0 to out/a/seed0.stale (the live "
                           "writer's files moved under it)" if moved else
-                          f"the live run's files changed: {changed(before, digest(live)) if live.exists() else 'folder gone'}")
+                          "the live run's files changed: "
+                          f"{changed(before, digest(live)) if live.exists() else 'folder gone'}")
         return refused(r, [str(os.getpid())])
     finally:
         w.close()
@@ -627,7 +628,7 @@ def r2_resume_force_taskargs(c):
 
 @case("2", "`latest` names a checkpoint of another run (../../other/checkpoints/step_000002)")
 def r2_latest_elsewhere(c):
-    run = c.copy_run()
+    c.copy_run()
     c.copy_run("other")
     c.write("run/checkpoints/latest", json.dumps({"checkpoint": "../../other/checkpoints/step_000002",
                                                   "step": 2}))
@@ -644,7 +645,7 @@ def r2_latest_elsewhere(c):
 
 @case("2", "`latest` holds an absolute path to another run's checkpoint")
 def r2_latest_absolute(c):
-    run = c.copy_run()
+    c.copy_run()
     c.copy_run("other")
     c.write("run/checkpoints/latest", json.dumps({"checkpoint": str(c.dir / "other/checkpoints/step_000002"),
                                                   "step": 2}))
@@ -656,7 +657,8 @@ def r2_latest_absolute(c):
     return refused(r, ["latest"])
 
 
-@case("2", "a run stopped during its end's export (export/anchor missing, finished.json of an earlier step): resume finishes it")
+@case("2", "a run stopped during its end's export (export/anchor missing, finished.json of an earlier step): "
+           "resume finishes it")
 def r2_resume_finish_export(c):
     run = c.copy_run()
     c.sh("rm -rf run/export/anchor && echo '{\"step\": 1}' > run/finished.json")
@@ -732,7 +734,7 @@ def r2_index_rebuild_bad(c):
 
 @case("2", "`export RUN --out EXP` again after the checkpoint was damaged: the earlier export kept")
 def r2_export_again_damaged(c):
-    run = c.copy_run()
+    c.copy_run()
     r0 = c.cli(["export", "run", "--out", "exp"])
     if r0.rc != 0:
         return succeeded(r0) or (UNCLEAR, "first export failed")
@@ -1446,7 +1448,8 @@ def r4_jsonl_bom(c):
 
 @case("4", "corpus JSONL with a non-UTF-8 byte on line 2 (index build)")
 def r4_corpus_latin1(c):
-    c.write("c.jsonl", jsonl(CORPUS[:1]).encode() + '{"id": "9", "title": "Caf\u00e9", "text": "x"}\n'.encode("latin-1"))
+    latin1 = '{"id": "9", "title": "Caf\u00e9", "text": "x"}\n'.encode("latin-1")
+    c.write("c.jsonl", jsonl(CORPUS[:1]).encode() + latin1)
     return refused(c.cli(["index", "build", "--corpus", "c.jsonl", "--out", "idx"]), ["c.jsonl", "line 2"])
 
 
@@ -1542,7 +1545,7 @@ def r5_resume_plugin(c):
 
 @case("5", "`eval --run RUN` where RUN/config.yaml `extends:` a file beside it that names a plugin")
 def r5_extends_plugin(c):
-    run = c.copy_run()
+    c.copy_run()
     marker = c.dir / "PWNED"
     c.write("evil.py", EVIL.format(marker=str(marker)))
     c.write("run/base.yaml", f"plugins: [{c.dir / 'evil.py'}]\n")
@@ -1555,7 +1558,7 @@ def r5_extends_plugin(c):
 
 @case("5", "`eval --run RUN` whose config.yaml gives plugins as a string (not a list), no --trust-plugins")
 def r5_plugins_string(c):
-    run = c.copy_run()
+    c.copy_run()
     marker = c.dir / "PWNED"
     c.write("evil.py", EVIL.format(marker=str(marker)))
     c.sh(f"sed -i 's|^plugins: .*|plugins: {c.dir / 'evil.py'}|' run/config.yaml")
@@ -3018,7 +3021,7 @@ def http_raw(data: bytes, timeout=10.0, port=None, drip=None) -> tuple[bytes, fl
         while True:
             try:
                 b = s.recv(65536)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 break
             except ConnectionResetError:
                 break
@@ -3236,7 +3239,7 @@ def rs_slowloris(c):
                     if s.recv(1024) == b"":
                         closed_at = time.monotonic() - t0
                         break
-                except (socket.timeout, TimeoutError):
+                except TimeoutError:
                     pass
             except (BrokenPipeError, ConnectionResetError):
                 closed_at = time.monotonic() - t0
@@ -3366,7 +3369,7 @@ class _BadServer:
         while not self.stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except (socket.timeout, TimeoutError, OSError):
+            except (TimeoutError, OSError):
                 continue
             threading.Thread(target=self._one, args=(conn,), daemon=True).start()
 
@@ -3395,7 +3398,8 @@ class _BadServer:
         self.sock.close()
 
 
-@case("S", "emapg's retrieval client against a server that drips its answer (1 byte / 2 s): retriever_timeout bounds it?")
+@case("S", "emapg's retrieval client against a server that drips its answer (1 byte / 2 s): "
+           "retriever_timeout bounds it?")
 def rs_client_drip(c):
     srv = _BadServer("drip")
     c.note(f"a server on 127.0.0.1:{srv.port} answers 'HTTP/1.1 200 OK, Content-Length: 100000' and then one "
@@ -3561,7 +3565,6 @@ def main() -> int:
             meta["seconds"] = time.monotonic() - t0
             merged = results
             if previous:
-                done = {r["id"] for r in results}
                 merged = [next((x for x in results if x["id"] == p["id"]), p) for p in previous] + \
                     [r for r in results if r["id"] not in {p["id"] for p in previous}]
             write_results(merged, meta)
