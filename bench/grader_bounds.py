@@ -1,15 +1,17 @@
 """The math graders' bounds on model output, on and off, side by side in one run: seconds per completion and the
 grade, for answers as competition golds are written and for completions a runaway model writes.
 
-    python bench/grader_bounds.py [--out docs/results/grader_bounds.json]
+    python bench/grader_bounds.py [--data ../shared/data/math] [--out docs/results/grader_bounds.json]
 
 Bounds on (what emapg runs): numbers over 10,000 digits are never computed (emapg.rewards.magnitude), the lenient
 grader parses an answer within 1 s and compares a boxed answer longer than 500 characters and twice the gold's as
 text. Bounds off: those three removed (math-verify's own 5 s per parse and per comparison, and the reference
 grader's 5 s on sympy's simplification, stay). Each grader is called in this process's main thread, as a training
-run calls it; the median of --reps calls per answer (one call for a runaway completion with the bounds off: each
-takes its time bound). The grades of every ordinary answer must agree between on and off (the script says where
-they do not).
+run calls it; one call per ordinary answer; for a runaway completion the median of --reps calls (one call with the
+bounds off: each takes its time bound). Ordinary answers: equal forms written by hand, and every gold of the
+published sets in --data (MATH-500, OlympiadBench, Minerva, AIME 2024, AMC 2023) boxed as the answer to its own
+row and to the next row's; their grades must agree between on and off (the summary lists any that do not),
+and the largest digits bound among those golds is reported beside the limit.
 """
 
 from __future__ import annotations
@@ -78,14 +80,40 @@ def timed(fn, completion: str, gold: str, reps: int) -> tuple[float, float]:
     return statistics.median(seconds), grade
 
 
-def measure(reps: int) -> dict:
+def published_pairs(folder: Path) -> list[tuple[str, list[str], str]]:
+    """(set, its golds, the answer boxed) for every row of the published sets there: its own first gold, and the
+    next row's."""
+    from emapg.tasks.math import math_rows
+
+    pairs = []
+    for name in ("math500", "olympiadbench", "minerva_math", "aime24", "amc23"):
+        path = folder / f"{name}.jsonl"
+        if not path.exists():
+            continue
+        golds = [row["answer"] for row in math_rows(str(path), "problem", "answer")]
+        for i, forms in enumerate(golds):
+            pairs += [(name, forms, forms[0]), (name, forms, golds[(i + 1) % len(golds)][0])]
+    return pairs
+
+
+def largest_gold_digits(pairs) -> float:
+    from math_verify import parse
+
+    from emapg.rewards.magnitude import digits_bound
+
+    return max((digits_bound(f) for _, forms, _ in pairs for g in forms for f in parse(f"${g}$")
+                if not isinstance(f, str)), default=0.0)
+
+
+def measure(reps: int, pairs) -> dict:
     out = {"ordinary": [], "runaway": []}
     for name, (fn, runaway_gold) in graders().items():
-        for gold, answer in ORDINARY:
-            row = {"grader": name, "gold": gold, "answer": answer}
+        for source, golds, answer in [("by hand", [gold], answer) for gold, answer in ORDINARY] + pairs:
+            row = {"grader": name, "set": source, "gold": golds[0], "answer": answer}
+            gold = golds if name == "reference" else golds[0]
             for state in ("on", "off"):
                 bounds(state == "on")
-                row[f"seconds_{state}"], row[f"grade_{state}"] = timed(fn, f"So \\boxed{{{answer}}}.", gold, reps)
+                row[f"seconds_{state}"], row[f"grade_{state}"] = timed(fn, f"So \\boxed{{{answer}}}.", gold, 1)
             out["ordinary"].append(row)
         for case, completion in RUNAWAY.items():
             row = {"grader": name, "completion": case, "chars": len(completion)}
@@ -99,10 +127,15 @@ def measure(reps: int) -> dict:
     return out
 
 
-def summary(out: dict) -> dict:
+def summary(out: dict, gold_digits: float) -> dict:
+    from emapg.rewards.magnitude import DIGITS_LIMIT
+
     ordinary = out["ordinary"]
     return {
+        "ordinary_answers": len(ordinary),
+        "ordinary_graded_1": {s: sum(r[f"grade_{s}"] for r in ordinary) for s in ("on", "off")},
         "ordinary_grades_differ": [r for r in ordinary if r["grade_on"] != r["grade_off"]],
+        "largest_gold_digits_bound": gold_digits, "digits_limit": DIGITS_LIMIT,
         "ordinary_max_seconds_on": max(r["seconds_on"] for r in ordinary),
         "ordinary_median_seconds": {s: statistics.median(r[f"seconds_{s}"] for r in ordinary) for s in ("on", "off")},
         "runaway_max_seconds": {s: max(r[f"seconds_{s}"] for r in out["runaway"]) for s in ("on", "off")},
@@ -112,11 +145,14 @@ def summary(out: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "math"))
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "grader_bounds.json"))
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # math-verify's timeout warnings print whole completions
-    out = measure(args.reps)
-    record = {"machine": machine(), "commit": commit(), "reps": args.reps, "summary": summary(out), **out}
+    pairs = published_pairs(Path(args.data))
+    out = measure(args.reps, pairs)
+    record = {"machine": machine(), "commit": commit(), "reps": args.reps, "data": args.data,
+              "summary": summary(out, largest_gold_digits(pairs)), **out}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record["summary"], indent=1))
 

@@ -121,3 +121,10 @@ def test_with_the_bound_off_the_reference_would_compute(monkeypatch):
     simplified = _recording(monkeypatch, sympy, "simplify")
     assert reference_math_reward("\\boxed{(2**3)!}", "\\frac{1}{2}") == 0.0
     assert simplified
+
+
+def test_an_undefined_function_is_read():
+    """f(x) is a sympy Function whose class has no module (OlympiadBench's golds hold such answers)."""
+    f = sympy.Function("f")
+    assert digits_bound(sympy.Eq(f(sympy.Symbol("x")), sympy.Symbol("x") ** 2)) == 2.0
+    assert math_reward("\\boxed{f(x)=x^2}", "f(x)=x^{2}") == 1.0

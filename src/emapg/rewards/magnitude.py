@@ -63,7 +63,7 @@ def _counting(node) -> bool:
     """Whether sympy computes the function's value as an exact integer or rational of its argument's size."""
     import sympy
 
-    module = type(node).__module__
+    module = type(node).__module__ or ""  # an undefined function, f(x), has none
     return isinstance(node, sympy.Function) and (
         module.startswith(("sympy.functions.combinatorial", "sympy.ntheory")) or module.endswith("gamma_functions"))
 
@@ -115,5 +115,10 @@ def digits_bound(expr) -> float:
 
 
 def too_large(expr, limit: float = DIGITS_LIMIT) -> bool:
-    """Whether evaluating ``expr`` exactly could produce a number of more than ``limit`` decimal digits."""
-    return digits_bound(expr) > limit
+    """Whether evaluating ``expr`` exactly could produce a number of more than ``limit`` decimal digits. A tree
+    this bound cannot read (a node of a kind sympy adds later) is left to the graders' time bounds: a grade is
+    never lost to the bound itself."""
+    try:
+        return digits_bound(expr) > limit
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        return False
