@@ -131,13 +131,20 @@ def summary(out: dict, gold_digits: float) -> dict:
     from emapg.rewards.magnitude import DIGITS_LIMIT
 
     ordinary = out["ordinary"]
+    by_set = {}
+    for row in ordinary:
+        by_set.setdefault(f"{row['grader']} {row['set']}", []).append(row)
     return {
         "ordinary_answers": len(ordinary),
-        "ordinary_graded_1": {s: sum(r[f"grade_{s}"] for r in ordinary) for s in ("on", "off")},
         "ordinary_grades_differ": [r for r in ordinary if r["grade_on"] != r["grade_off"]],
         "largest_gold_digits_bound": gold_digits, "digits_limit": DIGITS_LIMIT,
-        "ordinary_max_seconds_on": max(r["seconds_on"] for r in ordinary),
-        "ordinary_median_seconds": {s: statistics.median(r[f"seconds_{s}"] for r in ordinary) for s in ("on", "off")},
+        "ordinary_by_set": {name: {"answers": len(rows), **{f"graded_1_{s}": sum(r[f"grade_{s}"] for r in rows)
+                                                            for s in ("on", "off")},
+                                   **{f"median_seconds_{s}": statistics.median(r[f"seconds_{s}"] for r in rows)
+                                      for s in ("on", "off")},
+                                   "max_seconds_on": max(r["seconds_on"] for r in rows)}
+                            for name, rows in by_set.items()},
+        "ordinary_slowest": sorted(ordinary, key=lambda r: -r["seconds_on"])[:5],
         "runaway_max_seconds": {s: max(r[f"seconds_{s}"] for r in out["runaway"]) for s in ("on", "off")},
     }
 
@@ -152,9 +159,9 @@ def main() -> None:
     pairs = published_pairs(Path(args.data))
     out = measure(args.reps, pairs)
     record = {"machine": machine(), "commit": commit(), "reps": args.reps, "data": args.data,
-              "summary": summary(out, largest_gold_digits(pairs)), **out}
+              "summary": summary(out, largest_gold_digits(pairs)), "runaway": out["runaway"]}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(record["summary"], indent=1))
+    print(json.dumps({k: v for k, v in record["summary"].items() if k != "ordinary_slowest"}, indent=1))
 
 
 if __name__ == "__main__":
