@@ -73,19 +73,28 @@ def test_init_from_a_folder_without_a_checkpoint_is_one_line(tmp_path):
         Trainer(cfg("steps=2", f"init_from={tmp_path / 'nowhere'}"), tmp_path / "run2", progress=False)
 
 
-def test_init_from_a_run_of_another_model_says_so(tmp_path):
+def test_init_from_a_run_of_another_model_says_so(tmp_path, capsys):
     """A healthy checkpoint of another model is not "damaged": its names (another family) or its shapes (another
-    width of the same family) are named, in one line, and no older checkpoint is tried."""
+    width of the same family) are named, in one line, with no warning about its checkpoints before it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from emapg.models.zoo import load_model
 
     Trainer(cfg("steps=1", "save_every=1", "eval.size=0"), tmp_path / "llama", progress=False).train()
-    Trainer(cfg("steps=1", "save_every=1", "eval.size=0", "model=tiny-qwen2"), tmp_path / "qwen",
+    Trainer(cfg("steps=2", "save_every=1", "eval.size=0", "model=tiny-qwen2"), tmp_path / "qwen",
             progress=False).train()
-    with pytest.raises(ConfigError, match=r"init_from: .*qwen: step_000001 holds another model's weights "
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match=r"init_from: .*qwen: step_000002 holds another model's weights "
                                           r"\(model.layers.0.self_attn.k_proj.bias, which this run's model has not"):
-        Trainer(cfg("steps=2", "eval.size=0", f"init_from={tmp_path / 'qwen'}"), tmp_path / "llama2", progress=False)
+        Trainer(cfg("steps=3", "eval.size=0", f"init_from={tmp_path / 'qwen'}"), tmp_path / "llama2", progress=False)
+    assert "damaged" not in capsys.readouterr().err  # two checkpoints there: neither is called damaged first
+    Trainer(cfg("steps=2", "save_every=1", "eval.size=0"), tmp_path / "llama-2", progress=False).train()
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match=r"init_from: .*llama-2 is a run of another model \(tiny-llama, not "
+                                          r"tiny-qwen2\) whose checkpoints do not fit"):  # qwen's biases: not there
+        Trainer(cfg("steps=3", "eval.size=0", "model=tiny-qwen2", f"init_from={tmp_path / 'llama-2'}"),
+                tmp_path / "qwen2", progress=False)
+    assert "warning" not in capsys.readouterr().err  # no "damaged ... trying an older checkpoint" first
     model, tok = load_model("tiny-llama")
     wide = AutoConfig.for_model(**{**model.config.to_dict(), "intermediate_size": model.config.intermediate_size * 2})
     AutoModelForCausalLM.from_config(wide).save_pretrained(tmp_path / "wide-llama")

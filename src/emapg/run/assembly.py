@@ -298,13 +298,14 @@ def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: dict[str, list[i
         return intact_checkpoint(run_dir, names, warn=warn, known=known)
     if not cfg.init_from:
         return None
+    theirs = _model_of(Path(cfg.init_from))
+    other = theirs is not None and theirs != cfg.model  # its checkpoints may not fit: no "damaged" warnings first
     try:
-        return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn, known=known)
+        return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn and not other, known=known)
     except CheckpointError as e:  # healthy checkpoints of another model do not fit: say so, not only "damaged"
-        theirs = _model_of(Path(cfg.init_from))
-        if theirs is None or theirs == cfg.model:
+        if not other:
             raise
-        raise ConfigError(f"init_from: {cfg.init_from} is a run of model {theirs}, not {cfg.model}, and its "
+        raise ConfigError(f"init_from: {cfg.init_from} is a run of another model ({theirs}, not {cfg.model}) whose "
                           f"checkpoints do not fit this one ({e})") from None
 
 
