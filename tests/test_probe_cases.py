@@ -344,13 +344,16 @@ def test_math_is_finite_everywhere_a_gold_is_read():
         answer_text(math.nan)
 
 
-def test_eval_size_is_at_most_the_held_out_set_for_a_generated_task_too():
-    """`emapg eval --task arithmetic` with its default --size (100,000) or --size 0 (all) said "eval.size:
-    1000000000 exceeds the task's held-out set of 500"; --size is "at most this many" for every task."""
+def test_eval_size_is_at_most_the_held_out_set_for_a_generated_task_too(capsys):
+    """`emapg eval --task arithmetic` with its default --size (100,000) said "eval.size: 100000 exceeds the task's
+    held-out set of 500"; --size is "at most this many" for every task, and --size 0 (which evaluated every
+    problem of a file, but no arithmetic) is refused: eval.size 0 means no evaluation in training."""
     from emapg.run.evalsuite import sets_of
     from emapg.tasks.arithmetic import ArithmeticTask
 
     task = ArithmeticTask(eval_size=20)
-    for size, expected in ((0, 20), (100_000, 20), (7, 7)):
+    for size, expected in ((100_000, 20), (20, 20), (7, 7)):
         [(name, examples)] = sets_of(task, "heldout", size)
         assert name == "heldout" and len(examples) == expected
+    assert main(["eval", "--model", "tiny-llama", "--task", "arithmetic", "--size", "0"]) == 2
+    assert "--size: must be >= 1, got 0" in one_line(capsys)

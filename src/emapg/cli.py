@@ -213,6 +213,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                         eval=EvalConfig(samples=args.samples, greedy=temperature is None, temperature=temperature,
                                         top_p=args.top_p, max_new_tokens=args.max_new_tokens, size=args.size))
     check_options(asked, {k: v for k, v in EVAL_OPTIONS.items() if k != "dtype"})  # the config's rules, by option
+    if args.size == 0:  # eval.size 0 means "no evaluation" in training; here it would evaluate nothing
+        raise ConfigError("--size: must be >= 1, got 0 (at most this many problems per set; the default, 100000, "
+                          "takes every problem of a file)")
     models, task, task_args = eval_subject(args)
     if args.grader is not None:
         if task != "math":

@@ -1477,6 +1477,8 @@ def r4_export_out_bytes(c):
     r = Result("export", p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace"),
                False, 0, 120)
     c.outputs.append(f"[exit {r.rc}]\n{r.tail()}")
+    if r.rc != 0 and "not UTF-8" in r.text:  # emapg's rule: arguments are UTF-8 text; a refusal naming it holds
+        return refused(r, ["exp", "not UTF-8"])
     return succeeded(r) or (HELD, "exported")
 
 
@@ -1492,6 +1494,8 @@ def r4_eval_name_bytes(c):
     r = Result("eval", p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace"),
                False, 0, 120)
     c.outputs.append(f"[exit {r.rc}]\n{r.tail()}")
+    if r.rc != 0 and "not UTF-8" in r.text:  # emapg's rule: arguments are UTF-8 text; a refusal naming it holds
+        return refused(r, ["caf", "not UTF-8"])
     return succeeded(r) or (HELD, "ran")
 
 

@@ -191,7 +191,11 @@ def _is_int_text(s: str) -> bool:
 
 
 def _latex_to_text(s: str) -> str:
+    import logging
+
     from pylatexenc.latex2text import LatexNodes2Text
+
+    logging.getLogger("pylatexenc").setLevel(logging.ERROR)  # a warning per malformed macro: 14,000 for a runaway
 
     s = s.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
     s = LatexNodes2Text().latex_to_text(s)
@@ -279,10 +283,12 @@ def sympy_equal(gold: str, given: str, timeout: int = 5) -> bool:
     import sympy
 
     def check() -> bool:
-        try:
-            unevaluated = _parsed(expr, evaluate=False)
-        except Exception:  # the reference's parse alone decides
-            unevaluated = None
+        unevaluated = None
+        if any(op in expr for op in ("^", "**", "!")):  # only powers and factorials reach past the bound here
+            try:
+                unevaluated = _parsed(expr, evaluate=False)
+            except Exception:  # the reference's parse alone decides
+                pass
         if unevaluated is not None and too_large(unevaluated):
             return False
         return sympy.simplify(_parsed(expr)) == 0

@@ -88,7 +88,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def sets_of(task, name: str, size: int) -> list[tuple[str, list]]:
     """The task's held-out examples as sets: one, or one per ``data_source`` when its rows name several."""
-    examples = task.eval_examples(size if size else 10**9)
+    examples = task.eval_examples(size)
     sources = [ex.meta.get("data_source") for ex in examples]
     if len(set(sources)) <= 1 or any(s is None for s in sources):
         return [(name, examples)]
