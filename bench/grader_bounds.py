@@ -10,8 +10,9 @@ grader's 5 s on sympy's simplification, stay). Each grader is called in this pro
 run calls it; one call per ordinary answer; for a runaway completion the median of --reps calls (one call with the
 bounds off: each takes its time bound). Ordinary answers: equal forms written by hand, and every gold of the
 published sets in --data (MATH-500, OlympiadBench, Minerva, AIME 2024, AMC 2023) boxed as the answer to its own
-row and to the next row's; their grades must agree between on and off (the summary lists any that do not),
-and the largest digits bound among those golds is reported beside the limit.
+row and to the next row's, and 50 long MATH-500 completions without a box (eleven solutions each); their grades
+must agree between on and off (the summary lists any that do not), and the largest digits bound among those
+golds is reported beside the limit.
 """
 
 from __future__ import annotations
@@ -81,8 +82,12 @@ def timed(fn, completion: str, gold: str, reps: int) -> tuple[float, float]:
 
 
 def published_pairs(folder: Path) -> list[tuple[str, list[str], str]]:
-    """(set, its golds, the answer boxed) for every row of the published sets there: its own first gold, and the
-    next row's."""
+    """(set, its golds, a completion) for every row of the published sets there: its own first gold boxed, and the
+    next row's; and for every tenth MATH-500 row, a long completion without a box (ten other rows' solutions, then
+    its own, each ``\\boxed{`` unwrapped), which the lenient grader reads whole."""
+    import re
+
+    from emapg.data import load_rows
     from emapg.tasks.math import math_rows
 
     pairs = []
@@ -92,7 +97,13 @@ def published_pairs(folder: Path) -> list[tuple[str, list[str], str]]:
             continue
         golds = [row["answer"] for row in math_rows(str(path), "problem", "answer")]
         for i, forms in enumerate(golds):
-            pairs += [(name, forms, forms[0]), (name, forms, golds[(i + 1) % len(golds)][0])]
+            pairs += [(name, forms, f"So \\boxed{{{forms[0]}}}."),
+                      (name, forms, f"So \\boxed{{{golds[(i + 1) % len(golds)][0]}}}.")]
+        if name == "math500":
+            solutions = [re.sub(r"\\boxed\{", "{", row["solution"]) for row in load_rows(str(path))]
+            for i in range(0, len(golds), 10):
+                others = [solutions[(i + j) % len(solutions)] for j in range(1, 11)]
+                pairs.append(("math500 unboxed", golds[i], "\n\n".join([*others, solutions[i]])))
     return pairs
 
 
@@ -108,12 +119,13 @@ def largest_gold_digits(pairs) -> float:
 def measure(reps: int, pairs) -> dict:
     out = {"ordinary": [], "runaway": []}
     for name, (fn, runaway_gold) in graders().items():
-        for source, golds, answer in [("by hand", [gold], answer) for gold, answer in ORDINARY] + pairs:
-            row = {"grader": name, "set": source, "gold": golds[0], "answer": answer}
+        by_hand = [("by hand", [gold], f"So \\boxed{{{answer}}}.") for gold, answer in ORDINARY]
+        for source, golds, completion in by_hand + pairs:
+            row = {"grader": name, "set": source, "gold": golds[0], "completion": completion[-200:]}
             gold = golds if name == "reference" else golds[0]
             for state in ("on", "off"):
                 bounds(state == "on")
-                row[f"seconds_{state}"], row[f"grade_{state}"] = timed(fn, f"So \\boxed{{{answer}}}.", gold, 1)
+                row[f"seconds_{state}"], row[f"grade_{state}"] = timed(fn, completion, gold, 1)
             out["ordinary"].append(row)
         for case, completion in RUNAWAY.items():
             row = {"grader": name, "completion": case, "chars": len(completion)}

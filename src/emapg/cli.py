@@ -519,7 +519,8 @@ def _eval_parser(sub) -> None:
     e.add_argument("--samples", type=int, help="samples per problem (avg@n and pass@k when > 1; default 1)")
     e.add_argument("--temperature", type=float, help="0 = greedy (only with --samples 1; the default)")
     e.add_argument("--top-p", type=float, help="nucleus sampling's mass (default 1.0)")
-    e.add_argument("--size", type=int, default=100_000, help="at most this many problems per file")
+    e.add_argument("--size", type=int, default=100_000,
+                   help="at most this many problems per set (>= 1; the default takes every problem of a file)")
     e.add_argument("--batch-size", type=int, default=64,
                    help="problems decoded at once (each with its samples): bounds the KV cache of the hf backend")
     e.add_argument("--max-new-tokens", type=int, help="each sample's budget (default 32: math needs thousands)")
