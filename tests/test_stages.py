@@ -95,6 +95,13 @@ def test_init_from_a_run_of_another_model_says_so(tmp_path, capsys):
         Trainer(cfg("steps=3", "eval.size=0", "model=tiny-qwen2", f"init_from={tmp_path / 'llama-2'}"),
                 tmp_path / "qwen2", progress=False)
     assert "warning" not in capsys.readouterr().err  # no "damaged ... trying an older checkpoint" first
+    model, tok = load_model("tiny-llama")  # the same model under another name: a damaged newest checkpoint is said
+    model.save_pretrained(tmp_path / "same-llama")
+    tok.save_pretrained(tmp_path / "same-llama")
+    (tmp_path / "llama-2" / "checkpoints" / "step_000002" / "policy.safetensors").write_bytes(b"cut")
+    Trainer(cfg("steps=3", "eval.size=0", f"model={tmp_path / 'same-llama'}", f"init_from={tmp_path / 'llama-2'}"),
+            tmp_path / "same", progress=False)
+    assert "step_000002/policy.safetensors is damaged" in capsys.readouterr().err
     model, tok = load_model("tiny-llama")
     wide = AutoConfig.for_model(**{**model.config.to_dict(), "intermediate_size": model.config.intermediate_size * 2})
     AutoModelForCausalLM.from_config(wide).save_pretrained(tmp_path / "wide-llama")

@@ -8,8 +8,10 @@ sharded with FSDP2). Nothing here runs a step."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
 import os
 import sys
 from collections.abc import Callable
@@ -299,14 +301,18 @@ def checkpoint_to_start(run_dir: Path, cfg: TrainConfig, names: dict[str, list[i
     if not cfg.init_from:
         return None
     theirs = _model_of(Path(cfg.init_from))
-    other = theirs is not None and theirs != cfg.model  # its checkpoints may not fit: no "damaged" warnings first
+    other = theirs is not None and theirs != cfg.model  # its checkpoints may not fit: "damaged" only if one does
+    held = io.StringIO()
     try:
-        return starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn and not other, known=known)
+        with contextlib.redirect_stderr(held) if other else contextlib.nullcontext():
+            found = starting_checkpoint(Path(cfg.init_from), names, cfg.steps, warn=warn, known=known)
     except CheckpointError as e:  # healthy checkpoints of another model do not fit: say so, not only "damaged"
         if not other:
             raise
         raise ConfigError(f"init_from: {cfg.init_from} is a run of another model ({theirs}, not {cfg.model}) whose "
                           f"checkpoints do not fit this one ({e})") from None
+    sys.stderr.write(held.getvalue())  # one fitted: the newer ones it passed over were damaged, said now
+    return found
 
 
 def _model_of(run_dir: Path) -> str | None:
