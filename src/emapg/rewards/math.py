@@ -22,6 +22,7 @@ from emapg.rewards.magnitude import too_large
 
 PARSE_SECONDS = 1
 LONG_ANSWER = 500
+logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeout warnings print the whole completion
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
 
@@ -76,7 +77,6 @@ def _parse(text: str, timeout: int | None) -> list:
     numbers are too large to compute (the string forms still compare)."""
     from math_verify import parse
 
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeout warnings print the whole completion
     return [form for form in parse(text, parsing_timeout=timeout) if isinstance(form, str) or not too_large(form)]
 
 

@@ -29,6 +29,7 @@ distinct letters (no import, no builtin call can be spelled), no braced or large
 
 from __future__ import annotations
 
+import logging
 import re
 
 from emapg.rewards.magnitude import too_large
@@ -44,6 +45,7 @@ _GROUPED_THOUSANDS = re.compile(r"(\d)(,)(\d\d\d)($|\D)")
 _MIXED_NUMBER = re.compile("([0-9]) +([0-9])")
 _FRACTION = re.compile(r"^-?[0-9]+.?/0*[1-9][0-9]*.?$")
 _UNSAFE = (re.compile(r"\^[0-9]+\^"), re.compile(r"\^[0-9][0-9]+"))
+logging.getLogger("pylatexenc").setLevel(logging.ERROR)  # a warning per malformed macro: 14,000 for a runaway
 
 
 # ---- the answer ---------------------------------------------------------------------------------------
@@ -191,11 +193,7 @@ def _is_int_text(s: str) -> bool:
 
 
 def _latex_to_text(s: str) -> str:
-    import logging
-
     from pylatexenc.latex2text import LatexNodes2Text
-
-    logging.getLogger("pylatexenc").setLevel(logging.ERROR)  # a warning per malformed macro: 14,000 for a runaway
 
     s = s.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
     s = LatexNodes2Text().latex_to_text(s)
