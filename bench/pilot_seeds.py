@@ -45,6 +45,9 @@ def main() -> None:
     p.add_argument("--study", required=True, help="the study's folder (spec.yaml with hypotheses, pilot.yaml)")
     p.add_argument("--pilot", required=True, help="the pilot's output folder (emapg compare --out)")
     p.add_argument("--rel-delta", type=float, default=0.10)
+    p.add_argument("--delta", type=float, help="the smallest difference worth detecting, absolute (instead of "
+                   "--rel-delta of the claims' one reference's mean)")
+    p.add_argument("--family", help="only this family's claims (default: every claim of the spec)")
     p.add_argument("--power", type=float, default=0.8)
     p.add_argument("--min", type=int, default=5)
     p.add_argument("--max", type=int, default=10)
@@ -56,7 +59,7 @@ def main() -> None:
     study = Path(args.study)
     alpha, hyps = vd.load_hypotheses(study / "spec.yaml")
     summary = summarize(load_spec(study / "pilot.yaml"), Path(args.pilot))
-    claims = [c for h in hyps for c in h.claims]
+    claims = [c for h in hyps if args.family in (None, h.family) for c in h.claims]
     sds, refs = [], set()
     for c in claims:
         seeds, diffs = vd.paired_diffs(summary[c.config], summary[c.ref], c.metric)
@@ -65,12 +68,16 @@ def main() -> None:
         sds.append(statistics.stdev(diffs))
         refs.add((c.ref, c.metric))
         print(f"{c.text}: pilot differences {', '.join(f'{d:+.5f}' for d in diffs)} (seeds {', '.join(seeds)})")
-    (ref, metric), = refs
-    ref_mean = statistics.fmean(v[metric] for v in summary[ref]["per_seed"].values() if v.get(metric) is not None)
-    sigma, delta = max(sds), args.rel_delta * abs(ref_mean)
+    if args.delta is not None:
+        sigma, delta, said = max(sds), args.delta, "stated"
+    else:
+        (ref, metric), = refs
+        ref_mean = statistics.fmean(v[metric] for v in summary[ref]["per_seed"].values() if v.get(metric) is not None)
+        sigma, delta = max(sds), args.rel_delta * abs(ref_mean)
+        said = f"{args.rel_delta:.0%} of {ref}'s mean {metric} {ref_mean:.5f}"
     first = alpha / 2 / len(claims)  # the one-sided level of Holm's first step over the family
     n, enough = seeds_needed(sigma, delta, first, args.power, args.min, args.max)
-    print(f"sigma {sigma:.5f}, delta {delta:.5f} ({args.rel_delta:.0%} of {ref}'s mean {metric} {ref_mean:.5f}), "
+    print(f"sigma {sigma:.5f}, delta {delta:.5f} ({said}), "
           f"one-sided alpha {first:g}, power {args.power:.0%}: {n} seeds" + ("" if enough else " (underpowered)"))
 
 

@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 FILES = ("metrics.jsonl", "eval.json", "compute.json", "config.yaml", "outcomes/outcomes.jsonl",
-         "outcomes/heldout.ids.json", "outcomes/transfer.ids.json")
+         "outcomes/heldout.ids.json", "outcomes/transfer.ids.json",
+         "outcomes/validation.ids.json")
 
 
 def finished_runs(root: Path) -> list[Path]:

@@ -102,6 +102,14 @@ class EMAAnchor:
         self._sync_module()
 
     @torch.no_grad()
+    def reset_to(self, model: nn.Module) -> None:
+        """Start the average over at ``model``'s weights (a weight EMA added to a run that had none)."""
+        src = _averaged_tensors(model, self.mode == "lora")
+        for name, avg in self.average.items():
+            avg.copy_(distributed.local(src[name]).detach().to(avg.dtype))
+        self._sync_module()
+
+    @torch.no_grad()
     def _sync_module(self) -> None:
         if self.module is None:
             return

@@ -274,7 +274,8 @@ def _eval_protocol(args: argparse.Namespace) -> None:
 
 def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     """The models, task and task_args of ``emapg eval``: given, or a run's (``--run``: its exported policy
-    and anchor, its task and task_args, which ``--task-args`` entries override)."""
+    and anchor, and its weight EMA where it kept one of its own, its task and task_args, which ``--task-args``
+    entries override)."""
     try:
         task_args = json.loads(args.task_args) if args.task_args else {}
     except ValueError as e:
@@ -291,7 +292,8 @@ def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     cfg = load_config(run / "config.yaml", trust_plugins=args.trust_plugins)
     if args.task and args.task != cfg.task:
         raise ConfigError(f"--task {args.task}: the run {run} trained on {cfg.task}")
-    models = args.model or [str(run / "export" / m) for m in ("policy", "anchor")]
+    models = args.model or [str(run / "export" / m) for m in ("policy", "anchor", "ema")
+                            if m != "ema" or (run / "export" / m).exists()]  # a weight EMA of its own: exported
     missing = [m for m in models if not Path(m).exists() and not args.model]
     if missing:
         raise ConfigError(f"--run {run}: no exported model at {missing[0]} (the run exports at its end)")

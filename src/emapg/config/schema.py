@@ -191,6 +191,10 @@ class EvalConfig:
     at_start: bool = setting(True)
     """Evaluate the policy before the first step (verl's ``val_before_train``); a run started with
     ``init_from`` evaluates its starting checkpoint."""
+    validation_size: int = setting(0, rule=at_least(0))
+    """A validation set: this many held-out problems after the eval.size the held-out (test) set takes, never
+    trained on, evaluated with it for the policy and the weight EMA (eval/validation_*), so that a run can
+    choose which model to ship without looking at the test set; 0 = none."""
     anchor: bool = setting(True)
     """Evaluate the anchor too at every periodic evaluation, so that both curves show (it is always
     evaluated at the end; a frozen anchor is the initial policy, whose step-0 evaluation serves)."""
@@ -309,8 +313,17 @@ class TrainConfig:
     log_kl_to_init: bool = setting(False)
     """Also measure the KL to the initial policy: a frozen copy (initial adapters with LoRA) and one extra
     no-grad pass, except when eta = 1 since step 0, where the anchor is the initial policy and serves."""
+    weight_ema: float | None = setting(None, rule=within(0, 1, low_open=True, high_open=True, null=True), across=[
+        (lambda c: c.weight_ema is None or c.algo.eta in (1.0, c.weight_ema),
+         lambda c: f"{c.weight_ema} differs from algo.eta={c.algo.eta}: with EMA-PG (eta < 1) the anchor is the "
+                   f"weight EMA; set weight_ema to {c.algo.eta} or null")])
+    """An EMA of the policy's weights kept for shipping, outside the loss: theta_w <- d theta_w + (1 - d) theta
+    after every step, with decay d in (0, 1); null = none. With a frozen anchor (algo.eta = 1: GRPO) it is a
+    second copy (base + averaged adapters with LoRA), evaluated beside the policy (eval/ema_*), checkpointed and
+    exported as ``export/ema``. With EMA-PG (algo.eta < 1) the anchor is that average: weight_ema must be null
+    or equal algo.eta, no second copy is kept, and eval/ema_* are the anchor's."""
     export: bool = setting(True, replay_safe=True)
-    """At the end, export the policy and the anchor as Hugging Face model folders."""
+    """At the end, export the policy and the anchor (and a separate weight_ema) as Hugging Face model folders."""
     threads: int | None = setting(None, rule=at_least(1, null=True), replay_safe=True)
     """torch CPU threads (None = torch's default)."""
     data_order: str = setting("random", rule=one_of(("random", "epochs")))

@@ -70,8 +70,10 @@ def endpoints(rows: list[dict[str, Any]]) -> dict[str, float]:
     anchor's curve counts only where it was evaluated (step 0 excluded: there it is the policy)."""
     out = {}
     for name, key in (("policy", "eval/policy_accuracy"), ("anchor", "eval/anchor_accuracy"),
+                      ("ema", "eval/ema_accuracy"),
                       ("transfer_policy", "eval/transfer_policy_accuracy"),
                       ("transfer_anchor", "eval/transfer_anchor_accuracy"),
+                      ("transfer_ema", "eval/transfer_ema_accuracy"),
                       ("teacher_kl", "eval/policy_teacher_kl")):
         curve = _curve(rows, key)
         values = [curve[s] for s in sorted(curve)]
@@ -79,6 +81,26 @@ def endpoints(rows: list[dict[str, Any]]) -> dict[str, float]:
             out[f"{name}_last{SMOOTH}"] = statistics.fmean(values[-SMOOTH:])
         if name.startswith(("transfer", "teacher")) and values:
             out[name] = values[-1]
+    return {**out, **shipped(rows)}
+
+
+def shipped(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The model a user would ship from a run with a weight EMA and a validation set: at the run's last
+    evaluation, the weight EMA where its validation accuracy is above the policy's, else the policy (a tie
+    keeps the policy); its test (held-out) accuracy ``shipped``, its transfer accuracy ``transfer_shipped``,
+    ``shipped_is_ema`` (1 or 0), and ``ema_gain``, the EMA's test accuracy minus the policy's at that evaluation.
+    The choice never reads the test set. {} for a run without both."""
+    last = next((r for r in reversed(rows) if _number(r.get("eval/validation_ema_accuracy"))
+                 and _number(r.get("eval/validation_policy_accuracy"))), None)
+    if last is None:
+        return {}
+    ema = last["eval/validation_ema_accuracy"] > last["eval/validation_policy_accuracy"]
+    which = "ema" if ema else "policy"
+    out = {"shipped": last[f"eval/{which}_accuracy"], "shipped_is_ema": float(ema)}
+    if _number(last.get("eval/ema_accuracy")) and _number(last.get("eval/policy_accuracy")):
+        out["ema_gain"] = last["eval/ema_accuracy"] - last["eval/policy_accuracy"]  # on the test set, reported
+    if _number(last.get(f"eval/transfer_{which}_accuracy")):
+        out["transfer_shipped"] = last[f"eval/transfer_{which}_accuracy"]
     return out
 
 
@@ -169,7 +191,9 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
         summary[name] = {
             "label": spec.labels.get(name, name), "seeds": len(runs), "curves": curves,
             "init": _mean_std(accuracies("init")), "policy": _mean_std(accuracies("policy")),
-            "anchor": _mean_std(accuracies("anchor")),
+            "anchor": _mean_std(accuracies("anchor")), "ema": _mean_std(accuracies("ema")),
+            **{k: _mean_std([e[k] for e in ends if k in e]) for k in ("shipped", "shipped_is_ema")
+               if any(k in e for e in ends)},
             "peak": _mean_std(peak), "drawdown": _mean_std(drawdown), "auc": _mean_std(auc),
             "reward_last5": _mean_std(tail),
             # a sampled estimate with single-step spikes: each run's median over its last 5 steps
@@ -178,7 +202,7 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
             "minutes": _mean_std([c / 60 for c in compute]),
             **{k: _mean_std([e[k] for e in ends if k in e]) for k in ("teacher_kl", "teacher_kl_last3")
                if any(k in e for e in ends)},
-            "per_seed": {str(seed): {**{w: (f.get(w) or {}).get("accuracy") for w in ("policy", "anchor")},
+            "per_seed": {str(seed): {**{w: (f.get(w) or {}).get("accuracy") for w in ("policy", "anchor", "ema")},
                                      "peak": pk, "drawdown": dd, "auc": a, "anchor_auc": aa, **end}
                          for seed, f, pk, dd, a, aa, end in zip(done, finals, peak, drawdown, auc, anchor_auc, ends,
                                                                 strict=True)},

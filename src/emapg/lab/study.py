@@ -181,5 +181,36 @@ def _finish(run: Path, proc: subprocess.Popen, t0: float, err) -> None:
     if proc.returncode != 0:
         tail = (run / "compare_stderr.log").read_text()[-3000:]
         raise EmapgError(f"run {run} failed (exit {proc.returncode}):\n{tail}")
-    prev = json.loads((run / "compute.json").read_text())["seconds"] if (run / "compute.json").exists() else 0
-    (run / "compute.json").write_text(json.dumps({"seconds": prev + seconds}))
+    prev = json.loads((run / "compute.json").read_text()) if (run / "compute.json").exists() else {}
+    here = machine_and_code()
+    ran_on = [*prev.get("ran_on", []), *([here] if here not in prev.get("ran_on", []) else [])]
+    (run / "compute.json").write_text(json.dumps({"seconds": prev.get("seconds", 0) + seconds, "ran_on": ran_on}))
+
+
+def machine_and_code() -> dict[str, Any]:
+    """What a run's numbers depend on besides its config: the commit of the emapg code that ran it (with
+    ``+dirty`` when its src/ had uncommitted changes; None outside a git checkout), torch's version and the
+    CPU's model name and flags that decide its kernels (AVX-512, AMX, BF16)."""
+    import torch
+
+    src = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, ""
+    cpu, flags = None, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu is None:
+                cpu = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"commit": None if commit is None else commit + ("+dirty" if dirty else ""), "torch": torch.__version__,
+            "cpu": cpu, "cpu_flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}

@@ -2,7 +2,8 @@
 
 A study's spec (the YAML `emapg compare` runs) may declare ``hypotheses``, each a list of claims in
 one ``family``, and ``alpha``. A claim is a paired difference over seeds: config minus ref (same seed,
-same prompts) of a per-seed metric, or a config's anchor minus its own policy (``ref`` omitted), with
+same prompts) of a per-seed metric, or a config's anchor minus its own policy (``ref`` omitted, metric
+``final`` or ``last3``), or a difference each run already holds (``ref`` omitted, e.g. ``ema_gain``), with
 the sign it states: +1 (above 0), -1 (below), 0 (no difference) or "no lower" (not below 0).
 
 Raw verdict (as the study first stated it): a directional claim holds when the 95% t-interval excludes
@@ -32,7 +33,7 @@ from emapg.stats import holm, interval95, sign_flip_p, t_pvalue
 class Claim:
     text: str
     config: str
-    ref: str | None  # None: the config's anchor minus its own policy
+    ref: str | None  # None: the config's anchor minus its own policy, or a within-run difference (ema_gain)
     metric: str  # a per-seed key of compare's summary; for an anchor claim: "final" or "last3"
     sign: int | str  # +1, -1, 0 or "no lower"
 
@@ -76,8 +77,11 @@ def claim_diffs(summary: dict[str, Any], claim: Claim) -> tuple[list[str], list[
     """The claim's seed-by-seed differences, or None when a config it needs has no finished run."""
     if claim.config not in summary or (claim.ref is not None and claim.ref not in summary):
         return None
-    if claim.ref is None:
+    if claim.ref is None and claim.metric in ("final", "last3"):
         return anchor_minus_policy(summary[claim.config], "" if claim.metric == "final" else f"_{claim.metric}")
+    if claim.ref is None:  # a difference within each run already (e.g. ema_gain: its weight EMA minus its policy)
+        seeds = [k for k, v in summary[claim.config]["per_seed"].items() if v.get(claim.metric) is not None]
+        return seeds, [summary[claim.config]["per_seed"][k][claim.metric] for k in seeds]
     return paired_diffs(summary[claim.config], summary[claim.ref], claim.metric)
 
 

@@ -2,9 +2,9 @@
 before the first step. The policy and its tokenizer, the task, its prompts fitted to the context, the
 memory plan checked (on a GPU), the held-out evaluator, the checkpoint the run starts from (its own newest
 intact one on resume, or another run's with ``init_from``), the distillation teacher, the EMA anchor (and
-the frozen initial policy for ``kl_to_init``), AdamW and its schedule, the vLLM engine, the restored
-state, config.yaml and the metrics writer. Under torchrun every process builds its own share (the models
-sharded with FSDP2). Nothing here runs a step."""
+the frozen initial policy for ``kl_to_init``, and a weight EMA kept for shipping), AdamW and its schedule, the
+vLLM engine, the restored state, config.yaml and the metrics writer. Under torchrun every process builds its own
+share (the models sharded with FSDP2). Nothing here runs a step."""
 
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ class Run:
     anchor: EMAAnchor
     init_anchor: EMAAnchor | None
     anchor_is_initial: bool
+    weight_ema: EMAAnchor | None
     plain_model: Callable[[], torch.nn.Module]
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -84,6 +85,14 @@ class Run:
     metrics: MetricsWriter | None
     progress: Progress
     start_step: int | None
+
+    @property
+    def ema(self) -> EMAAnchor | None:
+        """The weight EMA a user may ship (``weight_ema``): its own copy beside a frozen anchor, the anchor itself
+        with EMA-PG; None without one."""
+        if self.weight_ema is not None:
+            return self.weight_ema
+        return self.anchor if self.cfg.weight_ema is not None else None
 
     @property
     def main(self) -> bool:
@@ -116,13 +125,14 @@ def assemble(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, forc
     teacher, teacher_sha256 = build_teacher(model, tokenizer, cfg, dist, run_dir, ckpt, force)
     if teacher is not None:
         evaluator.use_teacher(teacher, cfg.rollout.temperature)
-    anchor, init_anchor, anchor_is_initial = build_anchors(model, cfg, dist, since_start)
+    anchor, init_anchor, anchor_is_initial, weight_ema = build_anchors(model, cfg, dist, since_start)
     params = [p for p in model.parameters() if p.requires_grad]
     now = Progress()
     optimizer, scheduler = make_optimizer(params, cfg, lambda: now.step)
     engine = build_engine(cfg, model, tokenizer, task, sampling, dist, run_dir)
     if ckpt:
-        st = restore_training(ckpt, model, anchor, optimizer, cfg, sharded=dist.enabled)
+        st = restore_training(ckpt, model, anchor, optimizer, cfg, sharded=dist.enabled, weight_ema=weight_ema,
+                              warn=dist.is_main)
         now.restore(st, resume)
         restore_schedule(scheduler, st["scheduler"], cfg.lr)
         evaluator.forget_after(now.step)
@@ -131,8 +141,8 @@ def assemble(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, forc
     metrics = MetricsWriter(run_dir, resume_step=now.step if resume else None, report_to=tuple(cfg.report_to),
                             config=dataclasses.asdict(cfg), wandb_project=cfg.wandb_project) if dist.is_main else None
     return Run(cfg, run_dir, progress, dist, plan, head, sampling, model, tokenizer, task, evaluator, teacher,
-               teacher_sha256, anchor, init_anchor, anchor_is_initial, lambda: policy_model(cfg)[0], params,
-               optimizer, scheduler, engine, metrics, now, None if resume else now.step)
+               teacher_sha256, anchor, init_anchor, anchor_is_initial, weight_ema, lambda: policy_model(cfg)[0],
+               params, optimizer, scheduler, engine, metrics, now, None if resume else now.step)
 
 
 def checked_task(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task: Task, dist: distributed.DistInfo,
@@ -260,9 +270,10 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, samp
 
 
 def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.DistInfo,
-                  since_start: bool) -> tuple[EMAAnchor, EMAAnchor | None, bool]:
+                  since_start: bool) -> tuple[EMAAnchor, EMAAnchor | None, bool, EMAAnchor | None]:
     """The EMA anchor, the frozen initial policy when kl_to_init needs its own (a full copy, or the
-    initial adapters with LoRA), and whether the anchor is the initial policy; the models sharded when
+    initial adapters with LoRA), whether the anchor is the initial policy, and the weight EMA where it needs
+    its own copy (``weight_ema`` beside a frozen anchor; with EMA-PG the anchor is it); the models sharded when
     ``dist`` is. Sharded, a full anchor's copy is made before sharding and sharded alike; LoRA needs none.
 
     eta = 1 since step 0 (``since_start``: a resumed run asks its checkpoint): the anchor is the initial
@@ -274,15 +285,18 @@ def build_anchors(model: torch.nn.Module, cfg: TrainConfig, dist: distributed.Di
     anchor_is_initial = cfg.algo.eta == 1.0 and since_start
     own_init = cfg.log_kl_to_init and not anchor_is_initial
     init_copy = frozen_copy(model) if full and own_init else None
+    own_ema = cfg.weight_ema is not None and cfg.algo.eta == 1.0
+    ema_copy = frozen_copy(model) if full and own_ema else None
     if dist.enabled:
-        for m in (model, anchor_copy, init_copy):
+        for m in (model, anchor_copy, init_copy, ema_copy):
             if m is not None:
                 distributed.shard(m, cfg.mixed_precision, methods=SHARD_METHODS, offload=cfg.offload)
     anchor = EMAAnchor(model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=anchor_copy)
     init_anchor = EMAAnchor(model, eta=1.0, module=init_copy) if own_init else None
     if cfg.log_kl_to_init and anchor_is_initial and cfg.algo.teacher is not None:
         init_anchor = anchor  # no second copy of the initial weights
-    return anchor, init_anchor, anchor_is_initial
+    weight_ema = EMAAnchor(model, eta=cfg.weight_ema, module=ema_copy) if own_ema else None
+    return anchor, init_anchor, anchor_is_initial, weight_ema
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, steps_done: Callable[[], int] = lambda: 0):

@@ -4,6 +4,7 @@ Layout of ``RUN/checkpoints``::
 
     step_000020/            one complete checkpoint
         policy.safetensors  anchor.safetensors  optimizer.safetensors  state.json
+        weight_ema.safetensors    (a run whose weight_ema keeps its own copy)
     latest                  text file naming the newest complete checkpoint
 
 A checkpoint is written into a temporary folder, flushed to disk, then renamed into place (an
@@ -74,17 +75,20 @@ def save_checkpoint(
     state: dict[str, Any],
     keep: int = 2,
     main: bool = True,
+    extra: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and point ``latest`` at it; prune old ones.
 
-    ``optimizer``: an optimizer, or its state dict (name-keyed, as the trainer saves it). Tensors may be
+    ``optimizer``: an optimizer, or its state dict (name-keyed, as the trainer saves it). ``extra``: more tensor
+    files, {name: tensors} written as ``name.safetensors`` (a weight EMA's). Tensors may be
     DTensors sharded on dim 0: then this is collective, every rank writes its rows and rank 0 (``main``)
     the rest (the headers, whole tensors, state.json, ``latest``)."""
     final = ckpt_dir / f"step_{step:06d}"
     opt_sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     opt_tensors, opt_meta = optimizer_tensors(opt_sd)
     files = {f"{name}.safetensors": shards.pieces(tensors, main) for name, tensors in
-             (("policy", policy_state), ("anchor", anchor_state), ("optimizer", opt_tensors))}
+             (("policy", policy_state), ("anchor", anchor_state), ("optimizer", opt_tensors),
+              *(extra or {}).items())}
     with _shared_folder(final, main) as tmp:  # re-saving a step (after a resume) replaces it only when complete
         if main:
             for name, parts in files.items():
@@ -237,12 +241,19 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     read when asked (whole, or a rank's rows: :class:`emapg.run.shards.Tensors`). Raises
     :class:`CheckpointError` naming the damaged file (a header that does not fit its file, garbage JSON)."""
     state = _read_state(path)
-    return {
+    out = {
         "policy": _read_tensors(path / "policy.safetensors"),
         "anchor": _read_tensors(path / "anchor.safetensors"),
         "optimizer": (_read_tensors(path / "optimizer.safetensors"), state.pop("optimizer")),
         "state": state,
     }
+    ema_file = path / f"{WEIGHT_EMA}.safetensors"
+    if ema_file.exists() or state.get(WEIGHT_EMA):  # state.json says whether it wrote one: missing is damaged
+        out[WEIGHT_EMA] = _read_tensors(ema_file)
+    return out
+
+
+WEIGHT_EMA = "weight_ema"  # a checkpoint's file of the weight EMA, where it has its own copy
 
 
 # ---- a training run's checkpoints ----------------------------------------------------------------------
@@ -264,6 +275,7 @@ RUN_STATE_TYPES = {
     "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
     "world": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
     "teacher_sha256": (lambda v: v is None or isinstance(v, str), "a digest or null"),
+    "weight_ema": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 
@@ -360,15 +372,24 @@ def starting_checkpoint(run_dir: Path, names: Mapping[str, list[int]] | set[str]
 
 
 def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: torch.optim.Optimizer, cfg,
-                     sharded: bool) -> dict[str, Any]:
-    """Load a checkpoint's policy, anchor and optimizer state into the run's objects (sharded: into
+                     sharded: bool, weight_ema=None, warn: bool = True) -> dict[str, Any]:
+    """Load a checkpoint's policy, anchor, weight EMA and optimizer state into the run's objects (sharded: into
     FSDP2's shards); returns its state.json (step, scheduler, ...). The optimizer's settings are the run's
-    config's (lr, betas, weight decay), not the checkpoint's: a later stage may change them."""
+    config's (lr, betas, weight decay), not the checkpoint's: a later stage may change them. A weight EMA the
+    checkpoint does not hold (``init_from`` a run without one) starts at the checkpoint's policy, said."""
     missing, unexpected = load_policy(model, ckpt["policy"])
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     anchor_file, layout = ckpt["anchor"], anchor.layout()
     anchor.load_state_dict(shards.Rows(anchor_file, lambda n: anchor_file.local(n, layout[n])), local=True)
+    if weight_ema is not None and WEIGHT_EMA in ckpt:
+        ema_file, ema_layout = ckpt[WEIGHT_EMA], weight_ema.layout()
+        weight_ema.load_state_dict(shards.Rows(ema_file, lambda n: ema_file.local(n, ema_layout[n])), local=True)
+    elif weight_ema is not None:
+        weight_ema.reset_to(model)
+        if warn:
+            print(f"emapg: the checkpoint at step {ckpt['state']['step']} holds no weight EMA: weight_ema starts at "
+                  "its policy", file=sys.stderr)
     tensors, meta = ckpt["optimizer"]
     params = dict(model.named_parameters())
     distributed.load_optimizer_state(model, optimizer, optimizer_state_dict(
@@ -428,9 +449,11 @@ class Progress:
 
 
 def save_training(run_dir: Path, step: int, model: nn.Module, anchor, optimizer: torch.optim.Optimizer,
-                  state: dict[str, Any], keep: int, main: bool) -> Path:
-    """Checkpoint ``step`` of a run as whole tensors (any number of processes can resume it).
-    Collective when sharded: every rank writes its own rows (nothing is gathered), rank 0 the rest."""
+                  state: dict[str, Any], keep: int, main: bool, weight_ema=None) -> Path:
+    """Checkpoint ``step`` of a run as whole tensors (any number of processes can resume it), with the weight
+    EMA's own file where it has its own copy. Collective when sharded: every rank writes its own rows (nothing
+    is gathered), rank 0 the rest."""
     opt = distributed.optimizer_state(model, optimizer, whole=False)
+    extra = {WEIGHT_EMA: weight_ema.state_dict(gather=False)} if weight_ema is not None else None
     return save_checkpoint(Path(run_dir) / "checkpoints", step, model.state_dict(), anchor.state_dict(gather=False),
-                           opt, state, keep=keep, main=main)
+                           opt, state, keep=keep, main=main, extra=extra)

@@ -143,10 +143,24 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
     return out
 
 
+def validation_examples(task: Task, size: int, validation: int) -> list[Example]:
+    """The ``validation`` held-out problems after the first ``size`` (the test set): disjoint from it and from
+    training. Refused, naming what to change, when the task's held-out set has fewer than ``size + validation``."""
+    from emapg.config import ConfigError
+
+    every = task.eval_examples(size + validation)
+    if len(every) < size + validation:
+        raise ConfigError(f"eval.validation_size: {validation} after eval.size {size} needs {size + validation} "
+                          f"held-out problems; the task has {len(every)} (a generated task: raise its "
+                          "task_args.eval_size; a data file: more rows, or a smaller eval.size)")
+    return every[size:]
+
+
 class RunEvaluator:
     """A training run's held-out evaluations: the held-out set (``eval.size`` problems) and, with
     ``eval.transfer``, a second set from a distribution the run does not train on (the task built with
-    those task_args overrides), each for the policy and the anchor. Each evaluation's per-problem
+    those task_args overrides), each for the policy and the anchor; with ``eval.validation_size``, a validation
+    set (the held-out problems after the test set's) to choose the model to ship by. Each evaluation's per-problem
     outcomes go to ``RUN/outcomes/outcomes.jsonl`` as it finishes, one line of 0/1 digits in the order
     of the set's ids (``RUN/outcomes/SET.ids.json``), so two runs can be compared problem by problem
     (:func:`emapg.stats.mcnemar_p`)."""
@@ -164,6 +178,8 @@ class RunEvaluator:
         self.sets: dict[str, tuple[Task, list[Example]]] = {}
         if cfg.eval.size:
             self.sets["heldout"] = (task, task.eval_examples(cfg.eval.size))
+        if cfg.eval.size and cfg.eval.validation_size:
+            self.sets["validation"] = (task, validation_examples(task, cfg.eval.size, cfg.eval.validation_size))
         if cfg.eval.size and cfg.eval.transfer:
             other = make_task(cfg.task, **{**cfg.task_args, **cfg.eval.transfer})
             if fit is not None:
@@ -197,9 +213,10 @@ class RunEvaluator:
             keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
             write_text_atomic(path, "".join(line + "\n" for line in keep))
 
-    def run(self, model: nn.Module, which: str, step: int, sets: tuple[str, ...] = ("heldout", "transfer"),
+    def run(self, model: nn.Module, which: str, step: int,
+            sets: tuple[str, ...] = ("heldout", "validation", "transfer"),
             reuse: dict[str, Any] | None = None, engine=None) -> dict[str, dict[str, Any]]:
-        """Evaluate ``model`` (``which``: policy or anchor; gathered, in its autocast) on the sets; returns
+        """Evaluate ``model`` (``which``: policy, anchor or ema; gathered, in its autocast) on the sets; returns
         {set: result}. ``reuse``: a held-out result already measured for this model (not run again).
         ``engine``: the run's rollout engine, holding ``model``'s weights, samples (else the decode loop)."""
         out = {}

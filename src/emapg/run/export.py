@@ -1,7 +1,8 @@
 """A run's models as Hugging Face folders (config, tokenizer, safetensors): at the end of a run
 (:func:`export_models`), or from any checkpoint afterwards (:func:`export_checkpoint`, ``emapg export``),
-whatever number of processes wrote it. Both write ``OUT/policy`` and ``OUT/anchor``; with LoRA each is
-exported merged (base + adapters), the anchor with its averaged adapters."""
+whatever number of processes wrote it. Both write ``OUT/policy`` and ``OUT/anchor`` (and ``OUT/ema``, a
+``weight_ema`` kept beside a frozen anchor); with LoRA each is exported merged (base + adapters), the anchor and
+the EMA with their averaged adapters."""
 
 from __future__ import annotations
 
@@ -14,23 +15,28 @@ from emapg.anchor import EMAAnchor
 from emapg.atomic import folder_atomic
 from emapg.models import distributed
 from emapg.models.zoo import policy_model, save_hf_folder
-from emapg.run.checkpoint import CheckpointError, load_checkpoint, load_policy, resume_candidates
+from emapg.run.checkpoint import WEIGHT_EMA, CheckpointError, load_checkpoint, load_policy, resume_candidates
 
 
-def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool, main: bool, plain_model) -> None:
-    """The policy and the anchor as Hugging Face folders ``out/policy`` and ``out/anchor``. Sharded, this
-    is collective: rank 0 loads the gathered weights into ``plain_model()`` (an unsharded model) and writes."""
+def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool, main: bool, plain_model,
+                  weight_ema: EMAAnchor | None = None) -> None:
+    """The policy and the anchor as Hugging Face folders ``out/policy`` and ``out/anchor``, and a weight EMA with
+    its own copy as ``out/ema``. Sharded, this is collective: rank 0 loads the gathered weights into
+    ``plain_model()`` (an unsharded model) and writes."""
+    averaged = {"anchor": anchor, **({"ema": weight_ema} if weight_ema is not None else {})}
     if not sharded:
         save_hf_folder(model, tokenizer, out / "policy")
-        with anchor.use(model) as m:
-            save_hf_folder(m, tokenizer, out / "anchor")
+        for name, avg in averaged.items():
+            with avg.use(model) as m:
+                save_hf_folder(m, tokenizer, out / name)
         return
-    policy = distributed.model_state(model)
-    with anchor.use(model) as m:
-        anchor_state = distributed.model_state(m)
+    states = {"policy": distributed.model_state(model)}
+    for name, avg in averaged.items():
+        with avg.use(model) as m:
+            states[name] = distributed.model_state(m)
     if main:
         plain = plain_model()
-        for name, state in (("policy", policy), ("anchor", anchor_state)):
+        for name, state in states.items():
             plain.load_state_dict(state, strict=False)
             save_hf_folder(plain, tokenizer, out / name)
     distributed.barrier()
@@ -39,7 +45,8 @@ def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool,
 def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None = None,
                       trust_plugins: bool = False) -> Path:
     """Write checkpoint ``step`` of ``run_dir`` (default: its newest intact one) as ``OUT/policy`` and
-    ``OUT/anchor`` (default ``OUT``: ``RUN/export-step_NNNNNN``), each replaced atomically. The policy is
+    ``OUT/anchor``, and ``OUT/ema`` where it holds a weight EMA of its own (default ``OUT``:
+    ``RUN/export-step_NNNNNN``), each replaced atomically. The policy is
     built on the CPU from the run's config.yaml (its model and LoRA settings), and the checkpoint's tensors
     loaded into it; the anchor is the policy with the checkpoint's averages in place of its tensors."""
     from emapg.config import load_config
@@ -57,17 +64,20 @@ def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None =
     if missing or unexpected:
         raise CheckpointError(f"{path / 'policy.safetensors'} does not fit model {cfg.model} of {cfg_file}: missing "
                               f"{missing[:3]}, unexpected {unexpected[:3]}")
-    anchor = EMAAnchor(model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=None)
-    anchor.load_state_dict(dict(ckpt["anchor"]))
+    averaged = {"anchor": EMAAnchor(model, eta=cfg.algo.eta, every=cfg.algo.ema_every, module=None)}
+    if WEIGHT_EMA in ckpt:  # a weight EMA with its own copy (beside a frozen anchor)
+        averaged["ema"] = EMAAnchor(model, eta=1.0, module=None)  # read, never stepped: its decay plays no part
+    for name, avg in averaged.items():
+        avg.load_state_dict(dict(ckpt[WEIGHT_EMA if name == "ema" else "anchor"]))
     out = Path(out) if out is not None else run_dir / f"export-step_{step:06d}"
-    for name in ("policy", "anchor"):
+    for name in ("policy", *averaged):
         check_replaceable(out / name)
-    for name in ("policy", "anchor"):
+    for name in ("policy", *averaged):
         with folder_atomic(out / name) as tmp:
             if name == "policy":
                 save_hf_folder(model, tokenizer, tmp)
             else:
-                with anchor.use(model) as m:
+                with averaged[name].use(model) as m:
                     save_hf_folder(m, tokenizer, tmp)
     return out
 

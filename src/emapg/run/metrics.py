@@ -18,7 +18,7 @@ from emapg.run.outcomes import anchor_against_policy
 
 PLOTS = {
     "reward": ["reward_mean"],
-    "accuracy": ["eval/policy_accuracy", "eval/anchor_accuracy"],
+    "accuracy": ["eval/policy_accuracy", "eval/anchor_accuracy", "eval/ema_accuracy"],
     "kl": ["kl", "kl_to_init"],
     "entropy": ["entropy"],
 }
@@ -30,10 +30,12 @@ PLOT_TITLES = {
 }
 # each metric's unit on a plot's axis, and the factor its values are shown at (accuracy in %)
 METRIC_UNITS = {"reward_mean": ("reward", 1.0), "eval/policy_accuracy": ("accuracy (%)", 100.0),
-                "eval/anchor_accuracy": ("accuracy (%)", 100.0), "kl": ("nats per token", 1.0),
+                "eval/anchor_accuracy": ("accuracy (%)", 100.0),
+                "eval/ema_accuracy": ("accuracy (%)", 100.0), "kl": ("nats per token", 1.0),
                 "kl_to_init": ("nats per token", 1.0), "entropy": ("nats per token", 1.0),
                 "eval/policy_teacher_kl": ("nats per token", 1.0)}
 LABELS = {"reward_mean": "reward", "eval/policy_accuracy": "policy", "eval/anchor_accuracy": "EMA anchor",
+          "eval/ema_accuracy": "weight EMA",
           "kl": "KL to the anchor", "kl_to_init": "KL to the initial policy", "entropy": "entropy"}
 
 
@@ -290,9 +292,10 @@ def write_eval_table(run_dir: Path, table: dict[str, dict[str, Any] | None], not
 
 
 def final_table(run_dir: Path, initial_eval: dict[str, Any] | None) -> dict[str, Any]:
-    """The run's eval table, {'init', 'policy', 'anchor'}: the step-0 evaluation and the last evaluations
-    metrics.jsonl holds; written as eval.json and eval.md, with the paired test of the anchor against its
-    policy on the same problems below the table where the run kept both's outcomes."""
+    """The run's eval table, {'init', 'policy', 'anchor'} and 'ema' with a weight EMA: the step-0 evaluation and
+    the last evaluations metrics.jsonl holds; written as eval.json and eval.md, with the paired tests of the
+    anchor and of a weight EMA of its own against the policy on the same problems below the table where the run
+    kept their outcomes."""
     last = {}
     for row in read_metrics(run_dir):
         last.update({k: v for k, v in row.items() if k.startswith("eval/")})
@@ -300,7 +303,10 @@ def final_table(run_dir: Path, initial_eval: dict[str, Any] | None) -> dict[str,
     table = {"init": init,
              "policy": {"accuracy": last.get("eval/policy_accuracy")},
              "anchor": {"accuracy": last.get("eval/anchor_accuracy")}}
-    write_eval_table(run_dir, table, anchor_against_policy(run_dir))
+    if "eval/ema_accuracy" in last:  # weight_ema: the EMA kept for shipping (with EMA-PG, the anchor)
+        table["ema"] = {"accuracy": last["eval/ema_accuracy"]}
+    notes = [n for n in (anchor_against_policy(run_dir), anchor_against_policy(run_dir, model="ema")) if n]
+    write_eval_table(run_dir, table, "\n\n".join(notes) or None)
     return table
 
 

@@ -36,13 +36,14 @@ def final_outcomes(run: Path, model: str = "policy", which_set: str = "heldout",
     return known, solved, last["step"]
 
 
-def anchor_against_policy(run: Path, which_set: str = "heldout") -> str | None:
-    """One sentence: the run's last anchor and policy evaluations on the same problems, paired (exact
-    McNemar); None unless both were kept at the same step."""
-    anchor, policy = final_outcomes(run, "anchor", which_set), final_outcomes(run, "policy", which_set)
+def anchor_against_policy(run: Path, which_set: str = "heldout", model: str = "anchor") -> str | None:
+    """One sentence: the run's last evaluations of the anchor (``model``: or its weight EMA, "ema") and of the
+    policy on the same problems, paired (exact McNemar); None unless both were kept at the same step."""
+    anchor, policy = final_outcomes(run, model, which_set), final_outcomes(run, "policy", which_set)
     if anchor is None or policy is None or anchor[2] != policy[2] or len(anchor[1]) != len(policy[1]):
         return None
     only_anchor, only_policy, p = mcnemar_p(anchor[1], policy[1])
-    return (f"Anchor against policy on the same {len(anchor[1])} {which_set} problems (step {anchor[2]}): "
-            f"only the anchor solved {only_anchor}, only the policy {only_policy}; exact McNemar p = {p:.3g}"
-            " (two-sided).")
+    name = {"anchor": "anchor", "ema": "weight EMA"}.get(model, model)
+    return (f"{name[0].upper() + name[1:]} against policy on the same {len(anchor[1])} {which_set} problems (step "
+            f"{anchor[2]}): only the {name} solved {only_anchor}, only the policy {only_policy}; exact McNemar p = "
+            f"{p:.3g} (two-sided).")

@@ -88,7 +88,8 @@ class Trainer(Run):
     # ---- the run, top down -------------------------------------------------------------------------
 
     def train(self) -> dict[str, Any] | None:
-        """Run to ``cfg.steps``; the final eval table {'init'|'policy'|'anchor': results} on rank 0, else None."""
+        """Run to ``cfg.steps``; the final eval table {'init'|'policy'|'anchor'[|'ema']: results} on rank 0, else
+        None."""
         from tqdm.auto import tqdm
 
         cfg, now = self.cfg, self.progress
@@ -104,9 +105,7 @@ class Trainer(Run):
             now.step = step
             periodic = bool(self.evaluator.examples and cfg.eval.every and step % cfg.eval.every == 0)
             if self.evaluator.examples and (periodic or step == cfg.steps):
-                row.update(_rows("policy", self._evaluate("policy")))
-                if step == cfg.steps or cfg.eval.anchor:
-                    row.update(_rows("anchor", self._evaluate("anchor", reuse=self._initial_anchor_eval())))
+                row.update(self._evaluate_models(final=step == cfg.steps))
             self._write(row)
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                 self.save()
@@ -115,7 +114,8 @@ class Trainer(Run):
         bar.close()
         if cfg.export:
             export_models(self.run_dir / "export", self.model, self.anchor, self.tokenizer,
-                          sharded=self.dist.enabled, main=self.main, plain_model=self.plain_model)
+                          sharded=self.dist.enabled, main=self.main, plain_model=self.plain_model,
+                          weight_ema=self.weight_ema)
         if not self.main:
             return None
         table = self.metrics.finish(now.initial_eval)
@@ -174,6 +174,8 @@ class Trainer(Run):
                 grad_norms.append(done[1])
         self.optimizer.zero_grad(set_to_none=True)
         ema_updated = self.anchor.step(self.model)
+        if self.weight_ema is not None:  # the weights' EMA kept for shipping, outside the loss
+            self.weight_ema.step(self.model)
         self.progress.skipped_steps += skipped
         applied = plan.optimizer_steps - skipped
         return {**rollout_row(batch, cfg.rollout.n), **update_row(stats, applied, grad_norms),
@@ -246,12 +248,29 @@ class Trainer(Run):
         res = self._evaluate(which, sets=("heldout",)).get("heldout", {})
         return {k: v for k, v in res.items() if k != "solved"}  # the per-problem outcomes went to RUN/outcomes
 
-    def _evaluate(self, which: str, sets: tuple[str, ...] = ("heldout", "transfer"), reuse=None) -> dict[str, Any]:
-        """The policy or the anchor on the run's held-out sets ({set: result}; :class:`RunEvaluator`). With a
-        rollout engine whose backend evaluates too (vLLM: ``for_eval``) the engine samples: it is given the
-        evaluated weights (the policy's are the version the next rollout asks for; the anchor's are not, so
-        that rollout pushes the policy back) and sleeps again after, as after a rollout."""
-        model = self.anchor.use(self.model) if which == "anchor" else contextlib.nullcontext(self.model)
+    def _evaluate_models(self, final: bool) -> dict[str, Any]:
+        """A periodic (or the ``final``) evaluation's metrics: the policy; the anchor (at the end, or every time
+        with ``eval.anchor``); the weight EMA (``weight_ema``; with EMA-PG the anchor's results, not run twice).
+        The validation set is the policy's and the EMA's: the choice of the model to ship."""
+        row = _rows("policy", self._evaluate("policy"))
+        anchor_res = None
+        if final or self.cfg.eval.anchor:
+            sets = ("heldout", "validation", "transfer") if self.ema is self.anchor else ("heldout", "transfer")
+            anchor_res = self._evaluate("anchor", sets=sets, reuse=self._initial_anchor_eval())
+            row.update(_rows("anchor", anchor_res))
+        if self.ema is not None:
+            ema_res = anchor_res if self.ema is self.anchor and anchor_res is not None else self._evaluate("ema")
+            row.update(_rows("ema", ema_res))
+        return row
+
+    def _evaluate(self, which: str, sets: tuple[str, ...] = ("heldout", "validation", "transfer"),
+                  reuse=None) -> dict[str, Any]:
+        """The policy, the anchor or the weight EMA on the run's held-out sets ({set: result};
+        :class:`RunEvaluator`). With a rollout engine whose backend evaluates too (vLLM: ``for_eval``) the engine
+        samples: it is given the evaluated weights (the policy's are the version the next rollout asks for; the
+        anchor's are not, so that rollout pushes the policy back) and sleeps again after, as after a rollout."""
+        averaged = {"anchor": self.anchor, "ema": self.ema}.get(which)
+        model = averaged.use(self.model) if averaged is not None else contextlib.nullcontext(self.model)
         evaluates = self.engine is not None and BACKENDS[self.cfg.rollout.backend].for_eval is not None  # else the
         # evaluator's decode loop (the hf backend's, or with no engine at all)
         with model as m, gathered(m) as g, self._autocast():
@@ -274,9 +293,9 @@ class Trainer(Run):
         """Write a checkpoint of whole tensors (any number of processes can resume it). Collective."""
         state = {**self.progress.state(), "scheduler": self.scheduler.state_dict(),
                  "anchor_is_initial": self.anchor_is_initial, "seed": self.cfg.seed, "world": self.dist.world,
-                 "teacher_sha256": self.teacher_sha256}
+                 "teacher_sha256": self.teacher_sha256, "weight_ema": self.weight_ema is not None}
         return save_training(self.run_dir, self.progress.step, self.model, self.anchor, self.optimizer, state,
-                             keep=self.cfg.keep_checkpoints, main=self.main)
+                             keep=self.cfg.keep_checkpoints, main=self.main, weight_ema=self.weight_ema)
 
     def close(self) -> None:
         """Shut the rollout engine down (vLLM's holds a GPU share); nothing else holds resources past train()."""
