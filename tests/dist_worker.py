@@ -107,6 +107,8 @@ def cmd_update(out: Path, overrides: list[str]) -> None:
         row = tr.update(mine)
         params = {f"param.{k}": v.clone() for k, v in distributed.model_state(tr.model).items()}
         anchor = {f"anchor.{k}": v for k, v in tr.anchor.state_dict().items() if k.startswith("average.")}
+        if tr.weight_ema is not None:  # a weight EMA of its own (beside a frozen anchor), sharded alike
+            anchor.update({f"ema.{k}": v for k, v in tr.weight_ema.state_dict().items() if k.startswith("average.")})
         # what the vLLM backend would push: gathered from shards, LoRA merged (collective on every rank)
         pushed = {f"vllm.{k}": v.detach().clone() for k, v in policy_weights(tr.model)}
         distributed.clip_grad_norm(tr.params, 1.0)
@@ -201,12 +203,13 @@ def main(argv: list[str]) -> None:
         cmd_update(Path(argv[1]), argv[2:])
     elif cmd == "train":
         run, steps, resume = Path(argv[1]), int(argv[2]), "--resume" in argv
+        extra = [a for a in argv[3:] if a != "--resume"]  # overrides of a new run
         if resume:
             cfg = load_config(run / "config.yaml", [f"steps={steps}"])
         else:
             # 6 prompts a step: 1, 2 and 3 processes each hold whole shares
             cfg = load_config(ROOT / "recipes" / "smoke.yaml", BASE + [f"steps={steps}", "keep_checkpoints=5",
-                                                                       "prompts_per_step=6"])
+                                                                       "prompts_per_step=6", *extra])
         Trainer(cfg, run, resume=resume, progress=False).train()
     elif cmd == "blind":
         cmd_blind(Path(argv[1]))

@@ -579,3 +579,42 @@ def test_a_studys_kept_records_give_its_published_verdicts_and_claims_figure(stu
     alpha, hyps = vd.load_hypotheses(folder / "spec.yaml")
     for j in vd.judge(summarize(spec, out), hyps, alpha):
         assert j.seeds == len(j.diffs) and (not j.diffs or abs(sum(j.diffs) / len(j.diffs) - j.mean) < 1e-12)
+
+
+def test_every_claim_of_the_switch_study_reads_the_shipped_model_compare_summarises(tmp_path, bench_module):
+    """studies/switch: runs shaped like the study's (policy and weight EMA on the test, validation and transfer sets
+    every 10 steps) give every claim its seeds; the shipped model is the one the validation set chose (never the
+    test set), and its pilot runs the primary family's configurations on other seeds with the same overrides."""
+    from emapg.lab import verdicts as vd
+
+    folder = ROOT / "studies" / "switch"
+    spec, pilot = load_spec(folder / "spec.yaml"), load_spec(folder / "pilot.yaml")
+    assert (pilot.base, pilot.overrides) == (spec.base, spec.overrides) and set(pilot.seeds).isdisjoint(spec.seeds)
+    assert all(pilot.configs[n] == spec.configs[n] for n in pilot.configs) and len(pilot.configs) == 3
+    alpha, hyps = vd.load_hypotheses(folder / "spec.yaml")
+    out = tmp_path / "out"
+    for i, name in enumerate(spec.configs):
+        for seed in (0, 1):
+            run = out / name / f"seed{seed}"
+            run.mkdir(parents=True)
+            rows = [{"step": 0, "eval/policy_accuracy": 0.3}]
+            for step in (10, 20, 30, 40):
+                acc = 0.5 + 0.01 * (i + seed)
+                # the EMA wins on validation in EMA-PG's runs only, and on test in every run
+                rows.append({"step": step, "reward_mean": 0.5, "eval/policy_accuracy": acc,
+                             "eval/ema_accuracy": acc + 0.05, "eval/validation_policy_accuracy": 0.6,
+                             "eval/validation_ema_accuracy": 0.7 if name.startswith("emapg") else 0.6,
+                             "eval/transfer_policy_accuracy": 0.2, "eval/transfer_ema_accuracy": 0.25})
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (run / "eval.json").write_text(json.dumps({"policy": {"accuracy": acc}, "ema": {"accuracy": acc + 0.05}}))
+    summary = summarize(spec, out)
+    judged = {j.hypothesis: j for j in vd.judge(summary, hyps, alpha)}
+    assert len(judged) == 22 and all(j.seeds == 2 for j in judged.values())
+    # emapg-5e-5 (i = 2) ships its EMA (0.52 + 0.05 + 0.01 seed); grpo-b05-5e-5 (i = 0) its policy (0.50 + 0.01)
+    assert round(100 * judged["S1"].mean, 6) == 7.0 and round(100 * judged["S2"].mean, 6) == 6.0
+    assert round(100 * judged["C1"].mean, 6) == 2.0 and round(100 * judged["C3"].mean, 6) == 2.0  # policy, EMA
+    assert round(100 * judged["T1"].mean, 6) == 5.0 and round(100 * judged["E1"].mean, 6) == 5.0
+    assert summary["emapg-5e-5"]["shipped_is_ema"][0] == 1.0 and summary["grpo-b05-5e-5"]["shipped_is_ema"][0] == 0.0
+    json_path = tmp_path / "verdicts.json"
+    bench_module("stability_verdicts").report(folder, out, json_path)
+    assert json.loads(json_path.read_text())["hypotheses"]["S1"]["provisional"]  # 2 of 8 seeds

@@ -32,7 +32,9 @@ def run(nproc: int, *args: str, worker: Path = WORKER, timeout: int = 300) -> No
     ["algo.ppo_epochs=2", "mini_batch_prompts=2", "algo.kl=k3"],  # 4 optimizer steps, pi_old recomputed
     ["lora.r=4", "lora.target_modules=[q_proj,v_proj]"],  # adapters sharded, anchor = EMA of adapters
     ["algo.teacher=tiny-llama-h32", "algo.teacher_dtype=bfloat16", "algo.pg_coef=0.5", "algo.beta=0.5"],  # sharded too
-], ids=["topk", "ppo-epochs", "lora", "teacher"])
+    ["algo.eta=1.0", "algo.kl=k3", "weight_ema=0.5"],  # a weight EMA of its own beside the frozen anchor, sharded
+    ["algo.eta=1.0", "weight_ema=0.5", "lora.r=4", "lora.target_modules=[q_proj,v_proj]"],  # ... of the adapters
+], ids=["topk", "ppo-epochs", "lora", "teacher", "weight-ema", "weight-ema-lora"])
 def test_two_processes_equal_one_process(tmp_path, overrides):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
@@ -42,6 +44,9 @@ def test_two_processes_equal_one_process(tmp_path, overrides):
     assert set(a) == set(b)
     assert any(k.startswith("grad.") for k in a) and any(k.startswith("anchor.") for k in a)
     assert any(k.startswith("vllm.") for k in a)  # the vLLM weight push gathers shards (and merges LoRA) alike
+    if any("weight_ema" in o for o in overrides):  # the weight EMA moved off the frozen anchor, equal on 1 and 2
+        ema = [k for k in a if k.startswith("ema.")]
+        assert ema and any(not torch.equal(a[k], a["anchor." + k[len("ema."):]]) for k in ema)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
     grads = [a[k] for k in a if k.startswith("grad.")]
@@ -96,8 +101,8 @@ def test_an_unequal_plan_fails_fast_and_names_the_collective(tmp_path):
     assert "OpType=" in proc.stderr
 
 
-def _same_checkpoint(a: Path, b: Path) -> None:
-    for name in ("policy", "anchor", "optimizer"):
+def _same_checkpoint(a: Path, b: Path, more: tuple[str, ...] = ()) -> None:
+    for name in ("policy", "anchor", "optimizer", *more):
         x, y = load_file(a / f"{name}.safetensors"), load_file(b / f"{name}.safetensors")
         assert set(x) == set(y), name
         for key in x:
@@ -135,6 +140,23 @@ def test_checkpoints_resume_across_process_counts(tmp_path):
     run(1, "train", str(back), "4", "--resume")
     steps = [json.loads(line)["step"] for line in (back / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_weight_ema_checkpoint_moves_between_process_counts_bit_for_bit(tmp_path):
+    """weight_ema beside a frozen anchor under FSDP2: 2 processes write its file by rows, 3 read theirs and write
+    it back unchanged, 1 resumes it and trains on (a weight EMA that moved: not the initial weights)."""
+    two = tmp_path / "two"
+    # (a random model's rewards are all 0 on this task, so no advantage moves it: weight decay does)
+    run(2, "train", str(two), "2", "algo.eta=1.0", "algo.kl=k3", "weight_ema=0.5", "weight_decay=0.5")
+    three = tmp_path / "three"
+    shutil.copytree(two, three)
+    run(3, "resave", str(three))
+    _same_checkpoint(two / "checkpoints" / "step_000002", three / "checkpoints" / "step_000002", ("weight_ema",))
+    ema = load_file(two / "checkpoints" / "step_000002" / "weight_ema.safetensors")
+    anchor = load_file(two / "checkpoints" / "step_000002" / "anchor.safetensors")
+    assert any(not torch.equal(ema[k], anchor[k]) for k in ema if k.startswith("average."))
+    run(1, "train", str(three), "3", "--resume")
+    assert (three / "checkpoints" / "step_000003" / "weight_ema.safetensors").exists()
 
 
 def test_cli_nproc_runs_a_whole_run(tmp_path):

@@ -452,3 +452,77 @@ def test_two_processes_under_ddp_keep_one_reference(tiny, teacher, tmp_path):
             assert max(float((ref[n] - theta0[n]).abs().max()) for n in ref) > 1e-4  # and the reference moved
         else:
             assert all(torch.equal(ref[n], want_teacher[n]) for n in ref)
+
+
+class _Record(TrainerCallback):
+    """The policy's trainable weights after each optimizer step (a callback added before the weight EMA's: it
+    sees the same weights)."""
+
+    def __init__(self):
+        self.after: list[dict[str, torch.Tensor]] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_weight_ema_callback_averages_a_plain_grpo_trainer_and_exports_it(tiny, tmp_path, lora):
+    """A plain GRPOTrainer with WeightEMACallback(0.5): after 3 steps the average is the closed form of the policy's
+    weights after each step (only the adapters under LoRA), and output_dir/ema is that model, merged."""
+    from transformers import AutoModelForCausalLM
+
+    from emapg.integrations.trl import WeightEMACallback
+
+    kw = {}
+    if lora:
+        from peft import LoraConfig
+
+        kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    tr = make(GRPOTrainer, tiny, tmp_path, max_steps=3, **kw)
+    rec, cb = _Record(), WeightEMACallback(0.5)
+    tr.add_callback(rec)
+    tr.add_callback(cb)
+    start = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+    tr.train()
+    assert set(start) <= set(cb.ema.average) and (not lora or set(cb.ema.average) == set(start))
+    assert not lora or all("lora_" in n for n in start)
+    for name, first in start.items():
+        expect = first
+        for after in rec.after:
+            expect = 0.5 * expect + 0.5 * after[name]
+        torch.testing.assert_close(cb.ema.average[name], expect, rtol=0, atol=1e-6, msg=name)
+    assert any(not torch.equal(cb.ema.average[n], rec.after[-1][n]) for n in start)  # it lags the policy
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ema").state_dict()
+    with cb.use(tr.model) as m:
+        import copy
+
+        merged = copy.deepcopy(m).merge_and_unload() if lora else m  # (merging a copy: the policy keeps its own)
+        for name, t in merged.state_dict().items():
+            if name in exported:
+                torch.testing.assert_close(exported[name], t, rtol=0, atol=1e-6, msg=name)
+
+
+def test_the_weight_ema_callback_resumes_exactly_and_refuses_a_checkpoint_without_it(tiny, tmp_path):
+    from emapg.integrations.trl import WEIGHT_EMA_FILE, WeightEMACallback
+
+    whole = make(GRPOTrainer, tiny, tmp_path / "whole", max_steps=3)
+    whole.add_callback(w := WeightEMACallback(0.5, export=False))
+    whole.train()
+    part = make(GRPOTrainer, tiny, tmp_path / "part", max_steps=3, save_strategy="steps", save_steps=2)
+    part.add_callback(WeightEMACallback(0.5, export=False))
+    part.train()
+    ckpt = tmp_path / "part" / "checkpoint-2"
+    assert (ckpt / WEIGHT_EMA_FILE).exists()
+    resumed = make(GRPOTrainer, tiny, tmp_path / "part", max_steps=3)
+    resumed.add_callback(r := WeightEMACallback(0.5, export=False))
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert r.ema.num_updates == 3
+    for name, a in w.ema.average.items():
+        torch.testing.assert_close(r.ema.average[name], a, rtol=0, atol=1e-6, msg=name)
+    (ckpt / WEIGHT_EMA_FILE).unlink()
+    again = make(GRPOTrainer, tiny, tmp_path / "part", max_steps=3)
+    again.add_callback(WeightEMACallback(0.5, export=False))
+    with pytest.raises(FileNotFoundError, match="holds no weight EMA"):
+        again.train(resume_from_checkpoint=str(ckpt))
+    with pytest.raises(ValueError, match="WeightEMACallback: decay: must be in \\(0, 1\\)"):
+        WeightEMACallback(1.0)

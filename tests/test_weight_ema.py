@@ -125,3 +125,25 @@ def test_the_shipped_model_is_chosen_on_validation_never_on_test():
     tie = {**row, "eval/validation_ema_accuracy": 0.50}  # a tie keeps the policy
     assert shipped([tie])["shipped"] == 0.70 and shipped([tie])["shipped_is_ema"] == 0.0
     assert shipped([{"step": 1, "eval/policy_accuracy": 0.5}]) == {}
+
+
+def test_the_memory_plan_counts_a_weight_ema_of_its_own_and_no_copy_with_ema_pg():
+    from emapg.models import plan as P
+
+    shape = P.shape_of(P.model_config("tiny-qwen2"))
+
+    def resident(*over, world=1):
+        c = load_config(SMOKE, ["model=tiny-qwen2", *over])
+        p = P.plan(c, shape, world=world, prompt_tokens=50, device="cpu")
+        return p.resident, {ph.name: ph.parts for ph in p.phases}
+
+    plain, _ = resident("algo.eta=1.0")
+    own, _ = resident("algo.eta=1.0", "weight_ema=0.9")
+    assert own["weight EMA (weight_ema)"] == plain["anchor weights"] > 0
+    assert set(own) - set(plain) == {"weight EMA (weight_ema)"}
+    assert resident("algo.eta=0.9", "weight_ema=0.9")[0] == resident("algo.eta=0.9")[0]  # the anchor is it
+    lora, _ = resident("algo.eta=1.0", "weight_ema=0.9", "lora.r=4")
+    assert lora["weight EMA adapters (weight_ema)"] == lora["anchor adapters"]
+    _, phases = resident("algo.eta=1.0", "weight_ema=0.9", "export=true", world=2)
+    (gathered,) = phases["export"].values()
+    assert gathered == 4 * shape.params * P.DTYPE_BYTES["float32"]  # policy, anchor, EMA and the plain model

@@ -313,7 +313,8 @@ class TrainConfig:
     log_kl_to_init: bool = setting(False)
     """Also measure the KL to the initial policy: a frozen copy (initial adapters with LoRA) and one extra
     no-grad pass, except when eta = 1 since step 0, where the anchor is the initial policy and serves."""
-    weight_ema: float | None = setting(None, rule=within(0, 1, low_open=True, high_open=True, null=True), across=[
+    weight_ema: float | None = setting(None, rule=within(0, 1, low_open=True, high_open=True, null=True),
+                                       trl="weight_ema", across=[
         (lambda c: c.weight_ema is None or c.algo.eta in (1.0, c.weight_ema),
          lambda c: f"{c.weight_ema} differs from algo.eta={c.algo.eta}: with EMA-PG (eta < 1) the anchor is the "
                    f"weight EMA; set weight_ema to {c.algo.eta} or null")])

@@ -40,6 +40,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,6 +122,74 @@ def prepare_teacher(trainer: GRPOTrainer, teacher: str | nn.Module, dtype: str |
     digest = weights_digest(teacher)
     add_fused_lm_head(teacher, temperature=trainer.temperature, cast_lm_head_to_fp32=trainer.args.cast_lm_head_to_fp32)
     return trainer.accelerator.prepare_model(teacher, evaluation_mode=True), digest
+
+
+WEIGHT_EMA_FILE = "emapg_weight_ema.safetensors"
+
+
+class WeightEMACallback(TrainerCallback):
+    """An EMA of the policy's weights kept for shipping, for a plain ``trl.GRPOTrainer`` (or any transformers
+    ``Trainer``), outside the loss: ``trainer.add_callback(WeightEMACallback(0.9))``.
+
+    After each optimizer step theta_w <- decay * theta_w + (1 - decay) * theta, in fp32 (emapg's
+    :class:`~emapg.anchor.EMAAnchor`: a copy of the model; with a PEFT model an average of the adapters only).
+    Each checkpoint holds it (``emapg_weight_ema.safetensors``, written by the main process) and a resume restores
+    it from the checkpoint it resumes (``output_dir/checkpoint-STEP``): refused, naming the file, when that
+    checkpoint has none. At the end of training it is written as a Hugging Face folder, ``output_dir/ema`` (LoRA
+    merged), beside the policy the trainer saves: evaluate both and ship the better on your validation set
+    (``emapg eval --model OUT OUT/ema ...``). ``average`` holds it, ``use(model)`` runs it. With
+    :class:`EMAPGTrainer` at eta < 1 the reference already is this average: the callback is for GRPO as it is.
+    """
+
+    def __init__(self, decay: float = 0.9, every: int = 1, export: bool = True):
+        try:  # the config's own rule for weight_ema
+            check_fields({TRL_KEYWORDS["weight_ema"]: decay}, names={TRL_KEYWORDS["weight_ema"]: "decay"})
+        except ConfigError as e:
+            raise ConfigError(f"WeightEMACallback: {e}") from None
+        if decay is None or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"WeightEMACallback: decay {decay!r} and every {every!r}: expected a decay in (0, 1) "
+                              "and a whole number of optimizer steps >= 1")
+        self.decay, self.every, self.export = decay, every, export
+        self.ema: EMAAnchor | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        model = _unwrap_peft_outer(model)
+        self.ema = EMAAnchor(model, eta=self.decay, every=self.every)
+        if state.global_step > 0:  # a resume: transformers loaded this checkpoint's trainer state
+            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", WEIGHT_EMA_FILE)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"WeightEMACallback: {path}: the checkpoint this run resumes at step "
+                                        f"{state.global_step} holds no weight EMA (was the callback added when it "
+                                        "was written?)")
+            self.ema.load_state_dict(load_file(path))
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.ema.step(_unwrap_peft_outer(model))
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.ema is not None:
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            tmp = os.path.join(folder, f".{WEIGHT_EMA_FILE}.tmp-{os.getpid()}")
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.ema.state_dict().items()}, tmp)
+            os.replace(tmp, os.path.join(folder, WEIGHT_EMA_FILE))
+
+    def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if self.export and state.is_world_process_zero and self.ema is not None:
+            from emapg.models.zoo import save_hf_folder
+
+            tokenizer = processing_class if processing_class is not None else kwargs.get("tokenizer")
+            with self.ema.use(_unwrap_peft_outer(model)) as m:
+                save_hf_folder(m, tokenizer, Path(args.output_dir) / "ema")
+
+    def use(self, model: nn.Module):
+        """The weight EMA as a module (a context manager: with LoRA the averaged adapters are swapped into
+        ``model`` and put back on exit)."""
+        return self.ema.use(_unwrap_peft_outer(model))
+
+
+def _unwrap_peft_outer(model: nn.Module) -> nn.Module:
+    """The model the trainer steps, unwrapped from DDP (``module``) but not from PEFT (the adapters average)."""
+    return getattr(model, "module", model)
 
 
 class _EMAStep(TrainerCallback):

@@ -416,8 +416,10 @@ def plan(cfg: Any, shape: ModelShape, *, world: int = 1, prompt_tokens: int = 51
         temp = trainable * pb * shard if device == "cuda" else 2 * min(trainable, shape.largest_param) * pb
         p.phases.append(Phase("optimizer step", {"gradients": trainable * pb * shard, "AdamW temporaries": temp}))
     p.phases += _eval_phases(cfg, shape, teacher, world, prompt_tokens, engine)
-    if cfg.export and world > 1:  # rank 0 gathers the policy and the anchor whole and loads an unsharded model
-        export = {"export (rank 0: policy and anchor gathered, an unsharded model)": 3 * shape.params * pb}
+    if cfg.export and world > 1:  # rank 0 gathers the policy and the anchor (and a weight EMA of its own) whole
+        own_ema = cfg.weight_ema is not None and cfg.algo.eta == 1.0  # and loads them into an unsharded model
+        export = {"export (rank 0: policy and anchor" + (", weight EMA" if own_ema else "") +
+                  " gathered, an unsharded model)": (3 + own_ema) * shape.params * pb}
         if device == "cpu":
             p.phases.append(Phase("export", export))
         else:
@@ -576,6 +578,9 @@ def _resident(cfg: Any, shape: ModelShape, teacher: ModelShape | None, trainable
         weights["anchor adapters"] = trainable * 4
     if cfg.log_kl_to_init and cfg.algo.eta < 1.0 and cfg.lora.r == 0:
         weights["initial policy (kl_to_init)"] = shape.params * pb * shard
+    if cfg.weight_ema is not None and cfg.algo.eta == 1.0:  # its own copy beside a frozen anchor (EMA-PG: the anchor)
+        weights["weight EMA (weight_ema)" if cfg.lora.r == 0 else "weight EMA adapters (weight_ema)"] = (
+            weights["anchor weights"] if cfg.lora.r == 0 else weights["anchor adapters"])
     if teacher is not None:
         weights["teacher weights"] = teacher.params * DTYPE_BYTES[cfg.algo.teacher_dtype or cfg.dtype] * shard
     weights["optimizer state (AdamW)"] = 2 * trainable * pb * shard
