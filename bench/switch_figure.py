@@ -32,7 +32,7 @@ def draw(summary: dict, png: Path) -> Path:
     fig, axes = plt.subplots(1, len(LRS), figsize=(9, 4.2), sharey=True)
     init = [v for s in summary.values() for v in [s["init"][0]] if v == v]
     for ax, lr in zip(axes, LRS, strict=True):
-        for x, (arm, label) in enumerate(ARMS):
+        for x, (arm, _label) in enumerate(ARMS):
             run = summary.get(f"{arm}-{lr}")
             if run is None:
                 continue
@@ -42,9 +42,8 @@ def draw(summary: dict, png: Path) -> Path:
                 dx = (j - (len(ys) - 1) / 2) * 0.04
                 ax.plot(x + dx, y, "o", ms=6, color=f"C{x}", mfc=f"C{x}" if v.get("shipped_is_ema") else "none")
             if len(ys) >= 2:
-                lo, hi = interval95(ys)
-                ax.errorbar(x + 0.3, statistics.fmean(ys), yerr=[[statistics.fmean(ys) - lo], [hi - statistics.fmean(ys)]],
-                            fmt="s", color="black", capsize=5, ms=6)
+                (lo, hi), mean = interval95(ys), statistics.fmean(ys)
+                ax.errorbar(x + 0.3, mean, yerr=[[mean - lo], [hi - mean]], fmt="s", color="black", capsize=5, ms=6)
         if init:
             ax.axhline(100 * statistics.fmean(init), color="grey", ls="--", lw=1)
             ax.text(2.45, 100 * statistics.fmean(init) + 0.8, "initial model", color="grey", fontsize=9, ha="right")

@@ -618,3 +618,4 @@ def test_every_claim_of_the_switch_study_reads_the_shipped_model_compare_summari
     json_path = tmp_path / "verdicts.json"
     bench_module("stability_verdicts").report(folder, out, json_path)
     assert json.loads(json_path.read_text())["hypotheses"]["S1"]["provisional"]  # 2 of 8 seeds
+    assert bench_module("switch_figure").draw(summary, tmp_path / "switch.png").stat().st_size > 10_000
