@@ -85,3 +85,63 @@ def test_a_hostile_answer_is_bounded_and_never_executed():
     # sympy's simplification is bounded in time; an expression the reference deems unsafe is not evaluated
     assert reference_math_reward(boxed("x^{99999999}"), "1") == 0.0
     assert reference_math_reward(boxed("__import__('os').system('echo hi')"), "0") == 0.0
+
+
+def reference_reward(action: str, ground_truth) -> float:
+    """The reference's RewardMathFn (rLLM, LunjunZhang/ema-pg math/rllm/rewards/math_reward.py) around its grading
+    function: the gold as its row holds it, each item ``str()``-ed, a boxed one read from its box; nothing else
+    done to it."""
+    truths = [ground_truth] if isinstance(ground_truth, str | float | int) else list(ground_truth)
+    forms = []
+    for truth in map(str, truths):
+        forms += [extract_answer(truth)] if "\\boxed" in truth else [truth]
+    return max((reference_math_reward(action, form) for form in forms if form is not None), default=0.0)
+
+
+# OlympiadBench (final_answer: a list of $-wrapped LaTeX), LiveMathBench's AMC (a $-wrapped string) and AMC
+# (aimo-validation-amc: a float) rows; the first two the reference grades 0 against the gold as written, where a
+# loader stripping the dollars graded 1
+ROWS = [
+    ({"question": "Solve for x.", "final_answer": ["$7$"]}, "\\boxed{x = 7}"),
+    ({"question": "How much?", "answer": "$7$"}, "\\boxed{7 \\text{ dollars}}"),
+    ({"question": "Roots?", "final_answer": ["$2$, $-2$"], "is_multiple_answer": True}, "\\boxed{2 \\text{ and } -2}"),
+    ({"problem": "AMC", "answer": 142.0}, "\\boxed{142}"),
+    ({"problem": "AMC", "answer": 142.5}, "\\boxed{142.5}"),
+    ({"question": "Plain.", "final_answer": ["$\\frac{1}{2}$"]}, "\\boxed{\\frac12}"),
+]
+
+
+@pytest.mark.parametrize("row,answer", ROWS)
+def test_under_the_reference_grader_a_gold_is_graded_as_its_file_holds_it(tmp_path, row, answer):
+    """Eval and training grade each row's gold exactly as the reference's reward reads it (no `$` stripped, a float
+    as str() writes it): equal to the reference's function on the raw row, for the held-out and the training
+    rewards."""
+    data = tmp_path / "set.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    task = make_task("math", eval_file=str(data), train_file=str(data), grader="reference")
+    (ex,) = task.eval_examples(1)
+    gold = row.get("final_answer", row.get("answer"))
+    response = f"Thinking.</think>So {answer}."
+    assert task.eval_reward(response, ex) == task.reward(response, ex) == reference_reward(response, gold)
+
+
+def test_the_loader_no_longer_rewrites_golds_the_reference_grades_zero(tmp_path):
+    """The cases that a loader stripping `$` graded 1 and the reference grades 0 (measured side by side): each is 0."""
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r, _ in ROWS[:2]))
+    task = make_task("math", eval_file=str(data), train_file=str(data), grader="reference")
+    for ex, (_, answer) in zip(task.eval_examples(2), ROWS[:2], strict=True):
+        assert task.eval_reward(f"</think>{answer}", ex) == 0.0
+        assert reference_math_reward(f"</think>{answer}", ex.answer.strip("$") if isinstance(ex.answer, str)
+                                     else [a.strip("$") for a in ex.answer]) == 1.0  # what the stripped gold gave
+
+
+def test_a_gold_the_reference_cannot_match_is_kept_with_a_warning_not_the_file_refused(tmp_path, capsys):
+    data = tmp_path / "set.jsonl"
+    rows = [{"problem": "a", "answer": "$ $"}, {"problem": "b", "answer": "\\boxed{}"}, {"problem": "c", "answer": "3"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = make_task("math", eval_file=str(data), grader="reference")
+    assert len(task.eval_examples(10)) == 3
+    assert "2 row(s) whose answer the reference grader can match with nothing" in capsys.readouterr().err
+    with pytest.raises(Exception, match="an empty answer|has nothing the lenient grader can match"):  # emapg's own
+        make_task("math", eval_file=str(data))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 
 from emapg.config import at_least, one_of
 from emapg.data import DataError, answer_text, check_text, load_rows
@@ -31,17 +32,22 @@ PROBLEM_FIELDS = ("problem", "Problem", "question", "Question")
 ANSWER_FIELDS = ("answer", "Answer", "final_answer", "ground_truth")
 
 
-def gold_answers(value, together: bool = False) -> list[str]:
+def gold_answers(value, together: bool = False, as_written: bool = False) -> list[str]:
     """A row's answer as the list of its accepted forms: a list (OlympiadBench's ``final_answer``, e.g.
     ``["$3$"]``) gives each, a whole float (AMC's 142.0) its integer; enclosing ``$...$`` are removed.
     ``together`` (OlympiadBench's ``is_multiple_answer``): the list's items are one answer, all of them,
-    written as ``a, b``."""
+    written as ``a, b``. ``as_written`` (the reference grader): each item exactly as the reference's reward
+    reads it, ``str(item)`` (``$7$`` keeps its dollars, 142.0 stays ``142.0``), nothing stripped."""
     items = value if isinstance(value, list | tuple) else [value]
     if together and len(items) > 1:
         return [", ".join(gold_answers(items))]
     out = []
     for v in items:
-        text = answer_text(v).strip()
+        text = answer_text(v)  # (a null, a list or NaN is refused here either way)
+        if as_written:
+            out.append(str(v))
+            continue
+        text = text.strip()
         while len(text) >= 2 and text.startswith("$") and text.endswith("$"):
             text = text[1:-1].strip()
         out.append(text)
@@ -63,8 +69,9 @@ def gradable(golds: list[str], grader: str) -> bool:
 def math_rows(path: str, problem_field: str, answer_field: str, alternatives: bool = False) -> list[dict]:
     """Rows of a math file with ``problem`` and ``answer`` (a list of accepted forms): the columns named, or
     where the file has not them, the first of the published sets' names it has (:data:`PROBLEM_FIELDS`).
-    ``alternatives``: a list answer's items are accepted forms even in a row marked ``is_multiple_answer``
-    (the reference grader's rule); otherwise such a row's items are one answer, all of them."""
+    ``alternatives`` (the reference grader's rules): a list answer's items are accepted forms even in a row marked
+    ``is_multiple_answer``, each kept as written (:func:`gold_answers`); otherwise such a row's items are one
+    answer, all of them."""
     rows = load_rows(path)
     for row in rows:
         columns = {}
@@ -81,11 +88,11 @@ def math_rows(path: str, problem_field: str, answer_field: str, alternatives: bo
             raise DataError(f"{row['_source']}: field {columns['problem']!r} is {type(row['problem']).__name__}, "
                             "expected text")
         try:
-            row["answer"] = gold_answers(row["answer"],
+            row["answer"] = gold_answers(row["answer"], as_written=alternatives,
                                          together=row.get("is_multiple_answer") is True and not alternatives)
         except DataError as e:
             raise DataError(f"{row['_source']}: field {columns['answer']!r}: {e}") from None
-        if not row["answer"] or not all(row["answer"]):
+        if not row["answer"] or not (alternatives or all(row["answer"])):  # the reference loads an empty one
             raise DataError(f"{row['_source']}: field {columns['answer']!r}: an empty answer")
         check_text([row["problem"], *row["answer"]], f"{row['_source']}: field {columns['problem']!r} or "
                                                      f"{columns['answer']!r}")
@@ -128,10 +135,15 @@ class MathTask(Task):
         alternatives = grader == "reference"
         train = math_rows(train_file, problem_field, answer_field, alternatives) if train_file else []
         held = math_rows(eval_file, problem_field, answer_field, alternatives) if eval_file else []
-        for row in (*train, *held):
-            if not gradable(row["answer"], grader):
-                raise DataError(f"{row['_source']}: the answer {row['answer']!r} has nothing the {grader} grader can "
-                                "match (it normalises to nothing, or its \\boxed is not closed): fix or drop the row")
+        never = [row for row in (*train, *held) if not gradable(row["answer"], grader)]
+        if never and grader != "reference":
+            row = never[0]
+            raise DataError(f"{row['_source']}: the answer {row['answer']!r} has nothing the {grader} grader can "
+                            "match (it normalises to nothing, or its \\boxed is not closed): fix or drop the row")
+        if never:  # the reference loads such a row and grades it as it does every other: kept, and said
+            print(f"emapg: warning: {len(never)} row(s) whose answer the reference grader can match with nothing "
+                  f"(kept and graded by its rules, as the reference keeps them), e.g. {never[0]['_source']}: "
+                  f"{never[0]['answer']!r}", file=sys.stderr)
         if not held:
             if train and len(train) <= eval_size:
                 raise ConfigError(f"task_args.train_file: {train_file} has {len(train)} rows, and without an eval_file "
