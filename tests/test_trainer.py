@@ -797,3 +797,17 @@ def test_run_plots_label_their_units_and_show_coinciding_series():
     assert all(float(t).is_integer() for t in ax.get_xticks())
     assert "may be < 0" in run_figure(rows, "kl").axes[0].get_title()
     assert run_figure(rows, "entropy") is None  # nothing to draw: no empty panel
+
+
+def test_under_mask_truncated_a_truncated_response_still_counts_its_length(tmp_path):
+    """algo.mask_truncated takes a truncated response out of the loss, not out of the rollout's metrics: its
+    length counts in response_length (the GPU check's tokens per second is computed from it)."""
+    tr = Trainer(cfg("steps=1", "save_every=0", "eval.size=0", "algo.mask_truncated=true", "rollout.max_new_tokens=4"),
+                 tmp_path, progress=False)
+    batch = tr.rollout(1)
+    generated = float(batch.response_mask.sum(1).float().mean())
+    truncated = batch.truncated.clone()
+    assert truncated.any() and generated > 0  # a random model runs out of 4 tokens
+    row = tr.update(batch)
+    assert row["response_length"] == pytest.approx(generated) and row["truncated_frac"] == float(truncated.float().mean())
+    assert int(batch.response_mask[truncated].sum()) == 0  # ... and none of their tokens was trained on

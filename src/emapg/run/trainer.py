@@ -147,16 +147,18 @@ class Trainer(Run):
         batch.rewards = score_completions(self.task, batch.completions, examples, cfg.rollout.n,
                                           truncated=batch.truncated).to(self.dist.device)
         batch.advantages = group_advantages(batch.rewards, cfg.rollout.n, cfg.algo.advantage)
-        if cfg.algo.mask_truncated:
-            batch.response_mask = batch.response_mask * (~batch.truncated).long()[:, None]
         return batch
 
     def update(self, batch: RolloutBatch) -> dict[str, Any]:
-        """Learn from this rank's share of a scored rollout batch: anchor pass, PPO epochs over
+        """Learn from this rank's share of a scored rollout batch (its rollout metrics first, then with
+        ``algo.mask_truncated`` truncated responses masked out of the loss): anchor pass, PPO epochs over
         mini-batches of micro-batches, optimizer steps, EMA update. Returns the metrics (global:
         reduced over ranks)."""
         cfg, a, plan = self.cfg, self.cfg.algo, self.plan
         t0 = time.perf_counter()
+        sampled = rollout_row(batch, cfg.rollout.n)  # what was sampled: a truncated response's length counts
+        if a.mask_truncated:  # ... but none of its tokens counts in the loss
+            batch.response_mask = batch.response_mask * (~batch.truncated).long()[:, None]
         lr_used = schedule_step_lr(self.optimizer, self.scheduler)
         minis = step_micro_batches(batch, plan.rank_mini_prompts, plan.micro_prompts, plan.micro_tokens)
         anchors = [[self.anchor_pass(mb) for mb in mbs] for mbs in minis]
@@ -178,7 +180,7 @@ class Trainer(Run):
             self.weight_ema.step(self.model)
         self.progress.skipped_steps += skipped
         applied = plan.optimizer_steps - skipped
-        return {**rollout_row(batch, cfg.rollout.n), **update_row(stats, applied, grad_norms),
+        return {**sampled, **update_row(stats, applied, grad_norms),
                 "lr": lr_used, "ema_updated": int(ema_updated), "skipped_updates": skipped,
                 "skipped_total": self.progress.skipped_steps, "anchor_seconds": t_anchor}
 
