@@ -811,3 +811,18 @@ def test_under_mask_truncated_a_truncated_response_still_counts_its_length(tmp_p
     row = tr.update(batch)
     assert row["response_length"] == pytest.approx(generated) and row["truncated_frac"] == float(truncated.float().mean())
     assert int(batch.response_mask[truncated].sum()) == 0  # ... and none of their tokens was trained on
+
+
+def test_keep_every_keeps_the_checkpoints_a_recipe_documents_for_export(tmp_path):
+    """keep_checkpoints prunes all but the newest; keep_every keeps every multiple of it besides, so that `emapg
+    export RUN --step N` works on a finished run for the steps the recipes' documented commands name."""
+    from emapg.run.export import export_checkpoint
+
+    Trainer(cfg("steps=6", "save_every=1", "keep_checkpoints=1", "keep_every=3"), tmp_path, progress=False).train()
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert kept == ["step_000003", "step_000006"]
+    assert (export_checkpoint(tmp_path, step=3) / "policy" / "config.json").exists()
+    for recipe, step in (("math_r1_distill_1p5b", 240), ("math_r1_distill_1p5b_16k", 720),
+                         ("search_qwen2p5_3b", 500), ("opd_r1_distill_1p5b", 200)):
+        c = load_config(ROOT / "recipes" / f"{recipe}.yaml")
+        assert c.keep_every and step % c.keep_every == 0 and step % c.save_every == 0 and step <= c.steps, recipe

@@ -347,6 +347,10 @@ class TrainConfig:
     resumed: for short runs whose checkpoints nobody needs)."""
     keep_checkpoints: int = setting(2, rule=at_least(1), replay_safe=True)
     """How many recent checkpoints to keep."""
+    keep_every: int = setting(0, rule=at_least(0), replay_safe=True)
+    """Also keep every checkpoint whose step is a multiple of this, whatever keep_checkpoints prunes, for
+    ``emapg export RUN --step N`` and evaluations of the training curve afterwards (each is a whole checkpoint:
+    policy, anchor and optimizer state; ~28 GB at 1.5B parameters); 0 = none."""
     algo: AlgoConfig = setting(factory=AlgoConfig)
     lora: LoraConfig = setting(factory=LoraConfig)
     rollout: RolloutConfig = setting(factory=RolloutConfig)

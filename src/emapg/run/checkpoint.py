@@ -76,6 +76,7 @@ def save_checkpoint(
     keep: int = 2,
     main: bool = True,
     extra: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    keep_every: int = 0,
 ) -> Path:
     """Write checkpoint ``step`` atomically and point ``latest`` at it; prune old ones.
 
@@ -103,7 +104,7 @@ def save_checkpoint(
     if main:
         write_json_atomic(ckpt_dir / LATEST, {"checkpoint": final.name, "step": step})
         fsync_dir(ckpt_dir)
-        _prune(ckpt_dir, keep, step)
+        _prune(ckpt_dir, keep, step, keep_every)
     distributed.barrier()
     return final
 
@@ -131,16 +132,18 @@ def _step_dirs(ckpt_dir: Path) -> list[Path]:
     return sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()), key=_step_of)
 
 
-def _prune(ckpt_dir: Path, keep: int, current: int) -> None:
-    """Keep the ``keep`` newest checkpoints up to ``current`` (which ``latest`` names). Folders of later
-    steps belong to a future this run abandoned by resuming from an earlier checkpoint: remove them."""
+def _prune(ckpt_dir: Path, keep: int, current: int, keep_every: int = 0) -> None:
+    """Keep the ``keep`` newest checkpoints up to ``current`` (which ``latest`` names), and those whose step is a
+    multiple of ``keep_every`` (0: none). Folders of later steps belong to a future this run abandoned by resuming
+    from an earlier checkpoint: remove them."""
     done = _step_dirs(ckpt_dir)
     for p in done:
         if _step_of(p) > current:
             shutil.rmtree(p, ignore_errors=True)
     kept = [p for p in done if _step_of(p) <= current]
     for p in kept[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+        if not (keep_every and _step_of(p) % keep_every == 0):
+            shutil.rmtree(p, ignore_errors=True)
     for stale in list(ckpt_dir.glob(f".step_*{TMP}*")) + list(ckpt_dir.glob(f".step_*{OLD}*")):  # killed saves
         if not is_ours(stale):
             shutil.rmtree(stale, ignore_errors=True)
@@ -449,11 +452,11 @@ class Progress:
 
 
 def save_training(run_dir: Path, step: int, model: nn.Module, anchor, optimizer: torch.optim.Optimizer,
-                  state: dict[str, Any], keep: int, main: bool, weight_ema=None) -> Path:
+                  state: dict[str, Any], keep: int, main: bool, weight_ema=None, keep_every: int = 0) -> Path:
     """Checkpoint ``step`` of a run as whole tensors (any number of processes can resume it), with the weight
-    EMA's own file where it has its own copy. Collective when sharded: every rank writes its own rows (nothing
+    EMA's own file where it has its own copy; the newest ``keep`` and every ``keep_every``-th step kept. Collective when sharded: every rank writes its own rows (nothing
     is gathered), rank 0 the rest."""
     opt = distributed.optimizer_state(model, optimizer, whole=False)
     extra = {WEIGHT_EMA: weight_ema.state_dict(gather=False)} if weight_ema is not None else None
     return save_checkpoint(Path(run_dir) / "checkpoints", step, model.state_dict(), anchor.state_dict(gather=False),
-                           opt, state, keep=keep, main=main, extra=extra)
+                           opt, state, keep=keep, main=main, extra=extra, keep_every=keep_every)

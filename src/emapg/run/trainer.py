@@ -297,7 +297,8 @@ class Trainer(Run):
                  "anchor_is_initial": self.anchor_is_initial, "seed": self.cfg.seed, "world": self.dist.world,
                  "teacher_sha256": self.teacher_sha256, "weight_ema": self.weight_ema is not None}
         return save_training(self.run_dir, self.progress.step, self.model, self.anchor, self.optimizer, state,
-                             keep=self.cfg.keep_checkpoints, main=self.main, weight_ema=self.weight_ema)
+                             keep=self.cfg.keep_checkpoints, main=self.main, weight_ema=self.weight_ema,
+                             keep_every=self.cfg.keep_every)
 
     def close(self) -> None:
         """Shut the rollout engine down (vLLM's holds a GPU share); nothing else holds resources past train()."""
