@@ -802,8 +802,8 @@ def test_run_plots_label_their_units_and_show_coinciding_series():
 def test_under_mask_truncated_a_truncated_response_still_counts_its_length(tmp_path):
     """algo.mask_truncated takes a truncated response out of the loss, not out of the rollout's metrics: its
     length counts in response_length (the GPU check's tokens per second is computed from it)."""
-    tr = Trainer(cfg("steps=1", "save_every=0", "eval.size=0", "algo.mask_truncated=true", "rollout.max_new_tokens=4"),
-                 tmp_path, progress=False)
+    over = ("steps=1", "save_every=0", "eval.size=0", "algo.mask_truncated=true", "rollout.max_new_tokens=4")
+    tr = Trainer(cfg(*over), tmp_path, progress=False)
     batch = tr.rollout(1)
     generated = float(batch.response_mask.sum(1).float().mean())
     truncated = batch.truncated.clone()

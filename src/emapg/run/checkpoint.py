@@ -454,8 +454,8 @@ class Progress:
 def save_training(run_dir: Path, step: int, model: nn.Module, anchor, optimizer: torch.optim.Optimizer,
                   state: dict[str, Any], keep: int, main: bool, weight_ema=None, keep_every: int = 0) -> Path:
     """Checkpoint ``step`` of a run as whole tensors (any number of processes can resume it), with the weight
-    EMA's own file where it has its own copy; the newest ``keep`` and every ``keep_every``-th step kept. Collective when sharded: every rank writes its own rows (nothing
-    is gathered), rank 0 the rest."""
+    EMA's own file where it has its own copy; the newest ``keep`` and every ``keep_every``-th step kept.
+    Collective when sharded: every rank writes its own rows (nothing is gathered), rank 0 the rest."""
     opt = distributed.optimizer_state(model, optimizer, whole=False)
     extra = {WEIGHT_EMA: weight_ema.state_dict(gather=False)} if weight_ema is not None else None
     return save_checkpoint(Path(run_dir) / "checkpoints", step, model.state_dict(), anchor.state_dict(gather=False),
