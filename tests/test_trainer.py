@@ -809,7 +809,8 @@ def test_under_mask_truncated_a_truncated_response_still_counts_its_length(tmp_p
     truncated = batch.truncated.clone()
     assert truncated.any() and generated > 0  # a random model runs out of 4 tokens
     row = tr.update(batch)
-    assert row["response_length"] == pytest.approx(generated) and row["truncated_frac"] == float(truncated.float().mean())
+    assert row["response_length"] == pytest.approx(generated)
+    assert row["truncated_frac"] == float(truncated.float().mean())
     assert int(batch.response_mask[truncated].sum()) == 0  # ... and none of their tokens was trained on
 
 
