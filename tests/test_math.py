@@ -270,6 +270,7 @@ def test_eval_protocol_paper_runs_the_published_sets_with_the_references_setting
         "paper", 0.8, 0.9, 429, "reference")
     assert out["samples"] == 2 and out["max_new_tokens"] == 8
     assert "--samples 2: not the paper's protocol (32)" in res.stderr
+    assert "sends seed 429 with each of its 32 requests" in res.stderr  # the protocol says how it differs
     assert len(out["rows"]) == 7 and "average, by problems" in res.stdout
     total = sum(r["problems"] for r in out["rows"])
     assert f"| tiny-llama | average, by problems | {total} |" in res.stdout
@@ -307,3 +308,24 @@ def test_eval_on_two_processes_gives_the_table_of_one(tmp_path):
             rows = [json.loads(line) for line in (tmp_path / w / f"{name}.samples.jsonl").read_text().splitlines()]
             return sorted((r["id"], r["completion"]) for r in rows)
         assert completions("two") == completions("one") and len(completions("one")) > 1
+
+
+def test_reference_seeding_reads_one_sample_a_problem_as_the_references_n_same_seed_samples(tmp_path):
+    """--seeding reference: the reference's engine sends one seed with each of a problem's requests, so its n
+    samples are one sample repeated: one sample a problem, counted n times (avg@n equals that sample's accuracy,
+    pass@k equals pass@1, every record n times); the default draws n independent samples."""
+    from emapg.cli import main
+
+    common = ["eval", "--model", "tiny-llama", "--task", "arithmetic", "--task-args", '{"digits": 1}', "--size", "12",
+              "--temperature", "1.0", "--max-new-tokens", "4", "--device", "cpu", "--seed", "5"]
+    assert main([*common, "--samples", "1", "--out", str(tmp_path / "one")]) == 0
+    assert main([*common, "--samples", "4", "--seeding", "reference", "--out", str(tmp_path / "ref")]) == 0
+    assert main([*common, "--samples", "4", "--out", str(tmp_path / "ind")]) == 0
+    one, ref, ind = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "ref", "ind"))
+    (r1,), (rr,), (ri,) = one["rows"], ref["rows"], ind["rows"]
+    assert ref["seeding"] == "reference" and rr["samples"] == 4 and rr["accuracy"] == r1["accuracy"]
+    assert rr["pass@4"] == rr["pass@2"] == rr["pass@1"] == r1["pass@1"]
+    samples = [json.loads(x) for x in (tmp_path / "ref").glob("*.samples.jsonl").__next__().read_text().splitlines()]
+    assert len(samples) == 12 * 4 and all(samples[4 * i: 4 * i + 4] == [samples[4 * i]] * 4 for i in range(12))
+    independent = [json.loads(x) for x in (tmp_path / "ind").glob("*.samples.jsonl").__next__().read_text().splitlines()]
+    assert any(len({s["completion"] for s in independent[4 * i: 4 * i + 4]}) > 1 for i in range(12))

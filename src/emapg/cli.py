@@ -228,7 +228,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     spec = eval_sampling(asked)
     plan = EvalPlan(models=models, task=task, task_args=task_args, sets=parse_sets(args.data), spec=spec,
                     device=device, dtype=dtype, backend=args.backend,
-                    batch_size=args.batch_size, size=args.size, seed=args.seed, protocol=args.protocol)
+                    batch_size=args.batch_size, size=args.size, seed=args.seed, protocol=args.protocol,
+                    seeding=args.seeding)
     out = Path(args.out) if args.out else None
     if out is not None:
         from emapg.run.folder import MARKER
@@ -267,6 +268,10 @@ def _eval_protocol(args: argparse.Namespace) -> None:
         elif protocol and given != protocol[name]:
             print(f"emapg eval: --{name.replace('_', '-')} {given}: not the paper's protocol ({protocol[name]})",
                   file=sys.stderr)
+    if protocol and args.seeding == "independent":
+        print("emapg eval: --protocol paper draws each problem's 32 samples independently; the reference's engine "
+              "sends seed 429 with each of its 32 requests, so its samples are nearly one sample repeated: avg@32 "
+              "has the same expectation, pass@k does not (--seeding reference reproduces that)", file=sys.stderr)
     if protocol and not args.data:
         raise ConfigError("--protocol paper: give the paper's sets with --data NAME=FILE (AIME 2024, AIME 2025, AMC "
                           "2023, AMC 2025, MATH-500, Minerva, OlympiadBench: docs/REPRODUCE.md, 'Evaluation')")
@@ -534,6 +539,11 @@ def _eval_parser(sub) -> None:
     e.add_argument("--plugins", nargs="+", metavar="MODULE",
                    help="your modules (names or .py files) that register tasks, retrievers or backends")
     e.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    e.add_argument("--seeding", choices=("independent", "reference"), default="independent",
+                   help="independent (default): a problem's samples are independent draws; reference: as the "
+                        "reference's evaluation, whose engine sends seed 429 with each of a problem's 32 requests, "
+                        "so its samples are one sample repeated (avg@n: the same expectation, one sample's "
+                        "variance; pass@k = pass@1): one sample a problem, counted n times (a like-for-like table)")
     e.add_argument("--out", help="folder for eval.json, eval.md and SET.samples.jsonl (every completion)")
     e.set_defaults(func=cmd_eval)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class EvalPlan:
     size: int
     seed: int
     protocol: str | None = None  # "paper": the reference's evaluation (recorded with the results)
+    seeding: str = "independent"  # "reference": a problem's n samples share one seed (one sample, repeated)
 
 
 def parse_sets(items: list[str] | None) -> list[tuple[str, str | None]]:
@@ -131,9 +132,12 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
                 fit_prompts(task, tok, context_length(model), plan.spec.max_new_tokens, "error")
                 for (_, examples), name in zip(sets_of(task, set_name, plan.size), names, strict=False):
                     torch.manual_seed(seed)
-                    res = evaluate(model, tok, task, examples[rank::world], plan.spec, batch_size=plan.batch_size,
+                    spec = replace(plan.spec, n=1) if plan.seeding == "reference" else plan.spec
+                    res = evaluate(model, tok, task, examples[rank::world], spec, batch_size=plan.batch_size,
                                    progress=f"eval {name} ({len(examples)} problems)" if rank == 0 else None,
                                    record=out is not None, engine=engine, seed=seed)
+                    if plan.seeding == "reference":
+                        res = repeated_sample(res, plan.spec.n)
                     res, records = _combined(res, world)
                     rows.append({"model": model_name, "dataset": name, "problems": len(examples), **res})
                     if rank == 0:
@@ -149,11 +153,25 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
         settings = {"models": plan.models, "task": plan.task, "samples": plan.spec.n, "greedy": plan.spec.greedy,
                     "temperature": None if plan.spec.greedy else plan.spec.temperature, "top_p": plan.spec.top_p,
                     "max_new_tokens": plan.spec.max_new_tokens, "device": plan.device, "dtype": plan.dtype,
-                    "backend": plan.backend, "seed": plan.seed, "protocol": plan.protocol,
+                    "backend": plan.backend, "seed": plan.seed, "protocol": plan.protocol, "seeding": plan.seeding,
                     "grader": plan.task_args.get("grader")}
         write_text_atomic(out / "eval.json", json.dumps({**settings, "rows": rows}, indent=1))
         write_text_atomic(out / "eval.md", markdown(rows))
     return rows
+
+
+def repeated_sample(res: dict[str, Any], n: int) -> dict[str, Any]:
+    """An evaluation of one sample a problem read as the reference's n samples drawn with one seed: the reference's
+    engine sends ``seed`` (429) with each of its n requests for a problem, so their n samples are one sample
+    repeated. avg@n is that sample's accuracy (the same expectation as n independent samples, one sample's
+    variance); pass@k is pass@1 for every k <= n; the records are that sample, n times."""
+    out = {**res, "samples": n, "num": res["num"] * n}
+    out.update({f"pass@{k}": res["pass@1"] for k in (1, 2, 4, 8, 16, 32, 64) if k <= n})
+    if "solved" in res:
+        out["solved"] = {k: v * n for k, v in res["solved"].items()}
+    if "records" in res:
+        out["records"] = [r for r in res["records"] for _ in range(n)]
+    return out
 
 
 def eval_processes(device: str) -> tuple[int, int, str]:
