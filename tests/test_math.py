@@ -326,7 +326,10 @@ def test_reference_seeding_reads_one_sample_a_problem_as_the_references_n_same_s
     assert ref["seeding"] == "reference" and rr["samples"] == 4 and rr["accuracy"] == r1["accuracy"]
     assert ind["seeding"] == "independent" and ri["samples"] == 4
     assert rr["pass@4"] == rr["pass@2"] == rr["pass@1"] == r1["pass@1"]
-    samples = [json.loads(x) for x in (tmp_path / "ref").glob("*.samples.jsonl").__next__().read_text().splitlines()]
+    def records(folder):
+        (file,) = (tmp_path / folder).glob("*.samples.jsonl")
+        return [json.loads(x) for x in file.read_text().splitlines()]
+
+    samples, independent = records("ref"), records("ind")
     assert len(samples) == 12 * 4 and all(samples[4 * i: 4 * i + 4] == [samples[4 * i]] * 4 for i in range(12))
-    independent = [json.loads(x) for x in (tmp_path / "ind").glob("*.samples.jsonl").__next__().read_text().splitlines()]
     assert any(len({s["completion"] for s in independent[4 * i: 4 * i + 4]}) > 1 for i in range(12))
