@@ -17,7 +17,11 @@ produce, counted over the tree bottom up (a symbol counts as one digit, so that 
 - any other function: its arguments' digits added.
 
 No answer to a competition problem comes near :data:`DIGITS_LIMIT` (``2^{2023}`` has 610 digits, ``2023!`` 5,800,
-bounded at 6,700), so refusing above it changes no grade that a grader could have given in its time bound.
+bounded at 6,700; no gold of five published sets is bounded above 304: ``bench/grader_bounds.py``). The bound is
+on each number an expression holds, not on its value: an answer whose parts are too large is not equal even where
+their quotient is small, e.g. ``2^{100000}/2^{100001}`` against ``1/2``, which the reference grades equal in
+milliseconds and emapg grades not equal. That is the price of never computing a runaway answer; no published
+gold has such parts.
 """
 
 from __future__ import annotations
