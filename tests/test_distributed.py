@@ -283,3 +283,17 @@ def test_offloaded_shards_compute_what_one_process_computes(tmp_path):
         assert set(devices) <= set(serves), (op, devices, seen["backend"])
     with pytest.raises(ConfigError, match="offload: true needs FSDP2 shards"):
         check_world(load_config(None, ["offload=true"]), 1)
+
+
+def test_when_rank_0_refuses_a_data_file_the_other_ranks_say_one_line_not_a_traceback(tmp_path):
+    """Rank 0 reads the data first (the other ranks wait in a collective): its one-line refusal, and from rank 1
+    one line pointing at it, never rank 1's traceback from the collective that rank 0 left."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "a", "answer": null}\n')
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run([*launcher, "-m", "emapg", "train", "--config", "math_cpu", "--out", str(tmp_path / "run"),
+                           "model=tiny-qwen2", f"task_args.train_file={bad}", f"task_args.eval_file={bad}",
+                           "threads=1", "micro_batch_prompts=1"], env=ENV, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "field 'answer' is null" in proc.stderr and "rank 1 stops: rank 0 could not start the run" in proc.stderr
+    assert "[rank1]: Traceback" not in proc.stderr and "terminate called" not in proc.stderr

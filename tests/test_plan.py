@@ -243,6 +243,7 @@ def test_plan_on_one_device_runs_the_checks_train_runs():
     cfg = load_config(ROOT / "recipes" / "math_r1_distill_1p5b.yaml", _recipe_models("math"))
     out = P.report(cfg, gpus=1, gpu_memory_gb=80, prompt_tokens=1024)
     assert "\nfits" not in out
+    assert "\nlargest that fit" not in out and "\nwith offload=false (what one device runs), largest that fit" in out
     assert "does not run on 1 device(s): `emapg train` refuses it: offload: true needs FSDP2 shards" in out
     assert "with offload=false" in out and "a lower rollout.backend_args.gpu_memory" in out
     # a batch that does not split over the devices is refused the same way

@@ -526,3 +526,25 @@ def test_the_weight_ema_callback_resumes_exactly_and_refuses_a_checkpoint_withou
         again.train(resume_from_checkpoint=str(ckpt))
     with pytest.raises(ValueError, match="WeightEMACallback: decay: must be in \\(0, 1\\)"):
         WeightEMACallback(1.0)
+
+
+def test_task_reward_zeroes_a_truncated_completion_where_the_task_does(tmp_path):
+    """The math task under the reference grader scores a response that ran out of tokens 0 (rLLM's rule, the
+    recipes'): through TRL the truncation is read off completion_ids (no EOS at its end); without the EOS id the
+    reward is refused rather than silently scoring truncated answers."""
+    import json
+
+    from emapg.config import ConfigError
+    from emapg.integrations.trl import task_reward
+    from emapg.tasks import make_task
+
+    data = tmp_path / "set.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    task = make_task("math", train_file=str(data), eval_file=str(data), grader="reference")
+    with pytest.raises(ConfigError, match="pass eos_token_id"):
+        task_reward(task)
+    fn = task_reward(task, eos_token_id=0)
+    right = "</think>\\boxed{2}"
+    assert fn([right, right], answer=["2", "2"], completion_ids=[[5, 6, 0], [5, 6, 7]]) == [1.0, 0.0]
+    lenient = make_task("math", train_file=str(data), eval_file=str(data))
+    assert task_reward(lenient)([right], answer=["2"], completion_ids=[[5, 6, 7]]) == [1.0]  # it does not zero them

@@ -649,6 +649,31 @@ def _terminated(signum, frame) -> None:
     raise Terminated()
 
 
+def _leave(code: int) -> int:
+    """``code``; a torchrun process that stops on an error leaves at once (the interpreter's teardown of gloo's
+    threads while a peer is gone aborts it: "terminate called without an active exception")."""
+    if "torch" in sys.modules:
+        import torch.distributed as tdist
+
+        if tdist.is_available() and tdist.is_initialized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
+
+
+def _peer_gone(e: Exception) -> bool:
+    """A torchrun process's collective failed because a peer process exited (rank 0 after its own error): not a
+    defect of this process, which then says so in one line."""
+    if os.environ.get("RANK", "0") == "0" or "torch" not in sys.modules:
+        return False
+    import torch.distributed as tdist
+
+    text = str(e)
+    return isinstance(e, getattr(tdist, "DistError", ())) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -678,7 +703,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except EmapgError as e:  # the user's to fix: one line. Anything else is a bug: its traceback shows
         print(f"emapg: error: {e}", file=sys.stderr)
-        return 2
+        return _leave(2)
+    except Exception as e:
+        if not _peer_gone(e):
+            raise
+        print(f"emapg: rank {os.environ.get('RANK')}: stopped: another process of this run stopped first (its "
+              "message above says why)", file=sys.stderr)
+        return _leave(1)
     except OSError as e:  # a read-only folder, a full disk...
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         print(f"emapg: error: {where}{e.strerror or e}", file=sys.stderr)

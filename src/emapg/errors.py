@@ -23,6 +23,10 @@ class ConfigError(EmapgError, ValueError):
         self.partial = partial  # what was built from the valid fields (the rest at their defaults), or None
 
 
+class PeerStopped(EmapgError):
+    """A process of a torchrun run that stops because another one did (whose own message says why)."""
+
+
 class MissingPackage(EmapgError, ImportError):
     """An optional package a feature needs is not installed: the message names it and the install line."""
 

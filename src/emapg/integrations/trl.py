@@ -67,15 +67,27 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def task_reward(task) -> Callable[..., list[float]]:
+def task_reward(task, eos_token_id: int | list[int] | None = None) -> Callable[..., list[float]]:
     """A TRL reward function that scores with an emapg task's own training reward. Each completion's
     :class:`~emapg.tasks.base.Example` is rebuilt from the dataset's ``answer`` column; the other
     per-sample columns TRL passes become its ``meta``. Build the dataset as
-    ``[{"prompt": ex.messages, "answer": ex.answer} for ex in task.train_examples(rng, n)]``."""
+    ``[{"prompt": ex.messages, "answer": ex.answer} for ex in task.train_examples(rng, n)]``.
 
-    def reward(completions, answer, **columns) -> list[float]:
+    A task that zeroes a truncated response (``Task.zero_truncated``: the math task under ``grader: reference``, as
+    the paper's recipes and rLLM do) needs ``eos_token_id`` (the tokenizer's; a list for several): a completion
+    whose ids (TRL's ``completion_ids``) do not end with one ran out of tokens and scores 0."""
+    if getattr(task, "zero_truncated", False) and eos_token_id is None:
+        raise ConfigError(f"task_reward: {type(task).__name__} scores a truncated response 0 (as the recipes do): "
+                          "pass eos_token_id=tokenizer.eos_token_id so that a truncated completion can be told")
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+
+    def reward(completions, answer, completion_ids=None, **columns) -> list[float]:
         out = []
         for i, (comp, ans) in enumerate(zip(completions, answer, strict=True)):
+            if eos and getattr(task, "zero_truncated", False) and completion_ids is not None and (
+                    not completion_ids[i] or completion_ids[i][-1] not in eos):
+                out.append(0.0)  # it ran out of tokens: 0, whatever its text
+                continue
             text = comp[-1]["content"] if isinstance(comp, list) else comp
             meta = {k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == len(completions)}
             out.append(float(task.reward(text, Example(id=str(i), messages=[], answer=ans, meta=meta))))

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from emapg.errors import ConfigError
+from emapg.errors import ConfigError, PeerStopped
 from emapg.models.lm import decoder_and_head
 
 
@@ -276,12 +276,22 @@ def barrier() -> None:
 @contextlib.contextmanager
 def rank_zero_first(info: DistInfo) -> Iterator[None]:
     """Rank 0 runs the block first (filling caches: a converted model, a generated index), the other
-    ranks after it (reading them)."""
-    if info.enabled and not info.is_main:
-        barrier()
-    yield
-    if info.enabled and info.is_main:
-        barrier()
+    ranks after it (reading them). Where rank 0's block fails (a data file it refuses), the others stop with
+    one line that points at rank 0's message, instead of a traceback from the collective they waited in."""
+    if not info.enabled:
+        yield
+        return
+    if not info.is_main:
+        if all_gather_objects(None)[0] is not None:
+            raise PeerStopped(f"rank {info.rank} stops: rank 0 could not start the run (its error above)")
+        yield
+        return
+    try:
+        yield
+    except BaseException as e:
+        all_gather_objects(type(e).__name__)  # the others wait here: tell them, then fail as rank 0 does
+        raise
+    all_gather_objects(None)
 
 
 def all_agree(flag: bool) -> bool:

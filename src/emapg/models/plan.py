@@ -752,6 +752,9 @@ def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, res
         alt = " (the plan above is with offload=false, what one device runs)" if "offload" in refused else ""
         verdict = (f"does not run on {gpus} device(s): `emapg train` refuses it: {refused}{alt}; with that: "
                    f"{verdict}")
+    if refused and "offload" not in refused:  # nothing of this config runs here: no sizes to offer beside that
+        return f"{head}\n{render(p, capacity)}\n\n{verdict}"
     best = largest_fitting(cfg, shape, capacity, **kw)
     sizes = ", ".join(f"{k}={v}" for k, v in best.items() if v is not None) or "none"
-    return f"{head}\n{render(p, capacity)}\n\n{verdict}\nlargest that fit (each with the rest as set): {sizes}"
+    which = "with offload=false (what one device runs), largest" if refused else "largest"
+    return f"{head}\n{render(p, capacity)}\n\n{verdict}\n{which} that fit (each with the rest as set): {sizes}"
