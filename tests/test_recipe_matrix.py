@@ -75,15 +75,16 @@ def same_run(full: Path, resumed: Path, steps: int) -> None:
             torch.testing.assert_close(y[key], x[key], rtol=0, atol=0, msg=f"{name}: {key}")
 
 
-def train_and_resume(tmp: Path, recipe: str, overrides: list[str], nproc: int = 2, steps: int = 2) -> Path:
+def train_and_resume(tmp: Path, recipe: str, overrides: list[str], nproc: int = 2, steps: int = 2,
+                     resume: tuple[str, ...] = ()) -> Path:
     """Train ``recipe`` to ``steps`` (2 steps) on ``nproc`` processes; resume a copy from the step before the
-    last; check the two are equal."""
+    last (``resume``: more arguments of that call); check the two are equal."""
     full, resumed = tmp / "full", tmp / "resumed"
     emapg(nproc, "train", "--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--out", str(full),
           *CPU_SIZE, f"steps={steps}", *overrides)
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / f"step_{steps:06d}")  # lost in a crash: the resume starts a step before
-    emapg(nproc, "train", "--resume", str(resumed))
+    emapg(nproc, "train", "--resume", str(resumed), *resume)
     same_run(full, resumed, steps)
     return full
 
@@ -184,3 +185,21 @@ def test_distillation_recipe_runs_on_two_processes(tmp_path):
     tiny_model("qwen2", vocab_size=259, seed=7).save_pretrained(teacher)
     byte_tokenizer().save_pretrained(teacher)
     train_and_resume(tmp_path, "opd_r1_distill_1p5b", [*MATH_DATA, f"algo.teacher={teacher}"])
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_search_episodes_that_really_search_run_on_ragged_processes(nproc, tmp_path, retriever):
+    """The search recipe with a scripted policy (tests/fixtures/scripted_search_policy.py, a backend plugin: a
+    random model never writes <search>) whose episodes search once or twice by question, against the running BM25
+    retriever: ranks hold episodes of different numbers of turns and lengths, and the run resumes equal to the
+    uninterrupted one on 2 and 3 processes."""
+    plugin = FIXTURES / "scripted_search_policy.py"
+    full = train_and_resume(tmp_path, "search_qwen2p5_3b", [
+        *search_data(tmp_path), f"task_args.retriever_url={retriever}", "task_args.max_turn_tokens=48",
+        "task_args.max_info_tokens=64", "task_args.max_total_tokens=384", "eval.size=0", f"plugins=[{plugin}]",
+        "rollout.backend=scripted", f"prompts_per_step={2 * nproc}", f"mini_batch_prompts={nproc}"],
+        nproc=nproc, resume=("--trust-plugins",))
+    steps = [r for r in rows(full) if "searches_mean" in r]
+    assert len(steps) == 2 and all(1.0 < r["searches_mean"] < 2.0 for r in steps)  # some searched twice, some once
+    assert all(r["turns_mean"] > 2.0 and r["info_tokens_mean"] > 64 for r in steps)  # real passages, each answered
+    assert all(r["truncated_frac"] == 0.0 for r in steps)
