@@ -297,3 +297,28 @@ def test_when_rank_0_refuses_a_data_file_the_other_ranks_say_one_line_not_a_trac
     assert proc.returncode != 0
     assert "field 'answer' is null" in proc.stderr and "rank 1 stops: rank 0 could not start the run" in proc.stderr
     assert "[rank1]: Traceback" not in proc.stderr and "terminate called" not in proc.stderr
+
+
+def test_a_killed_torchrun_launcher_is_said_with_how_to_resume(tmp_path):
+    """`emapg train --nproc 2` whose torchrun is killed by SIGKILL (which prints nothing): one line says so and how
+    to continue, exit 137 (it was 247 and silent); the workers end with it."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "emapg", "train", "--nproc", "2", "--config",
+                             str(ROOT / "recipes" / "smoke.yaml"), "--out", str(out), "steps=200", "eval.size=0",
+                             "threads=1", "save_every=1", "export=false"],
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 120
+    while not (out / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < end, "the run never saved a checkpoint"
+        time.sleep(0.2)
+    (launcher,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    workers = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    os.kill(int(launcher), signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 137, err[-2000:]
+    assert f"the torchrun launcher (PID {launcher}) was killed by SIGKILL" in err and f"--resume {out}" in err
+    time.sleep(2)
+    assert workers and not [w for w in workers if Path(f"/proc/{w}").exists()]

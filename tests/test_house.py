@@ -1,5 +1,6 @@
-"""The house's size rules (issue 28's review), measured on the source: no function longer than 60
-lines, a Trainer class under 250 lines. A rule broken fails here, naming the function."""
+"""The house's rules, measured on the source: what is built and what steps stay apart (a step that derives nothing,
+a run declared as one type), the config's fields declared once, the GPU check's limits derived from its work. Length
+is judged by reading, not by a line cap (issue 72: a cap made functions split into helpers to pass it)."""
 
 from __future__ import annotations
 
@@ -9,40 +10,6 @@ import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "emapg"
-MAX_FUNCTION_LINES = 60
-MAX_TRAINER_LINES = 250
-
-
-def lengths(path: Path) -> dict[str, tuple[str, int]]:
-    """Qualified name -> (``def`` or ``class``, lines: signature, docstring and body) of every function
-    and class in a file."""
-    out = {}
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                name = f"{prefix}{child.name}"
-                out[name] = ("class" if isinstance(child, ast.ClassDef) else "def", child.end_lineno - child.lineno + 1)
-                visit(child, name + ".")
-
-    visit(ast.parse(path.read_text()), "")
-    return out
-
-
-def test_lengths_counts_nested_functions_and_methods(tmp_path):
-    f = tmp_path / "m.py"
-    f.write_text("class A:\n    def f(self):\n        def g():\n            pass\n        return 1\n")
-    assert lengths(f) == {"A": ("class", 5), "A.f": ("def", 4), "A.f.g": ("def", 2)}
-
-
-def test_no_function_is_longer_than_sixty_lines():
-    long = [f"{p.relative_to(SRC)}:{name} ({n} lines)" for p in sorted(SRC.rglob("*.py"))
-            for name, (kind, n) in lengths(p).items() if kind == "def" and n > MAX_FUNCTION_LINES]
-    assert long == []
-
-
-def test_the_trainer_class_only_trains():
-    assert lengths(SRC / "run" / "trainer.py")["Trainer"][1] < MAX_TRAINER_LINES
 
 
 BUILDERS = ("training_policy", "teacher_model", "make_task", "EMAAnchor", "AdamW", "builder",

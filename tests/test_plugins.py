@@ -297,16 +297,29 @@ def test_a_run_folders_config_imports_no_plugin_unless_trusted_on_the_command_li
     (tmp_path / "evil.py").write_text("open('RAN', 'w').write('x')\n")
     config = tmp_path / "run" / "config.yaml"
     config.write_text(config.read_text() + "plugins: [evil.py]\n")
+    (tmp_path / "mine.yaml").write_text("extends: run/config.yaml\n")  # a file of mine extending the run's
+    (tmp_path / "spec.yaml").write_text("base: run/config.yaml\nconfigs: {a: []}\n")
     for args in (("eval", "--run", "run", "--size", "2", "--max-new-tokens", "2", "--device", "cpu"),
-                 ("export", "run"), ("train", "--resume", "run", "steps=2")):
+                 ("export", "run"), ("train", "--resume", "run", "steps=2"),
+                 ("train", "--config", "run/config.yaml", "--out", "run3", "steps=1"),
+                 ("train", "--config", "mine.yaml", "--out", "run4", "steps=1"),
+                 ("plan", "--config", "run/config.yaml", "--device", "cpu"),
+                 ("compare", "--spec", "spec.yaml", "--out", "cmp")):
         res = run(*args, cwd=tmp_path)
         assert res.returncode == 2, (args, res.stderr[-2000:])
         assert "it names plugins (evil.py), which are code run on import" in res.stderr and \
             "--trust-plugins" in res.stderr and "Traceback" not in res.stderr
+        assert f"inside the run folder {(tmp_path / 'run').resolve()}" in res.stderr
         assert not (tmp_path / "RAN").exists()
     res = run("export", "run", "--trust-plugins", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "RAN").exists()
+    (tmp_path / "RAN").unlink()
+    res = run("plan", "--config", "run/config.yaml", "--device", "cpu", "--trust-plugins", cwd=tmp_path)
+    assert res.returncode == 0 and (tmp_path / "RAN").exists(), res.stderr[-2000:]
+    (tmp_path / "RAN").unlink()  # a file the user wrote names its plugins: they are imported
+    res = run("plan", "--config", str(SMOKE), "--device", "cpu", "plugins=[evil.py]", cwd=tmp_path)
+    assert res.returncode == 0 and (tmp_path / "RAN").exists(), res.stderr[-2000:]
     (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\n")
     res = run("train", "--config", str(SMOKE), "--out", "run2", "plugins=[quits.py]", cwd=tmp_path)
     assert res.returncode == 2 and "plugins: importing quits.py exited (SystemExit 0)" in res.stderr

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import shutil
 import socket
 import threading
 import time
@@ -145,14 +146,22 @@ def test_a_gold_answer_that_is_not_a_finite_number_is_refused(tmp_path, bad):
 
 @pytest.mark.parametrize("gold", ["\\boxed{}", "{}", "\\text{}", "\\boxed{"])
 @pytest.mark.parametrize("grader", ["reference", "lenient"])
-def test_a_gold_answer_nothing_could_match_is_refused_at_load(tmp_path, gold, grader):
+def test_a_gold_answer_nothing_could_match_is_refused_by_emapgs_grader_and_kept_by_the_reference(tmp_path, gold, grader,
+                                                                                                   capsys):
+    """The lenient grader refuses such a file at load, naming the row; the reference grader keeps the row, as the
+    reference loads it, and names it in a warning."""
     from emapg.tasks.math import MathTask, gradable
 
     assert not gradable([gold], grader) and gradable(["\\frac{1}{2}"], grader) and gradable(["0"], grader)
     rows = [{"problem": f"p{i}", "answer": "3"} for i in range(3)] + [{"problem": "q", "answer": gold}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DataError, match=f"line 4: the answer .* has nothing the {grader} grader can match"):
-        MathTask(train_file=str(tmp_path / "d.jsonl"), eval_size=1, grader=grader)
+    if grader == "lenient":
+        with pytest.raises(DataError, match="line 4: the answer .* has nothing the lenient grader can match"):
+            MathTask(train_file=str(tmp_path / "d.jsonl"), eval_size=1, grader=grader)
+        return
+    task = MathTask(train_file=str(tmp_path / "d.jsonl"), eval_size=1, grader=grader)
+    assert len(task.eval_examples(1)) + len(task.train_pool()) == 4
+    assert "line 4" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,message", [
@@ -331,6 +340,7 @@ def test_a_batch_that_does_not_split_over_nproc_is_refused_before_torchrun(tmp_p
 
 
 def test_a_run_folders_plugins_given_as_one_string_are_named_whole(tmp_path):
+    (tmp_path / ".emapg-run").write_text("{}")  # a run folder's config
     (tmp_path / "config.yaml").write_text("plugins: /somewhere/evil.py\nmodel: tiny-llama\n")
     with pytest.raises(ConfigError, match=r"it names plugins \(/somewhere/evil.py\)"):
         load_config(tmp_path / "config.yaml", trust_plugins=False)
@@ -357,3 +367,222 @@ def test_eval_size_is_at_most_the_held_out_set_for_a_generated_task_too(capsys):
         assert name == "heldout" and len(examples) == expected
     assert main(["eval", "--model", "tiny-llama", "--task", "arithmetic", "--size", "0"]) == 2
     assert "--size: must be >= 1, got 0" in one_line(capsys)
+
+
+class _CountingTokenizer:
+    """A tokenizer that records the longest text it was asked to tokenize."""
+
+    def __init__(self, inner):
+        self.inner, self.longest = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, text, *a, **k):
+        self.longest = max(self.longest, len(text))
+        return self.inner(text, *a, **k)
+
+    def apply_chat_template(self, messages, *a, **k):
+        self.longest = max(self.longest, sum(len(m["content"]) for m in messages))
+        return self.inner.apply_chat_template(messages, *a, **k)
+
+    def encode(self, text, *a, **k):
+        self.longest = max(self.longest, len(text))
+        return self.inner.encode(text, *a, **k)
+
+
+@pytest.mark.parametrize("mode", ["error", "truncate"])
+def test_a_prompt_of_megabytes_is_bounded_by_its_size_before_it_is_tokenized(tmp_path, capsys, mode):
+    """A data file whose first problem is 3 MB: refused (or cut, with long_prompts: truncate) from its size in bytes,
+    a lower bound on its tokens, without tokenizing the text whole (it took 14 s a MB)."""
+    from emapg.models.zoo import load_model
+    from emapg.rollout.prompts import fit_prompts, longest_token_bytes
+    from emapg.tasks import make_task
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"problem": "1 + 1 = ? " * 300_000, "answer": "2"}) + "\n"
+                    + json.dumps({"problem": "2 + 2?", "answer": "4"}) + "\n")
+    task = make_task("math", train_file=str(data), eval_file=str(data))
+    tok = _CountingTokenizer(load_model("tiny-qwen2", "float32")[1])
+    room = 2048 - 64
+    if mode == "error":
+        with pytest.raises(Exception, match=r"line 1: the prompt has 3,000,\d+ bytes, at least [\d,]+ tokens"):
+            fit_prompts(task, tok, 2048, 64, mode)
+    else:
+        assert fit_prompts(task, tok, 2048, 64, mode, warn=True) == 2  # the row in both pools
+        assert "prompt of 3,000," in capsys.readouterr().err
+        longest = max(len(ex.messages[-1]["content"]) for ex in task.prompt_pools()[0])
+        assert longest < 3 * room * longest_token_bytes(tok)
+    assert tok.longest <= room * longest_token_bytes(tok) + 100  # never the 3 MB text
+
+
+def test_symlinks_never_lead_a_run_out_of_its_folder(tmp_path, capsys):
+    """A checkpoints/ linked to another run's is refused before anything is read, pruned or repointed; a step_N
+    linked to another run's is not resumed (said) and not pruned; latest as a folder is refused in one line; an
+    export into the run's checkpoints (which the next prune deletes) is refused."""
+    from emapg.cli import main
+    from emapg.run.checkpoint import has_checkpoint
+    from emapg.run.export import export_checkpoint
+
+    fast = ["--config", "smoke", "eval.size=0", "export=false", "save_every=1"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", *fast, "--out", str(a), "steps=2"]) == 0
+    assert main(["train", *fast, "--out", str(b), "steps=1"]) == 0
+    theirs = sorted(p.name for p in (a / "checkpoints").iterdir())
+    # b's checkpoints replaced by a link to a's: refused, a's files untouched
+    shutil.move(b / "checkpoints", tmp_path / "b-own")
+    (b / "checkpoints").symlink_to(a / "checkpoints")
+    assert main(["train", "--resume", str(b), "steps=3"]) == 2
+    assert "leads out of the run folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (a / "checkpoints").iterdir()) == theirs
+    # a step_N of b's linked to a's step_2: not resumed, not pruned
+    (b / "checkpoints").unlink()
+    shutil.move(tmp_path / "b-own", b / "checkpoints")
+    (b / "checkpoints" / "step_000002").symlink_to(a / "checkpoints" / "step_000002")
+    assert main(["train", "--resume", str(b), "steps=2"]) == 0
+    err = capsys.readouterr().err
+    assert "step_000002 leads out of the run folder" in err
+    assert (a / "checkpoints" / "step_000002" / "state.json").exists()
+    assert (b / "checkpoints" / "step_000002").is_symlink() is False  # b saved its own step 2 in its place
+    # latest as a folder: one line, nothing changed
+    (b / "checkpoints" / "latest").unlink()
+    (b / "checkpoints" / "latest").mkdir()
+    assert main(["train", "--resume", str(b), "steps=3"]) == 2
+    assert "latest is not emapg's pointer file (a folder)" in capsys.readouterr().err
+    with pytest.raises(Exception, match="not emapg's pointer file"):
+        has_checkpoint(b)
+    # an export into the run's checkpoints
+    with pytest.raises(Exception, match="inside the run's checkpoints"):
+        export_checkpoint(a, out=a / "checkpoints" / "step_000002" / "x")
+
+
+def test_files_read_back_are_checked_by_what_they_must_hold(tmp_path, capsys):
+    """An optimizer state with no param_groups is a damaged checkpoint (the older one resumes, not a torch size
+    error at the first step); a metrics.jsonl with a stray byte is named, not rewritten with U+FFFD; a config.json
+    of null is one line from `emapg plan`, not a TypeError."""
+    from emapg.cli import main
+
+    fast = ["--config", "smoke", "eval.size=0", "export=false", "save_every=1", "keep_checkpoints=3"]
+    run = tmp_path / "run"
+    assert main(["train", *fast, "--out", str(run), "steps=2"]) == 0
+    state = run / "checkpoints" / "step_000002" / "state.json"
+    data = json.loads(state.read_text())
+    data["optimizer"]["param_groups"] = []
+    state.write_text(json.dumps(data))
+    assert main(["train", "--resume", str(run), "steps=3"]) == 0
+    err = capsys.readouterr().err
+    assert "state.json is damaged: its optimizer" in err and "resuming from" in err and "step 1" in err
+    metrics = run / "metrics.jsonl"
+    before = metrics.read_bytes()
+    metrics.write_bytes(before.replace(b'"step": 2', b'"step": 2, "x": "\xff"', 1))
+    assert main(["train", "--resume", str(run), "steps=4"]) == 2
+    assert "metrics.jsonl, line 2: not UTF-8 text (byte 0xff)" in capsys.readouterr().err
+    assert metrics.read_bytes().count(b"\xff") == 1  # as it was: nothing rewritten
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("null")
+    assert main(["plan", "--config", "smoke", f"model={tmp_path / 'm'}", "--device", "cpu"]) == 2
+    assert "config.json holds null, not a JSON object" in capsys.readouterr().err
+
+
+
+def test_a_config_or_spec_giving_a_key_twice_is_refused_naming_both_lines(tmp_path, capsys):
+    from emapg.cli import main
+
+    (tmp_path / "c.yaml").write_text("steps: 3\nlr: 1.0e-3\nalgo: {eta: 0.9, eta: 0.5}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "r")]) == 2
+    assert "key 'eta' is given twice, on line 3 and line 3" in capsys.readouterr().err
+    (tmp_path / "s.yaml").write_text("base: c.yaml\nseeds: [0]\nconfigs: {a: []}\nseeds: [1]\n")
+    assert main(["compare", "--spec", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert "key 'seeds' is given twice, on line 2 and line 4" in capsys.readouterr().err
+
+
+def test_the_lenient_grader_takes_the_gold_written_out_whatever_its_size():
+    from emapg.rewards.math import math_reward
+
+    gold = "7" * 4_500  # past Python's int digits limit, which sympy's parse meets
+    assert math_reward(f"so \\boxed{{{gold}}}", gold) == 1.0 and math_reward(f"so \\boxed{{{gold}8}}", gold) == 0.0
+
+
+def test_an_index_has_one_writer(tmp_path, capsys):
+    """Two `index build --out SAME` at once both said they succeeded while the last rename won: the second is
+    refused, naming the first's PID, and writes nothing; once the first is done, a build runs."""
+    import fcntl
+
+    from emapg.cli import main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "title": f"t{i}", "text": f"word{i} text"}) + "\n"
+                              for i in range(5)))
+    out = tmp_path / "ix"
+    with open(tmp_path / ".ix.emapg-lock", "a+") as held:  # another process's build, as the OS sees it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        assert main(["index", "build", "--corpus", str(corpus), "--out", str(out)]) == 2
+        assert "another emapg (PID 4242) is writing it" in capsys.readouterr().err and not out.exists()
+    assert main(["index", "build", "--corpus", str(corpus), "--out", str(out)]) == 0 and out.exists()
+
+
+def test_eval_checks_only_the_rows_it_evaluates_and_advises_what_eval_has(tmp_path, capsys):
+    """`emapg eval --size 1` of a file whose second row is too long for the context: the first row is evaluated;
+    with --size 2 the refusal names the row and advises what eval can do (it has no long_prompts)."""
+    from emapg.cli import main
+
+    data = tmp_path / "set.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n"
+                    + json.dumps({"problem": "long " * 3000, "answer": "3"}) + "\n")
+    common = ["eval", "--model", "tiny-llama", "--task", "math", "--data", str(data), "--max-new-tokens", "4",
+              "--device", "cpu"]
+    assert main([*common, "--size", "1"]) == 0
+    assert main([*common, "--size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "set.jsonl, line 2: the prompt has" in err and "leave the row out of the file" in err
+    assert "long_prompts" not in err
+
+
+@pytest.mark.parametrize("text,message", [("configs: {}\n", "configs: expected at least one config"),
+                                          ("seeds: []\nconfigs: {a: []}\n", "seeds: expected seeds, each once")])
+def test_a_spec_that_would_run_nothing_is_refused(tmp_path, capsys, text, message):
+    from emapg.cli import main
+
+    (tmp_path / "s.yaml").write_text(f"base: {ROOT / 'recipes' / 'smoke.yaml'}\n" + text)
+    assert main(["compare", "--spec", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_plan_never_allocates_a_shape_it_cannot_measure(tmp_path, capsys):
+    """A config.json whose layer holds terabytes and whose widths share too few divisors to measure it narrower
+    (it tried to allocate 4 TB): one line, before anything is allocated."""
+    from emapg.cli import main
+
+    config = json.loads((ROOT / "tests" / "fixtures" / "model_configs" / "deepseek-r1-distill-qwen-7b" /
+                         "config.json").read_text())
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "hidden_size": 28 * 36_000,
+                                                            "intermediate_size": 10**6}))
+    assert main(["plan", "--config", "smoke", f"model={tmp_path / 'm'}", "--device", "cpu"]) == 2
+    assert "too wide to measure its activations within 2 GiB" in capsys.readouterr().err
+
+
+def test_a_search_row_whose_answers_are_null_is_said_null_not_missing(tmp_path):
+    from emapg.data import DataError
+    from emapg.tasks.search_qa import qa_rows
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"question": "who?", "answers": None}) + "\n")
+    with pytest.raises(DataError, match=r"qa.jsonl, line 1: field 'answers' is null \(expected the answers\)"):
+        qa_rows(str(data))
+
+
+def test_a_bad_value_is_blamed_on_the_file_that_set_it(tmp_path):
+    """A value set in a parent config is blamed on the parent, not on the child that extends it; the child's own
+    value on the child."""
+    (tmp_path / "parent.yaml").write_text("extends: smoke\nlr: -1\nalgo: {eta: 2.0}\n")
+    (tmp_path / "child.yaml").write_text("extends: parent\nsteps: 3\nalgo: {k: 8}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "child.yaml")
+    assert str(e.value).startswith(f"{tmp_path / 'parent.yaml'}: 2 problems: lr: must be")
+    assert "algo.eta: must be in (0, 1], got 2.0" in str(e.value)
+    (tmp_path / "child.yaml").write_text("extends: parent\nlr: -2\nalgo: {eta: 0.5}\n")
+    with pytest.raises(ConfigError, match=r"child.yaml: lr: must be a finite number > 0, got -2"):
+        load_config(tmp_path / "child.yaml")

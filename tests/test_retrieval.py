@@ -240,6 +240,7 @@ def test_server_search_r1_shape(server_url, index):
     ({"queries": ["q"], "topk": 11}, "'topk'"),
     ({"queries": ["q"], "topk": "3"}, "'topk'"),
     ({"queries": ["q"], "return_scores": "yes"}, "'return_scores'"),
+    (b'{"queries": ["ok", "bad \\ud800 one"]}', "query 1 holds a lone surrogate"),  # (it was a 500)
 ])
 def test_server_rejects_bad_requests(server_url, payload, field):
     status, body = request(server_url + "/retrieve", payload)

@@ -135,3 +135,33 @@ def folder_atomic(target: Path) -> Iterator[Path]:
         if named is not None:  # "No space left on device" alone does not say where
             raise named from e
         raise
+
+
+@contextlib.contextmanager
+def one_writer(target: Path, option: str = "--out") -> Iterator[None]:
+    """This process as the one writer of ``target`` (a folder replaced whole at its end: an index) while the block
+    runs: an exclusive OS lock on ``.NAME.emapg-lock`` beside it, released however the process ends. A second
+    writer gets one line naming the holder's PID, before it writes anything (two builds into one folder both said
+    they succeeded while the last rename won)."""
+    import fcntl
+
+    from emapg.errors import ConfigError
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.parent / f".{target.name}.emapg-lock"
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ConfigError(f"{option} {target}: another emapg (PID {f.read().strip() or 'unknown'}) is writing it; "
+                              "one writer at a time (nothing was changed)") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import emapg.tasks  # noqa: F401 (registers the task_args check a config's loading runs)
+from emapg.atomic import one_writer
 from emapg.config import SHIPPED_RECIPES as RECIPES
 from emapg.config import ConfigError, check_world, load_config, merged_task_args
 from emapg.errors import EmapgError, regular_file
@@ -64,9 +65,16 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     env = {**os.environ, LOCK_ENV: str(run_dir.resolve()), LAUNCHER_ENV: str(os.getpid())}
     proc = subprocess.Popen(cmd + list(args.overrides), env=env, preexec_fn=die_with_parent)  # noqa: PLW1509
     try:
-        return proc.wait()
+        rc = proc.wait()
     finally:  # interrupted or terminated: the workers end before the lock is let go
         stop_child(proc)
+    if rc < 0:  # torchrun itself was killed (SIGKILL prints nothing): say what happened and how to go on
+        name = signal.Signals(-rc).name if -rc in {s.value for s in signal.Signals} else f"signal {-rc}"
+        print(f"emapg: the torchrun launcher (PID {proc.pid}) was killed by {name}; its workers stop with it. "
+              f"Continue from the last checkpoint: emapg train --resume {run_dir} --nproc {args.nproc}",
+              file=sys.stderr)
+        return 128 - rc
+    return rc
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -100,7 +108,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
         cfg = load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins)
     else:
-        cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides)
+        cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
+                          trust_plugins=args.trust_plugins)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
     if args.nproc > 1 and not launched:  # the batch must split over the processes: said once, before torchrun
         check_world(cfg, args.nproc)
@@ -185,7 +194,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from emapg.models.plan import report
 
-    cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides)
+    cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
+                      trust_plugins=args.trust_plugins)
     if args.gpu_memory is None:  # a GPU's 80 GiB, or on the CPU this host's memory shared by the processes
         from emapg.run.assembly import host_share
 
@@ -319,7 +329,8 @@ def corpus_fields(text: str | None) -> dict[str, str] | None:
 def cmd_index_build(args: argparse.Namespace) -> int:
     from emapg.retrieval.bm25 import build_index
 
-    meta = build_index(args.corpus, args.out, fields=corpus_fields(args.fields))
+    with one_writer(Path(args.out)):
+        meta = build_index(args.corpus, args.out, fields=corpus_fields(args.fields))
     print(f"emapg index: {meta['documents']} passages indexed into {args.out}", file=sys.stderr)
     if meta["dense"] == "dropped" and not args.dense:
         print(f"emapg index: warning: its dense index was encoded from other passages and is removed; encode "
@@ -350,9 +361,10 @@ def search_params(pairs: list[str] | None) -> dict | None:
 def cmd_index_dense(args: argparse.Namespace) -> int:
     from emapg.retrieval.dense import build_dense
 
-    meta = build_dense(args.index, args.embedder, batch_size=args.batch_size, factory=args.factory,
-                       device=args.device, search_params=search_params(args.search_param),
-                       train_size=args.train_size)
+    with one_writer(Path(args.index), "--index"):
+        meta = build_dense(args.index, args.embedder, batch_size=args.batch_size, factory=args.factory,
+                           device=args.device, search_params=search_params(args.search_param),
+                           train_size=args.train_size)
     print(f"emapg index: {meta['documents']} passages encoded by {meta['embedder']} ({meta['dim']} dimensions, "
           f"faiss {meta['factory']}) into {Path(args.index) / 'dense'} in {meta['build_seconds']:.0f} s",
           file=sys.stderr)
@@ -362,8 +374,9 @@ def cmd_index_dense(args: argparse.Namespace) -> int:
 def cmd_index_import(args: argparse.Namespace) -> int:
     from emapg.retrieval.dense import import_dense
 
-    meta = import_dense(args.index, args.faiss, args.embedder, corpus=args.corpus, fields=corpus_fields(args.fields),
-                        query_prefix=args.query_prefix, link=not args.copy)
+    with one_writer(Path(args.index), "--index"):
+        meta = import_dense(args.index, args.faiss, args.embedder, corpus=args.corpus,
+                            fields=corpus_fields(args.fields), query_prefix=args.query_prefix, link=not args.copy)
     print(f"emapg index: {meta['documents']} vectors of {args.faiss} ({meta['dim']} dimensions, "
           f"{meta['factory']}) taken as {Path(args.index) / 'dense'}, queries encoded by {meta['embedder']} "
           f"with prefix {meta['query_prefix']!r}", file=sys.stderr)
@@ -405,7 +418,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from emapg.lab.report import report
     from emapg.lab.study import load_spec, run_all
 
-    spec = load_spec(args.spec, quick=args.quick, only=args.only, extra=args.overrides)
+    spec = load_spec(args.spec, quick=args.quick, only=args.only, extra=args.overrides,
+                     trust_plugins=args.trust_plugins)
     out = Path(args.out)
     if not args.report_only:
         run_all(spec, out, log=lambda m: print(f"emapg compare: {m}", file=sys.stderr, flush=True), jobs=args.jobs)
@@ -492,6 +506,7 @@ def _plan_parser(sub) -> None:
     ex.set_defaults(func=cmd_export)
     pl = sub.add_parser("plan", help="the memory a run needs per device, phase by phase (config.json only, no weights)")
     pl.add_argument("--config", help="YAML config file, or the name of a shipped recipe")
+    _trust_plugins_arg(pl)
     pl.add_argument("--gpus", type=int, default=1, help="devices the run is sharded over (torchrun processes)")
     pl.add_argument("--gpu-memory", type=float,
                     help="GiB of memory per device (default: 80 on cuda; on cpu this host's memory over --gpus)")
@@ -631,6 +646,7 @@ def _compare_parser(sub) -> None:
     c.add_argument("--quick", action="store_true", help="the spec's quick variant (fewer steps and seeds)")
     c.add_argument("--only", nargs="+", help="run only these configurations")
     c.add_argument("--report-only", action="store_true", help="summarise finished runs, start none")
+    _trust_plugins_arg(c)
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="applied to every run after the spec's own, e.g. model=/models/X threads=4")
     c.add_argument("--jobs", type=int, default=1,
@@ -704,16 +720,16 @@ def main(argv: list[str] | None = None) -> int:
     except EmapgError as e:  # the user's to fix: one line. Anything else is a bug: its traceback shows
         print(f"emapg: error: {e}", file=sys.stderr)
         return _leave(2)
+    except OSError as e:  # a read-only folder, a full disk...
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"emapg: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except Exception as e:
         if not _peer_gone(e):
             raise
         print(f"emapg: rank {os.environ.get('RANK')}: stopped: another process of this run stopped first (its "
               "message above says why)", file=sys.stderr)
         return _leave(1)
-    except OSError as e:  # a read-only folder, a full disk...
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        print(f"emapg: error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
     finally:
         if before is not None:
             signal.signal(signal.SIGTERM, before)

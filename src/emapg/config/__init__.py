@@ -6,6 +6,7 @@ task's arguments use it too). Everything is importable from here: ``from emapg.c
 
 from emapg.config.loading import (
     MOVED,
+    RUN_MARKER,
     SHIPPED_RECIPES,
     TRUST_FLAG,
     apply_override,
@@ -13,6 +14,7 @@ from emapg.config.loading import (
     import_plugins,
     load_config,
     merged_task_args,
+    run_folder_of,
     save_config,
     to_dict,
 )
@@ -44,8 +46,8 @@ from emapg.settings import Rule, above, across_rules, at_least, one_of, rule_pro
 
 __all__ = [
     "AlgoConfig", "CONSISTENCY", "ConfigError", "DTYPE_NAMES", "EVAL_OPTIONS", "EvalConfig", "LoraConfig", "MOVED",
-    "RULES", "RolloutConfig", "Rule", "SHIPPED_RECIPES", "TASK_ARGS_CHECKS", "TRL_KEYWORDS", "TRUST_FLAG",
-    "TrainConfig", "above", "across_rules", "apply_override", "apply_overrides", "at_least", "check_fields",
-    "check_options", "check_world", "import_plugins", "load_config", "merged_task_args", "mini_batch_prompts",
-    "one_of", "recomputes_old", "replay_safe", "rule_problems", "save_config", "setting", "to_dict", "typed",
-    "validate", "value_of", "within"]
+    "RULES", "RUN_MARKER", "RolloutConfig", "Rule", "SHIPPED_RECIPES", "TASK_ARGS_CHECKS", "TRL_KEYWORDS",
+    "TRUST_FLAG", "TrainConfig", "above", "across_rules", "apply_override", "apply_overrides", "at_least",
+    "check_fields", "check_options", "check_world", "import_plugins", "load_config", "merged_task_args",
+    "mini_batch_prompts", "run_folder_of", "one_of", "recomputes_old", "replay_safe", "rule_problems", "save_config",
+    "setting", "to_dict", "typed", "validate", "value_of", "within"]

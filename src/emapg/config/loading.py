@@ -119,16 +119,58 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {key!r}: {part!r} is not a section")
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice (YAML keeps the last silently)."""
+
+
+def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False):
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if isinstance(key, str | int | float | bool) and key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice, on line {seen[key]} and "
+                                                    f"line {line} (YAML would keep the last silently)",
+                                                    key_node.start_mark)
+        if isinstance(key, str | int | float | bool):
+            seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def load_yaml(text: str) -> Any:
+    """A YAML document, safely (no object is built from a tag), with each mapping's keys given once."""
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader subclass
+
+
 TRUST_FLAG = "--trust-plugins"
+RUN_MARKER = ".emapg-run"
+"""The file emapg writes at the top of every run folder (:mod:`emapg.run.folder`)."""
+
+
+def run_folder_of(path: str | Path) -> Path | None:
+    """The run folder that holds ``path`` (the nearest folder above it with :data:`RUN_MARKER`), or None."""
+    for folder in Path(path).resolve().parents:
+        if (folder / RUN_MARKER).exists():
+            return folder
+    return None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                trust_plugins: bool = True) -> TrainConfig:
-    """Read a YAML config (or the defaults), apply overrides, validate, and return it. A config's ``plugins``
-    are code: one read from a run folder (``trust_plugins=False``: a folder another person may have written)
-    imports none unless the user asked on the command line (``--trust-plugins``); it is refused, naming them."""
+                trust_plugins: bool = False) -> TrainConfig:
+    """Read a YAML config (or the defaults), apply overrides, validate, and return it.
+
+    A config's ``plugins`` are code, and one rule decides whether they are imported, on every path that reads a
+    config (train, resume, plan, eval, export, compare): plugins named by a file the user wrote are; plugins named
+    by a config inside a run folder (its own config.yaml, or any file in a folder emapg wrote a run into, which
+    another person or job may have written), or by a file extending one, are not unless the user passes
+    ``--trust-plugins`` on this command line (``trust_plugins``): refused, naming them and the folder."""
     data: dict[str, Any] = {}
     source = "defaults"
+    read: list[Path] = []  # the files read: this one and the ones it extends
+    origins: dict[str, Path] = {}  # each dotted key, the file that set it
     if path is not None:
         source = str(path)
         regular_file(path, "config file")
@@ -139,7 +181,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path}, {not_utf8(e)}") from None
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f", line {mark.line + 1}" if mark is not None else ""
@@ -149,13 +191,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               "or leave --config out for the defaults)")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
-        data = _migrated(_extended(data, Path(path), seen=(Path(path).resolve(),)))
+        _origins({k: v for k, v in data.items() if k != "extends"}, Path(path), origins)
+        data = _migrated(_extended(data, Path(path), seen=(Path(path).resolve(),), read=read, origins=origins))
     unapplied = apply_overrides(data, overrides or [])
-    if not trust_plugins and data.get("plugins"):
+    foreign = next((f for f in (*map(Path, [path] if path is not None else []), *read) if run_folder_of(f)), None)
+    if not trust_plugins and data.get("plugins") and foreign is not None:
         named = data["plugins"] if isinstance(data["plugins"], list) else [data["plugins"]]
-        raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, named))}), which "
-                          f"are code run on import; a config read from a run folder imports none unless you pass "
-                          f"{TRUST_FLAG} (read them first)")
+        raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, named))}), which are code "
+                          f"run on import, from {foreign}, inside the run folder {run_folder_of(foreign)}: a config "
+                          f"from a run folder imports none unless you pass {TRUST_FLAG} (read them first)")
     try:
         import_plugins(data.get("plugins") or [])
         try:
@@ -164,7 +208,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise all_of(e.problems + (args_problems(e.partial) if e.partial is not None else [])) from None
         validate(cfg)
     except ConfigError as e:  # each problem blamed on where its value came from: the file or an override
-        blames = [_blamed(p, source, overrides or []) for p in e.problems]
+        blames = [_blamed(p, source, overrides or [], origins) for p in e.problems]
         if len(set(blames)) == 1 and not unapplied:  # one place to fix: named once
             head = f"{blames[0]}: " + (f"{len(blames)} problems: " if len(blames) > 1 else "")
             raise ConfigError(head + "; ".join(e.problems), [f"{blames[0]}: {p}" for p in e.problems]) from None
@@ -231,15 +275,28 @@ def _imported_from(path: Path) -> bool:
     return False
 
 
-def _blamed(message: str, source: str, overrides: list[str]) -> str:
+def _blamed(message: str, source: str, overrides: list[str], origins: dict[str, Path] | None = None) -> str:
     """Where a bad value came from: the command line's ``KEY=VALUE`` that set the field the message names
-    (``override steps=abc (over smoke.yaml)``), else the config file."""
+    (``override steps=abc (over smoke.yaml)``), else the file that set it (``origins``: a file it extends, when the
+    value is that file's), else the config file."""
     field = message.split(":", 1)[0].strip()
     for item in reversed(overrides):  # the last override of a field is the one that counts
         key = item.split("=", 1)[0].strip()
         if key == field or key.startswith(field + ".") or field.startswith(key + "."):
             return f"override {item} (over {source})"
+    parts = field.split(".")
+    for n in range(len(parts), 0, -1):  # the field, or the section that set it whole
+        if ".".join(parts[:n]) in (origins or {}):
+            return str(origins[".".join(parts[:n])])
     return source
+
+
+def _origins(data: dict[str, Any], path: Path, out: dict[str, Path], prefix: str = "") -> None:
+    """Each dotted key ``data`` (one file's own mapping) sets, as set by ``path``."""
+    for key, value in data.items():
+        out[f"{prefix}{key}"] = path
+        if isinstance(value, dict):
+            _origins(value, path, out, f"{prefix}{key}.")
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -250,10 +307,11 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...], read: list[Path] | None = None,
+              origins: dict[str, Path] | None = None) -> dict[str, Any]:
     """A config with ``extends: OTHER`` (a file beside it, or a shipped recipe's name): OTHER's keys, then
     this file's over them, so a recipe's variant states only what differs. A file that sets another task than
-    OTHER's takes none of OTHER's ``task_args`` (they are that task's)."""
+    OTHER's takes none of OTHER's ``task_args`` (they are that task's). ``read`` collects the files extended."""
     if "extends" not in data:
         return data
     name = data.pop("extends")
@@ -267,7 +325,7 @@ def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[
         raise ConfigError(f"config file {path}: extends: {name} extends this file again (a cycle)")
     regular_file(base, f"config file {path}: extends:")
     try:
-        parent = yaml.safe_load(base.read_bytes().decode("utf-8"))
+        parent = load_yaml(base.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path}: extends: {base}, {not_utf8(e)}") from None
     except OSError as e:
@@ -276,7 +334,14 @@ def _extended(data: dict[str, Any], path: Path, seen: tuple[Path, ...]) -> dict[
         raise ConfigError(f"config file {path}: extends: {base}: invalid YAML: {getattr(e, 'problem', e)}") from None
     if not isinstance(parent, dict):
         raise ConfigError(f"config file {base}: expected a mapping at the top level")
-    parent = _extended(parent, base, (*seen, base.resolve()))
+    if read is not None:
+        read.append(base)
+    winners, own = dict(origins or {}), {}  # the keys of the files extending OTHER win over OTHER's own
+    _origins({k: v for k, v in parent.items() if k != "extends"}, base, own)
+    parent = _extended(parent, base, (*seen, base.resolve()), read, origins)  # (its own parents' keys)
+    if origins is not None:
+        origins.update(own)
+        origins.update(winners)
     if "task" in data and data["task"] != parent.get("task"):  # another task: the parent's task_args are not its
         parent = {k: v for k, v in parent.items() if k != "task_args"}
     mine, theirs = data.get("rollout"), parent.get("rollout")

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from emapg.config import ConfigError, across_rules, setting, typed
+from emapg.config.loading import load_yaml
 from emapg.errors import not_utf8, regular_file
 
 _OVERRIDES = ((lambda v: all("=" in o for o in v)), "expected a list of KEY=VALUE overrides")
@@ -77,13 +78,15 @@ class SpecFile:
     """The spec file as written (paths relative to it, configs as given)."""
 
     base: str
-    configs: dict[str, ConfigEntry] = setting(across=[
+    configs: dict[str, ConfigEntry] = setting(rule=((lambda v: len(v) > 0), "expected at least one config (a run "
+                                                                            "each per seed)"), across=[
         (lambda s: not _not_plain(s.configs),
          lambda s: f"{', '.join(map(repr, _not_plain(s.configs)))}: not a plain name (letters, digits, _ . + -): each "
                    "names its runs' folder under --out")])
     overrides: list[str] = setting(factory=list, rule=_OVERRIDES)
-    seeds: list[int] = setting(factory=lambda: [0], rule=((lambda v: len(set(v)) == len(v)),
-                                                          "repeats a seed (each seed is one run per config)"))
+    seeds: list[int] = setting(factory=lambda: [0], rule=((lambda v: len(v) > 0 and len(set(v)) == len(v)),
+                                                          "expected seeds, each once (each seed is one run per "
+                                                          "config)"))
     groups: dict[str, list[str]] = setting(factory=dict, across=[
         (lambda s: not _unknown([n for names in s.groups.values() for n in names], s),
          lambda s: f"unknown configs {_unknown([n for names in s.groups.values() for n in names], s)}; "
@@ -109,7 +112,7 @@ def read_spec_file(path: str | Path) -> SpecFile:
     path = Path(path)
     regular_file(path, "--spec")
     try:
-        raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        raw = load_yaml(path.read_bytes().decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"{path}: {e.strerror}") from None
     except UnicodeDecodeError as e:

@@ -47,13 +47,15 @@ class Spec:
     groups: dict[str, list[str]] = field(default_factory=dict)
     prune_checkpoints: bool = False
     source: Path | None = None  # the spec file (its hypotheses, if it declares any)
+    trust_plugins: bool = False  # --trust-plugins: a base inside a run folder may bring its plugins
 
 
 def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None,
-              extra: list[str] | None = None) -> Spec:
+              extra: list[str] | None = None, trust_plugins: bool = False) -> Spec:
     """Read a comparison spec (:func:`emapg.lab.spec.read_spec_file`: every problem named with its field and the
     file), then check that its base exists and that every config loads, before any run starts. ``extra``:
-    KEY=VALUE overrides of the command line, applied to every run after the spec's own (the last word)."""
+    KEY=VALUE overrides of the command line, applied to every run after the spec's own (the last word).
+    ``trust_plugins``: the user's ``--trust-plugins`` (a base config inside a run folder names plugins)."""
     path = Path(path)
     raw = read_spec_file(path)
     configs = {str(name): [*entry.overrides, *(extra or [])] for name, entry in raw.configs.items()}
@@ -75,12 +77,12 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
         raise ConfigError(f"{path}: base: {base} does not exist")
     for name, over in configs.items():  # every config is checked before the first run starts
         try:
-            load_config(base, [*overrides, *over])
+            load_config(base, [*overrides, *over], trust_plugins=trust_plugins)
         except ConfigError as e:
             raise ConfigError(f"{path}: configs.{name}: {e}") from None
     groups = {g: [str(n) for n in names if str(n) in configs] for g, names in raw.groups.items()}
     return Spec(base=base, overrides=overrides, seeds=list(seeds), configs=configs, labels=labels,
-                prune_checkpoints=raw.prune_checkpoints, source=path,
+                prune_checkpoints=raw.prune_checkpoints, source=path, trust_plugins=trust_plugins,
                 groups={g: names for g, names in groups.items() if names})
 
 
@@ -129,7 +131,8 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
                 log(f"[{done}/{total}] {name} seed {seed}: done already")
                 continue
             cmd = [sys.executable, "-m", "emapg", "train", "--config", str(spec.base), "--out", str(run),
-                   *spec.overrides, *over, f"seed={seed}", *([f"threads={threads}"] if jobs > 1 else [])]
+                   *spec.overrides, *over, f"seed={seed}", *([f"threads={threads}"] if jobs > 1 else []),
+                   *(["--trust-plugins"] if spec.trust_plugins else [])]
             if has_checkpoint(run):
                 # its config.yaml came from the user's spec: its plugins are the user's own
                 cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run), "--trust-plugins"]

@@ -77,12 +77,20 @@ def model_config(name: str, trust_remote_code: bool = False, field: str = "model
         return model.config
     from transformers import AutoConfig
 
-    path = models.smollm2_folder() if name == "smollm2-135m" else name
     from emapg.errors import ConfigError
 
+    path = models.smollm2_folder() if name == "smollm2-135m" else name
+
+    raw = Path(path) / "config.json"
+    if raw.is_file():  # read it ourselves first: a config.json that is not a JSON object is one line, not a TypeError
+        try:
+            data = json.loads(raw.read_bytes().decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{field}: {raw} is not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{field}: {raw} holds {json.dumps(data)[:40]}, not a JSON object of the model's sizes")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        raw = Path(path) / "config.json"
         if raw.is_file():  # a missing size takes the class's default, which fits no checkpoint of this model
             data = json.loads(raw.read_text())
             if "vocab_size" not in data and "vocab_size" not in (data.get("text_config") or {}):
@@ -291,6 +299,15 @@ def activation_cost(shape: ModelShape, how: Calibration) -> ActivationCost:
     if key not in _COSTS:
         full = 3 * shape.layer_params * DTYPE_BYTES[how.dtype]  # the 1- and 2-layer copies together
         divisors = _width_divisors(shape.config) if full > CALIBRATION_BYTES else []
+        if full > CALIBRATION_BYTES and (len(divisors) < 3 or full / divisors[-3] ** 2 > 4 * CALIBRATION_BYTES):
+            text = getattr(shape.config, "text_config", None) or shape.config
+            from emapg.errors import ConfigError  # (what the plan describes is never allocated: refused instead)
+
+            raise ConfigError(f"model: a layer of this shape (hidden_size {text.hidden_size}, intermediate_size "
+                              f"{text.intermediate_size}, {text.num_attention_heads} heads) holds "
+                              f"{shape.layer_params * DTYPE_BYTES[how.dtype] / GIB:,.1f} GiB of weights, too wide to "
+                              f"measure its activations within {CALIBRATION_BYTES / GIB:.0f} GiB, and its widths share "
+                              "too few divisors to measure it narrower: emapg plan cannot plan it")
         if len(divisors) < 3:
             _COSTS[key] = _measured_cost(shape.config, how)
         else:

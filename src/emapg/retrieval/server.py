@@ -119,6 +119,11 @@ def _parse(body: bytes, max_queries: int, max_query_chars: int, max_topk: int) -
         if len(q) > max_query_chars:
             raise RequestError(400, f"field 'queries': query {i} has {len(q)} characters; at most {max_query_chars}",
                                limit=True)
+        try:  # JSON's \ud800 escapes decode to a lone surrogate, which no encoder takes (it was a 500)
+            q.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(400, f"field 'queries': query {i} holds a lone surrogate (\\u{ord(q[e.start]):04x} at "
+                                    f"character {e.start}), not text") from None
     topk = data.get("topk", 3)
     if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= max_topk:
         raise RequestError(400, f"field 'topk' must be an integer in [1, {max_topk}], got {topk!r}")

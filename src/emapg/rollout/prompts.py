@@ -42,10 +42,41 @@ def _truncated(tokenizer, ex: Example, room: int) -> Example | None:
     return dataclasses.replace(ex, messages=messages)
 
 
-def fit_prompts(task: Task, tokenizer, context: int | None, budget: int, mode: str, warn: bool = True) -> int:
+_TOKEN_BYTES: dict[int, int] = {}
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token of ``tokenizer`` stands for (its added tokens' text included): a text of B
+    bytes makes at least B / this many tokens, whatever it holds. Measured once per tokenizer."""
+    key = id(tokenizer)
+    if key not in _TOKEN_BYTES:
+        vocab = tokenizer.get_vocab()
+        raw = max((len(t.encode("utf-8")) for t in vocab), default=1)  # a token's symbol: at least its bytes
+        decoded = max((len(tokenizer.convert_tokens_to_string([t]).encode("utf-8")) for t in vocab), default=1)
+        _TOKEN_BYTES[key] = max(1, raw, decoded)
+    return _TOKEN_BYTES[key]
+
+
+def _bounded(ex: Example, room: int, per_token: int) -> tuple[Example, bool]:
+    """``ex`` whose user message is cut, head and tail kept, to at most ``room * per_token`` bytes' worth of
+    characters when it is longer (no prompt that long could fit: it needs more than ``room`` tokens), so that
+    nothing tokenizes a text of megabytes; and whether it was cut."""
+    i = max(j for j, m in enumerate(ex.messages) if m["role"] in ("user", "raw"))
+    text, most = ex.messages[i]["content"], room * per_token
+    if len(text) <= most:  # (characters <= bytes)
+        return ex, False
+    messages = [dict(m) for m in ex.messages]
+    messages[i]["content"] = text[: most // 2] + ELLIPSIS + text[len(text) - most // 2 :]
+    return dataclasses.replace(ex, messages=messages), True
+
+
+def fit_prompts(task: Task, tokenizer, context: int | None, budget: int, mode: str, warn: bool = True,
+                advice: str = "shorten it, or set long_prompts: truncate") -> int:
     """Check every prompt of ``task`` (its ``prompt_pools``) against ``context`` minus
     the response ``budget``. mode ``error``: raise ConfigError naming the first prompt that does not
-    fit; ``truncate``: cut those prompts in place, with a warning each. Returns how many were cut."""
+    fit; ``truncate``: cut those prompts in place, with a warning each. Returns how many were cut.
+    A prompt's text is bounded by characters before it is tokenized (:func:`longest_token_bytes`): one whose
+    bytes alone need more tokens than the room is refused, or cut, without tokenizing it whole."""
     pools = task.prompt_pools()
     if context is None or not pools:
         return 0
@@ -53,22 +84,28 @@ def fit_prompts(task: Task, tokenizer, context: int | None, budget: int, mode: s
     if room < 1:
         raise ConfigError(f"the response budget of {budget} tokens leaves no room for a prompt in the model's "
                           f"context of {context} (max_position_embeddings)")
-    cut = 0
+    cut, per_token = 0, longest_token_bytes(tokenizer)
     for pool in pools:
         for i, ex in enumerate(pool):
-            n = len(format_prompt(tokenizer, ex.messages))
-            if n <= room:
-                continue
             where = ex.meta.get("source") or ex.id
-            fitted = _truncated(tokenizer, ex, room) if mode == "truncate" else None
+            size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in ex.messages)
+            if size > room * per_token and mode != "truncate":  # at least size / per_token tokens: no need to count
+                raise ConfigError(f"{where}: the prompt has {size:,} bytes, at least {size // per_token:,} tokens, and "
+                                  f"with the response budget of {budget} it does not fit the model's context of "
+                                  f"{context}; {advice}")
+            ex, bounded = _bounded(ex, room, per_token)
+            n = len(format_prompt(tokenizer, ex.messages))
+            if n <= room and not bounded:
+                continue
+            fitted = (ex if n <= room else _truncated(tokenizer, ex, room)) if mode == "truncate" else None
             if fitted is None:
                 raise ConfigError(f"{where}: the prompt has {n} tokens, and with the response budget of {budget} "
-                                  f"it does not fit the model's context of {context}; shorten it, or set "
-                                  "long_prompts: truncate")
+                                  f"it does not fit the model's context of {context}; {advice}")
             pool[i] = fitted
             cut += 1
             if warn:
-                print(f"emapg: warning: {where}: prompt of {n} tokens cut to fit the model's context of {context} "
+                was = f"{size:,} bytes" if bounded else f"{n} tokens"
+                print(f"emapg: warning: {where}: prompt of {was} cut to fit the model's context of {context} "
                       f"(response budget {budget})", file=sys.stderr)
     return cut
 

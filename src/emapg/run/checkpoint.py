@@ -127,9 +127,38 @@ def _step_of(path: Path) -> int:
     return int(STEP_DIR.fullmatch(path.name).group(1))
 
 
-def _step_dirs(ckpt_dir: Path) -> list[Path]:
-    """The checkpoint folders of ``ckpt_dir`` (names ``step_N``; anything else there is not one), by step."""
-    return sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()), key=_step_of)
+def checkpoints_of(run_dir: Path) -> Path:
+    """``RUN/checkpoints``, checked before a resume reads it or a save writes and prunes it: refused (one line,
+    nothing changed) when it leads out of the run's real folder (a symlink to another run's: a resume would
+    prune that run's checkpoints and repoint its ``latest``), or when its ``latest`` is not a file."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    if ckpt_dir.is_symlink() or ckpt_dir.exists():
+        real, run = ckpt_dir.resolve(), Path(run_dir).resolve()
+        if not real.is_relative_to(run):
+            raise CheckpointError(f"{ckpt_dir} leads out of the run folder, to {real}: emapg reads, writes and prunes "
+                                  "only a run's own checkpoints (remove the link; nothing was changed)")
+        latest = ckpt_dir / LATEST
+        if latest.is_symlink() or latest.is_dir():  # every later save's rename onto it would fail (a FIFO: damaged)
+            kind = "link" if latest.is_symlink() else "folder"
+            raise CheckpointError(f"{latest} is not emapg's pointer file (a {kind}): move it away; nothing was changed")
+    return ckpt_dir
+
+
+def _step_dirs(ckpt_dir: Path, warn: bool = False) -> list[Path]:
+    """The checkpoint folders of ``ckpt_dir`` (names ``step_N``; anything else there is not one), by step. A
+    ``step_N`` that leads out of ``ckpt_dir`` (a link to another run's) is none of this run's: never resumed nor
+    pruned (``warn``: said)."""
+    found, real = [], ckpt_dir.resolve()
+    for p in ckpt_dir.glob("step_*"):
+        if not (STEP_DIR.fullmatch(p.name) and p.is_dir()):
+            continue
+        if p.is_symlink() or not p.resolve().is_relative_to(real):
+            if warn:
+                print(f"emapg: warning: {p} leads out of the run folder, to {p.resolve()}: not this run's "
+                      "checkpoint (not resumed, not pruned)", file=sys.stderr)
+            continue
+        found.append(p)
+    return sorted(found, key=_step_of)
 
 
 def _prune(ckpt_dir: Path, keep: int, current: int, keep_every: int = 0) -> None:
@@ -149,9 +178,9 @@ def _prune(ckpt_dir: Path, keep: int, current: int, keep_every: int = 0) -> None
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def _complete(ckpt_dir: Path) -> list[Path]:
+def _complete(ckpt_dir: Path, warn: bool = False) -> list[Path]:
     """Complete checkpoint folders (state.json is written last, before the atomic rename), oldest first."""
-    return [p for p in _step_dirs(ckpt_dir) if (p / "state.json").exists()]
+    return [p for p in _step_dirs(ckpt_dir, warn) if (p / "state.json").exists()]
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -159,7 +188,7 @@ def latest_checkpoint(run_dir: Path) -> Path:
 
     ``latest`` decides; without it (a kill between a first checkpoint's rename and ``latest``), the
     newest complete step folder."""
-    ckpt_dir = Path(run_dir) / "checkpoints"
+    ckpt_dir = checkpoints_of(run_dir)
     pointer = ckpt_dir / LATEST
     if not pointer.exists():
         found = _complete(ckpt_dir) if ckpt_dir.is_dir() else []
@@ -176,6 +205,9 @@ def latest_checkpoint(run_dir: Path) -> Path:
         raise CheckpointError(f"{pointer} is damaged: it names {name!r}, not a checkpoint folder of this run "
                               "(step_N)")
     path = ckpt_dir / name
+    if path.is_symlink() or not path.resolve().is_relative_to(ckpt_dir.resolve()):
+        raise CheckpointError(f"{pointer} names {name}, which leads out of the run folder, to {path.resolve()}: "
+                              "not this run's checkpoint")
     if not (path / "state.json").exists():
         raise FileNotFoundError(f"--resume {run_dir}: {pointer} names {name}, which is incomplete or missing")
     return path
@@ -184,8 +216,8 @@ def latest_checkpoint(run_dir: Path) -> Path:
 def resume_candidates(run_dir: Path) -> list[Path]:
     """Checkpoints to resume from, best first: the one ``latest`` names (if it is readable), then every
     other complete one, newest first."""
-    ckpt_dir = Path(run_dir) / "checkpoints"
-    found = list(reversed(_complete(ckpt_dir))) if ckpt_dir.is_dir() else []
+    ckpt_dir = checkpoints_of(run_dir)
+    found = list(reversed(_complete(ckpt_dir, warn=True))) if ckpt_dir.is_dir() else []
     try:
         first = latest_checkpoint(run_dir)
     except (FileNotFoundError, CheckpointError):
@@ -223,10 +255,11 @@ def _read_state(path: Path) -> dict[str, Any]:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{file} is damaged: step {step!r} is not a whole number >= 0")
     opt = state["optimizer"]
-    if not (isinstance(opt, dict) and isinstance(opt.get("param_groups"), list)
-            and all(isinstance(g, dict) for g in opt["param_groups"]) and isinstance(opt.get("scalars", {}), dict)):
-        raise CheckpointError(f"{file} is damaged: its optimizer is {opt!r:.80}, not {{param_groups: [...], "
-                              "scalars: {...}}")
+    if not (isinstance(opt, dict) and isinstance(opt.get("param_groups"), list) and opt["param_groups"]
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) and g["params"]
+                    for g in opt["param_groups"]) and isinstance(opt.get("scalars", {}), dict)):
+        raise CheckpointError(f"{file} is damaged: its optimizer is {opt!r:.80}, not {{param_groups: [{{params: "
+                              "[...], ...}}, ...], scalars: {...}}")
     if path.name[len("step_"):].isdigit() and _step_of(path) != step:
         raise CheckpointError(f"{file} is damaged: it says step {step}, its folder is {path.name}")
     return state
@@ -458,5 +491,5 @@ def save_training(run_dir: Path, step: int, model: nn.Module, anchor, optimizer:
     Collective when sharded: every rank writes its own rows (nothing is gathered), rank 0 the rest."""
     opt = distributed.optimizer_state(model, optimizer, whole=False)
     extra = {WEIGHT_EMA: weight_ema.state_dict(gather=False)} if weight_ema is not None else None
-    return save_checkpoint(Path(run_dir) / "checkpoints", step, model.state_dict(), anchor.state_dict(gather=False),
+    return save_checkpoint(checkpoints_of(run_dir), step, model.state_dict(), anchor.state_dict(gather=False),
                            opt, state, keep=keep, main=main, extra=extra, keep_every=keep_every)

@@ -129,8 +129,11 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
         try:
             names = iter(named)
             for set_name, task in tasks:
-                fit_prompts(task, tok, context_length(model), plan.spec.max_new_tokens, "error")
                 for (_, examples), name in zip(sets_of(task, set_name, plan.size), names, strict=False):
+                    # only the rows this call evaluates (--size of each set) must fit
+                    fit_prompts(_Chosen(examples), tok, context_length(model), plan.spec.max_new_tokens, "error",
+                                advice="leave the row out of the file, or evaluate with a smaller "
+                                       "--max-new-tokens")
                     torch.manual_seed(seed)
                     spec = replace(plan.spec, n=1) if plan.seeding == "reference" else plan.spec
                     res = evaluate(model, tok, task, examples[rank::world], spec, batch_size=plan.batch_size,
@@ -158,6 +161,16 @@ def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr
         write_text_atomic(out / "eval.json", json.dumps({**settings, "rows": rows}, indent=1))
         write_text_atomic(out / "eval.md", markdown(rows))
     return rows
+
+
+class _Chosen:
+    """The examples one evaluation takes, as the pools :func:`emapg.rollout.prompts.fit_prompts` checks."""
+
+    def __init__(self, examples: list):
+        self.examples = examples
+
+    def prompt_pools(self) -> list[list]:
+        return [self.examples]
 
 
 def repeated_sample(res: dict[str, Any], n: int) -> dict[str, Any]:

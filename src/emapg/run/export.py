@@ -70,6 +70,9 @@ def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None =
     for name, avg in averaged.items():
         avg.load_state_dict(dict(ckpt[WEIGHT_EMA if name == "ema" else "anchor"]))
     out = Path(out) if out is not None else run_dir / f"export-step_{step:06d}"
+    if out.resolve().is_relative_to((run_dir / "checkpoints").resolve()):  # the run's next prune would delete it
+        raise CheckpointError(f"--out {out}: inside the run's checkpoints ({run_dir / 'checkpoints'}), which its "
+                              "next save prunes; pick a folder outside them (nothing was written)")
     for name in ("policy", *averaged):
         check_replaceable(out / name)
     for name in ("policy", *averaged):

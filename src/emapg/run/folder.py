@@ -22,10 +22,10 @@ from typing import IO, Any
 
 from emapg.atomic import append_line, write_json_atomic
 from emapg.backends import BACKENDS
-from emapg.config import ConfigError, TrainConfig, load_config, replay_safe, save_config, to_dict
+from emapg.config import RUN_MARKER, ConfigError, TrainConfig, load_config, replay_safe, save_config, to_dict
 from emapg.run.metrics import PLOTS
 
-MARKER = ".emapg-run"
+MARKER = RUN_MARKER  # what makes a folder a run folder (a config inside one brings no plugin without trust)
 LOCK = ".emapg.lock"  # the one writer's OS lock (and its PID, for the message a second writer gets)
 LOCK_ENV = "EMAPG_RUN_LOCK"  # set by a launcher holding the lock for the processes it starts (--nproc)
 LAUNCHER_ENV = "EMAPG_LAUNCHER_PID"  # that launcher's PID: its workers' grandparent (torchrun in between)
@@ -203,7 +203,8 @@ class ResumeChange:
 def check_resume(run_dir: Path, cfg_file: Path, cfg: TrainConfig, overrides: list[str], force: bool) -> ResumeChange:
     """A resume's overrides against the run's config. Raises ConfigError (nothing written) for changes that
     alter the replay, unless ``force``."""
-    before, after = _flat(to_dict(load_config(cfg_file))), _flat(to_dict(cfg))
+    # (the user's trust in its plugins was asked when the resume loaded it: the same file, read again)
+    before, after = _flat(to_dict(load_config(cfg_file, trust_plugins=True))), _flat(to_dict(cfg))
     changed = {k: [before.get(k), after[k]] for k in after if before.get(k) != after[k]}
     unsafe = [k for k in changed if not replay_safe(k)]  # the schema's replay_safe fields
     if unsafe and not force:

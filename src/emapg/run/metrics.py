@@ -183,15 +183,23 @@ def metrics_lines(path: Path, warn: bool = True) -> list[tuple[str, dict[str, An
     newline at its end) is dropped with a warning: its step is re-run on resume."""
     regular_file(path, "metrics")  # a FIFO or a device would be read for ever
     raw = Path(path).read_bytes()
-    lines = raw.decode("utf-8", errors="replace").split("\n")
+    chunks = raw.split(b"\n")
     out = []
-    for i, line in enumerate(lines, 1):
+    for i, chunk in enumerate(chunks, 1):
+        try:  # a stray byte is named, never rewritten as U+FFFD on resume
+            line = chunk.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if i == len(chunks) and not raw.endswith(b"\n"):  # a last line cut inside a character: dropped below
+                line = chunk.decode("utf-8", errors="replace")
+            else:
+                raise MetricsError(f"{path}, line {i}: not UTF-8 text (byte {chunk[e.start]:#04x}); remove the line "
+                                   "or restore the file (nothing was rewritten)") from None
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError as e:
-            if i == len(lines) and not raw.endswith(b"\n"):  # the last line, unfinished
+            if i == len(chunks) and not raw.endswith(b"\n"):  # the last line, unfinished
                 if warn:
                     print(f"emapg: warning: {path}, line {i}: cut short (a write was interrupted); dropped",
                           file=sys.stderr)

@@ -94,7 +94,9 @@ def qa_rows(path: str, question_field: str = "question", answers_field: str = "a
             continue
         answers = answers_field if answers_field in row else "golden_answers" if "golden_answers" in row else None
         for name, column in (("question", question_field if question_field in row else None), ("answers", answers)):
-            if column is None or row[column] is None:
+            if column is not None and row[column] is None:  # there, and null: said as such, not "missing"
+                raise DataError(f"{row['_source']}: field {column!r} is null (expected the {name})")
+            if column is None:
                 wanted = repr(question_field) if name == "question" else f"{answers_field!r} (or 'golden_answers')"
                 raise DataError(f"{row['_source']}: missing field {wanted}; the row has "
                                 f"{', '.join(sorted(k for k in row if not k.startswith('_')))}")
