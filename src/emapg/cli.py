@@ -463,7 +463,28 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     r = sub.add_parser("recipes", help="list the shipped recipes (for --config NAME) with what each is for")
     r.set_defaults(func=cmd_recipes)
+    c = sub.add_parser("config", help="every config field: type, default, rule, what it does (docs/CONFIG.md); "
+                                      "--show CONFIG: the config a run would use, resolved")
+    c.add_argument("--show", metavar="CONFIG", help="a config file or shipped recipe: print it resolved (every field "
+                                                     "at its value, the overrides applied), as config.yaml records it")
+    c.add_argument("--markdown", action="store_true", help="the reference as docs/CONFIG.md holds it")
+    _trust_plugins_arg(c)
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="with --show: overrides, e.g. algo.eta=0.95")
+    c.set_defaults(func=cmd_config)
     return p
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from emapg.config import reference
+
+    if args.show is None:
+        if args.overrides:
+            raise ConfigError(f"{' '.join(args.overrides)}: overrides go with --show CONFIG")
+        print(reference.markdown() if args.markdown else reference.text(), end="")
+        return 0
+    cfg = load_config(recipe_path(args.show), args.overrides, trust_plugins=args.trust_plugins)
+    print(reference.resolved(cfg), end="")
+    return 0
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
