@@ -85,7 +85,7 @@ LAYERS = [
                      "emapg.rollout.vllm_settings", "emapg.models", "emapg.settings",
                      "emapg.run", "emapg.lab"]),
     ("config", ["emapg.config.schema", "emapg.config.rules", "emapg.config.loading", "emapg.config",
-                "emapg.kl_moments"]),
+                "emapg.config.reference", "emapg.kl_moments"]),
     ("models and state", ["emapg.models.lm", "emapg.models.distributed", "emapg.models.zoo", "emapg.anchor",
                           "emapg.run.shards", "emapg.run.checkpoint", "emapg.run.export", "emapg.run.metrics",
                           "emapg.run.outcomes", "emapg.run.folder", "emapg.run.schedule", "emapg.lab.spec"]),
@@ -168,3 +168,17 @@ def test_the_retrieval_server_starts_without_torch():
     code = "import sys, emapg.retrieval.server; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_command_lines_help_imports_no_torch():
+    """`emapg --help` and each subcommand's --help answer at once: neither torch nor transformers is imported (it
+    took 3-6 s)."""
+    import subprocess
+    import sys
+
+    for args in ([], ["train"], ["eval"], ["plan"], ["compare"], ["config"], ["export"], ["index", "build"]):
+        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "emapg", *args, "--help"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        loaded = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
+        assert not loaded & {"torch", "transformers"}, args

@@ -22,14 +22,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import emapg.tasks  # noqa: F401 (registers the task_args check a config's loading runs)
 from emapg.atomic import one_writer
-from emapg.config import SHIPPED_RECIPES as RECIPES
-from emapg.config import ConfigError, check_world, load_config, merged_task_args
-from emapg.errors import EmapgError, regular_file
+from emapg.errors import ConfigError, EmapgError, regular_file
 from emapg.retrieval import SERVER_LIMITS
 
+# Only torch-free modules above: `emapg --help` and every subcommand's --help answer at once. A command imports
+# the config (whose estimators' registry is torch code) when it runs: _config().
 DEFAULT_RECIPE = "cpu_demo"
+RECIPES = Path(__file__).resolve().parent / "recipes"  # = emapg.config.SHIPPED_RECIPES, named without torch
+
+
+def _config():
+    """:mod:`emapg.config`, with every task's arguments check registered (emapg.tasks): what a command that reads
+    a config uses."""
+    import emapg.config
+    import emapg.tasks  # noqa: F401 (registers the task_args check a config's loading runs)
+
+    return emapg.config
 
 
 def recipe_path(name_or_path: str) -> Path:
@@ -106,13 +115,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg_file = run_dir / "config.yaml"
         if not cfg_file.exists():
             raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
-        cfg = load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins)
+        cfg = _config().load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins)
     else:
-        cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
+        cfg = _config().load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
                           trust_plugins=args.trust_plugins)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
     if args.nproc > 1 and not launched:  # the batch must split over the processes: said once, before torchrun
-        check_world(cfg, args.nproc)
+        _config().check_world(cfg, args.nproc)
     change = None
     try:  # the run folder's one writer from here to the end of the command (rank 0: the others only read)
         if rank0 and args.resume:
@@ -194,7 +203,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from emapg.models.plan import report
 
-    cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
+    cfg = _config().load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
                       trust_plugins=args.trust_plugins)
     if args.gpu_memory is None:  # a GPU's 80 GiB, or on the CPU this host's memory shared by the processes
         from emapg.run.assembly import host_share
@@ -304,7 +313,7 @@ def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     run = Path(args.run)
     if not (run / "config.yaml").exists():
         raise ConfigError(f"--run {run}: no config.yaml there (is this a run folder?)")
-    cfg = load_config(run / "config.yaml", trust_plugins=args.trust_plugins)
+    cfg = _config().load_config(run / "config.yaml", trust_plugins=args.trust_plugins)
     if args.task and args.task != cfg.task:
         raise ConfigError(f"--task {args.task}: the run {run} trained on {cfg.task}")
     models = args.model or [str(run / "export" / m) for m in ("policy", "anchor", "ema")
@@ -312,7 +321,7 @@ def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     missing = [m for m in models if not Path(m).exists() and not args.model]
     if missing:
         raise ConfigError(f"--run {run}: no exported model at {missing[0]} (the run exports at its end)")
-    return models, cfg.task, merged_task_args(cfg.task_args, task_args)
+    return models, cfg.task, _config().merged_task_args(cfg.task_args, task_args)
 
 
 def corpus_fields(text: str | None) -> dict[str, str] | None:
@@ -482,7 +491,7 @@ def cmd_config(args: argparse.Namespace) -> int:
             raise ConfigError(f"{' '.join(args.overrides)}: overrides go with --show CONFIG")
         print(reference.markdown() if args.markdown else reference.text(), end="")
         return 0
-    cfg = load_config(recipe_path(args.show), args.overrides, trust_plugins=args.trust_plugins)
+    cfg = _config().load_config(recipe_path(args.show), args.overrides, trust_plugins=args.trust_plugins)
     print(reference.resolved(cfg), end="")
     return 0
 
