@@ -586,3 +586,35 @@ def test_a_bad_value_is_blamed_on_the_file_that_set_it(tmp_path):
     (tmp_path / "child.yaml").write_text("extends: parent\nlr: -2\nalgo: {eta: 0.5}\n")
     with pytest.raises(ConfigError, match=r"child.yaml: lr: must be a finite number > 0, got -2"):
         load_config(tmp_path / "child.yaml")
+
+
+def test_the_newcomers_cli_answers(tmp_path, capsys):
+    """`emapg recipes` gives each recipe's first sentence whole; `kb make --help` names the five files it writes; a
+    resume says where it starts; `eval` of a math set defaults to a budget a reasoning answer fits."""
+    from emapg.cli import EVAL_DEFAULTS, TASK_EVAL_DEFAULTS, main
+
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    assert "2-digit addition, on a 2-core CPU." in out and "(its RESUME_FROM_PATH;\n" not in out
+    with pytest.raises(SystemExit):
+        main(["kb", "make", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert all(f in shown for f in ("corpus.jsonl", "train.jsonl", "eval.jsonl", "train_one_hop.jsonl",
+                                    "eval_one_hop.jsonl")), shown
+    fast = ["--config", "smoke", "eval.size=0", "export=false", "save_every=1"]
+    assert main(["train", *fast, "--out", str(tmp_path / "r"), "steps=1"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "r"), "steps=2"]) == 0
+    assert "emapg: resumed at step 1, training on to step 2" in capsys.readouterr().err
+    assert TASK_EVAL_DEFAULTS["math"]["max_new_tokens"] >= 1024 > EVAL_DEFAULTS["max_new_tokens"]
+
+
+def test_a_studys_summary_is_strict_json(tmp_path):
+    from emapg.lab.report import _finite
+
+    assert json.dumps(_finite({"a": [float("nan"), 1.0], "b": (float("inf"), 2)}), allow_nan=False) == \
+        '{"a": [null, 1.0], "b": [null, 2]}'
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    for path in (ROOT / "studies").glob("*/summary.json"):
+        json.loads(path.read_text(), parse_constant=refuse)

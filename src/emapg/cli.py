@@ -173,6 +173,8 @@ def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool, 
     if trainer.main:
         print(f"emapg: run folder {run_dir} ({trainer.dist.world} process(es), {trainer.dist.device})",
               file=sys.stderr)
+        if args.resume:
+            print(f"emapg: resumed at step {trainer.progress.step}, training on to step {cfg.steps}", file=sys.stderr)
     try:
         table = trainer.train()
     except BaseException as e:
@@ -272,6 +274,7 @@ PAPER_PROTOCOL = {"samples": 32, "temperature": 0.8, "top_p": 0.9, "max_new_toke
 T = 0.8, top-p 0.9, 28,000 new tokens, seed 429, graded by rLLM's reward; its aggregate weighs each set by its
 number of problems (evaluate_benchmarks.py)."""
 EVAL_DEFAULTS = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 32, "seed": 0, "grader": None}
+TASK_EVAL_DEFAULTS = {"math": {"max_new_tokens": 1024}}  # a reasoning answer needs hundreds of tokens, not 32
 
 
 def _eval_protocol(args: argparse.Namespace) -> None:
@@ -280,7 +283,16 @@ def _eval_protocol(args: argparse.Namespace) -> None:
     protocol = PAPER_PROTOCOL if args.protocol == "paper" else {}
     if protocol and args.task not in (None, "math"):
         raise ConfigError(f"--protocol paper: the paper's math evaluation; --task is {args.task}")
-    for name, default in EVAL_DEFAULTS.items():
+    task = args.task
+    if task is None and args.run:  # the run's task (its config.yaml read as data: no plugin imported here)
+        import yaml
+
+        try:
+            task = (yaml.safe_load((Path(args.run) / "config.yaml").read_text()) or {}).get("task")
+        except (OSError, yaml.YAMLError, AttributeError, UnicodeDecodeError):
+            task = None  # (eval_subject names what is wrong with the folder)
+    defaults = {**EVAL_DEFAULTS, **TASK_EVAL_DEFAULTS.get(task, {})}
+    for name, default in defaults.items():
         given = getattr(args, name)
         if given is None:
             setattr(args, name, protocol.get(name, default))
@@ -497,10 +509,16 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    """Each shipped recipe's name and the first line of its leading comment."""
+    """Each shipped recipe's name and the first sentence of its leading comment, whole (wrapped)."""
+    import re
+    import textwrap
+
     for path in sorted(RECIPES.glob("*.yaml")):
-        first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
-        print(f"{path.stem:34s} {first}")
+        lines = path.read_text().splitlines()
+        head = " ".join(line.lstrip("#").strip() for line in lines[: next((i for i, line in enumerate(lines)
+                                                                            if not line.startswith("#")), len(lines))])
+        first = re.split(r"(?<!e\.g)(?<!i\.e)(?<=\.)\s", head, maxsplit=1)[0]  # the first sentence ("e.g." is none)
+        print(textwrap.fill(first, 110, initial_indent=f"{path.stem:27s}", subsequent_indent=" " * 27))
     return 0
 
 
@@ -575,7 +593,9 @@ def _eval_parser(sub) -> None:
                    help="at most this many problems per set (>= 1; the default takes every problem of a file)")
     e.add_argument("--batch-size", type=int, default=64,
                    help="problems decoded at once (each with its samples): bounds the KV cache of the hf backend")
-    e.add_argument("--max-new-tokens", type=int, help="each sample's budget (default 32: math needs thousands)")
+    e.add_argument("--max-new-tokens", type=int,
+                   help="each sample's budget (default 32; 1024 for math, whose reasoning needs hundreds of tokens: "
+                        "the paper's protocol 28,000)")
     e.add_argument("--device", default="auto", help="auto (a GPU when visible), cpu, cuda or cuda:N")
     e.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16")
     e.add_argument("--backend", default="hf",
@@ -663,8 +683,10 @@ def _retrieval_parsers(sub) -> None:
     sv.set_defaults(func=cmd_serve)
     kb = sub.add_parser("kb", help="the generated multi-hop knowledge base").add_subparsers(dest="kb_command",
                                                                                          required=True)
-    mk = kb.add_parser("make", help="write corpus.jsonl, train.jsonl and eval.jsonl")
-    mk.add_argument("--out", required=True, help="the folder for corpus.jsonl, train.jsonl and eval.jsonl")
+    mk = kb.add_parser("make", help="write corpus.jsonl, train.jsonl, eval.jsonl, train_one_hop.jsonl and "
+                                    "eval_one_hop.jsonl")
+    mk.add_argument("--out", required=True, help="the folder for corpus.jsonl, train.jsonl, eval.jsonl, "
+                                                  "train_one_hop.jsonl and eval_one_hop.jsonl")
     mk.add_argument("--seed", type=int, default=0, help="the generated knowledge base's seed")
     mk.set_defaults(func=cmd_kb_make)
 

@@ -210,6 +210,17 @@ def summarize(spec: Spec, out: Path) -> dict[str, Any]:
     return summary
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity as null (JSON has none: strict parsers refuse them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _pm(ms: tuple[float, float], scale: float = 100.0, digits: int = 1, spread: bool = True) -> str:
     """mean ± std; the mean alone when there is no spread to show (one seed)."""
     m, s = ms
@@ -454,7 +465,7 @@ def plot_claims(judged: list[Judged], path: Path) -> Path:
 def report(spec: Spec, out: Path) -> str:
     """Write summary.json, results.md and one figure per group (or compare.png); return the markdown."""
     summary = summarize(spec, out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.json").write_text(json.dumps(_finite(summary), indent=1, allow_nan=False))  # strict JSON
     md = markdown(spec, summary) + per_problem_section(spec, out, summary)
     if spec.source is not None:
         alpha, hypotheses = load_hypotheses(spec.source)

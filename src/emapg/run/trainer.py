@@ -109,7 +109,8 @@ class Trainer(Run):
             self._write(row)
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                 self.save()
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", kl=f"{row['kl']:.2e}", s=f"{row['step_seconds']:.1f}")
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", kl_estimate=f"{row['kl']:.1e}",  # sampled: may be < 0
+                            s=f"{row['step_seconds']:.1f}")
             bar.update(1)
         bar.close()
         if cfg.export:
