@@ -51,6 +51,11 @@ def test_a_run_is_one_type_the_assembly_builds_and_the_trainer_steps():
     from emapg.config import TrainConfig
 
     fields = typing.get_type_hints(Run)  # every field typed, and each type resolves
+    try:  # built by keywords only: 25 fields, several same-typed neighbours a positional swap would not show
+        Run(*range(len(fields)))
+        raise AssertionError("Run was built positionally")
+    except TypeError as e:
+        assert "positional" in str(e)
     assert fields["cfg"] is TrainConfig and fields["progress"] is Progress
     tree = ast.parse((SRC / "run" / "trainer.py").read_text())
     used = {n.attr for n in ast.walk(tree)

@@ -50,7 +50,7 @@ from emapg.tasks.base import Task
 from emapg.tasks.order import check_order
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """A run, built: what every step uses. ``plan`` says how every step is cut and which passes it runs (pi_old's,
     which then gives the sampler's head too); ``head`` and ``sampling`` are the estimator's head and the rollout's
@@ -140,9 +140,12 @@ def assemble(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, forc
         save_config(cfg, run_dir / "config.yaml")
     metrics = MetricsWriter(run_dir, resume_step=now.step if resume else None, report_to=tuple(cfg.report_to),
                             config=dataclasses.asdict(cfg), wandb_project=cfg.wandb_project) if dist.is_main else None
-    return Run(cfg, run_dir, progress, dist, plan, head, sampling, model, tokenizer, task, evaluator, teacher,
-               teacher_sha256, anchor, init_anchor, anchor_is_initial, weight_ema, lambda: policy_model(cfg)[0],
-               params, optimizer, scheduler, engine, metrics, now, None if resume else now.step)
+    return Run(cfg=cfg, run_dir=run_dir, show_progress=progress, dist=dist, plan=plan, head=head, sampling=sampling,
+               model=model, tokenizer=tokenizer, task=task, evaluator=evaluator, teacher=teacher,
+               teacher_sha256=teacher_sha256, anchor=anchor, init_anchor=init_anchor,
+               anchor_is_initial=anchor_is_initial, weight_ema=weight_ema, plain_model=lambda: policy_model(cfg)[0],
+               params=params, optimizer=optimizer, scheduler=scheduler, engine=engine, metrics=metrics, progress=now,
+               start_step=None if resume else now.step)
 
 
 def checked_task(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task: Task, dist: distributed.DistInfo,
