@@ -541,7 +541,7 @@ def test_eval_checks_only_the_rows_it_evaluates_and_advises_what_eval_has(tmp_pa
 
 
 @pytest.mark.parametrize("text,message", [("configs: {}\n", "configs: expected at least one config"),
-                                          ("seeds: []\nconfigs: {a: []}\n", "seeds: repeats a seed, or lists none")])
+                                          ("seeds: []\nconfigs: {a: []}\n", "seeds: repeats a seed or lists none")])
 def test_a_spec_that_would_run_nothing_is_refused(tmp_path, capsys, text, message):
     from emapg.cli import main
 

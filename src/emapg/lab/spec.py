@@ -85,7 +85,7 @@ class SpecFile:
                    "names its runs' folder under --out")])
     overrides: list[str] = setting(factory=list, rule=_OVERRIDES)
     seeds: list[int] = setting(factory=lambda: [0], rule=((lambda v: len(v) > 0 and len(set(v)) == len(v)),
-                                                          "repeats a seed, or lists none (each seed is one run per "
+                                                          "repeats a seed or lists none (each seed is one run per "
                                                           "config)"))
     groups: dict[str, list[str]] = setting(factory=dict, across=[
         (lambda s: not _unknown([n for names in s.groups.values() for n in names], s),
