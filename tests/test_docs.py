@@ -279,9 +279,16 @@ def check(argv: list[str]) -> None:
 BLOCKS = blocks()
 
 
+NEEDS = {"gpu": "# needs: NVIDIA GPUs", "network": "# needs: the network", "slow": "# runs on a CPU, in minutes",
+         "own-files": "# needs: your own files", "hours": "# takes hours"}
+"""What a marked block's first line says, where a reader sees it (renderers hide a fence's info string)."""
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
 def test_every_documented_command_is_what_it_says(block):
     assert block.marks <= MARKS, f"{block}: unknown marks {block.marks - MARKS} (known: {sorted(MARKS)})"
+    for mark in block.marks:  # what the block needs, in its first line (a mark alone cannot be seen rendered)
+        assert block.text.startswith(NEEDS[mark]), f"{block}: its first line must say {NEEDS[mark]!r}..."
     if block.lang == "python":
         compile(block.text, str(block), "exec")
         return
