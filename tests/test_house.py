@@ -125,6 +125,28 @@ def test_no_table_outside_the_schema_names_a_config_field_by_hand():
     assert not replay_safe("task_args.digits")
 
 
+def _calls_in_order(methods: dict, name: str, depth: int = 3) -> list[str]:
+    """The names a Trainer method calls, in the order it makes them, with the calls of the Trainer's own methods it calls
+    (``self.X(...)``) spliced in after X's name: the order a condensed page writes them in."""
+    calls: list[ast.Call] = []
+
+    def visit(node: ast.AST) -> None:  # a call after its arguments: the order Python makes them
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name):
+            calls.append(node)
+
+    visit(methods[name])
+    out = []
+    for c in calls:
+        called = c.func.attr if isinstance(c.func, ast.Attribute) else c.func.id
+        out.append(called)
+        own = isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name) and c.func.value.id == "self"
+        if own and called in methods and depth and called != name:
+            out += _calls_in_order(methods, called, depth - 1)
+    return out
+
+
 def test_the_step_on_one_page_calls_only_what_the_code_defines():
     """ARCHITECTURE's "step on one page" is a condensed copy of run/trainer.py: every function it calls is defined
     in emapg (or is Python's or torch's), so the page cannot keep a helper the code no longer has."""
@@ -137,7 +159,16 @@ def test_the_step_on_one_page_calls_only_what_the_code_defines():
     defined = {n.name for p in SRC.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
     assert len(called) > 15
-    assert called - defined == {"Random", "manual_seed", "range", "zero_grad", "zip"}
+    assert called - defined == {"manual_seed", "range", "zero_grad", "zip"}
+    # ... and in the code's order: each condensed function's calls come in the order the Trainer's method makes them
+    methods = {n.name: n for n in ast.walk(ast.parse((SRC / "run" / "trainer.py").read_text()))
+               if isinstance(n, ast.FunctionDef)}
+    for name, body in re.findall(r"^    def (\w+)\(.*?\):\n(.*?)(?=^    def |\Z)", page, re.M | re.S):
+        said = [n.split(".")[-1] for n in re.findall(r"([A-Za-z_][\w.]*)\(", re.sub(r"#.*", "", body))]
+        code_order = _calls_in_order(methods, name)
+        shared = [c for c in said if c in code_order]
+        it = iter(code_order)
+        assert all(c in it for c in shared), f"the page's {name} calls {shared}, the code in the order {code_order}"
 
 
 def test_a_targeted_gpu_check_rerun_exits_zero_when_what_it_ran_passed(tmp_path):
