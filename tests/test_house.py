@@ -125,9 +125,10 @@ def test_no_table_outside_the_schema_names_a_config_field_by_hand():
     assert not replay_safe("task_args.digits")
 
 
-def _calls_in_order(methods: dict, name: str, depth: int = 3) -> list[str]:
-    """The names a Trainer method calls, in the order it makes them, with the calls of the Trainer's own methods it calls
-    (``self.X(...)``) spliced in after X's name: the order a condensed page writes them in."""
+def _calls_in_order(methods: dict, name: str, depth: int = 3, own_pages: set[str] = frozenset()) -> list[str]:
+    """The names a Trainer method calls, in the order it makes them, with the calls of the Trainer's own methods it
+    calls (``self.X(...)``) spliced in after X's name, except those the page condenses on their own
+    (``own_pages``): the order a condensed page writes them in."""
     calls: list[ast.Call] = []
 
     def visit(node: ast.AST) -> None:  # a call after its arguments: the order Python makes them
@@ -142,8 +143,8 @@ def _calls_in_order(methods: dict, name: str, depth: int = 3) -> list[str]:
         called = c.func.attr if isinstance(c.func, ast.Attribute) else c.func.id
         out.append(called)
         own = isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name) and c.func.value.id == "self"
-        if own and called in methods and depth and called != name:
-            out += _calls_in_order(methods, called, depth - 1)
+        if own and called in methods and depth and called != name and called not in own_pages:
+            out += _calls_in_order(methods, called, depth - 1, own_pages)
     return out
 
 
@@ -160,15 +161,22 @@ def test_the_step_on_one_page_calls_only_what_the_code_defines():
                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
     assert len(called) > 15
     assert called - defined == {"manual_seed", "range", "zero_grad", "zip"}
-    # ... and in the code's order: each condensed function's calls come in the order the Trainer's method makes them
+    # ... and in the code's order: each condensed function makes its calls in the order the Trainer's method does
+    import textwrap
+
     methods = {n.name: n for n in ast.walk(ast.parse((SRC / "run" / "trainer.py").read_text()))
                if isinstance(n, ast.FunctionDef)}
-    for name, body in re.findall(r"^    def (\w+)\(.*?\):\n(.*?)(?=^    def |\Z)", page, re.M | re.S):
-        said = [n.split(".")[-1] for n in re.findall(r"([A-Za-z_][\w.]*)\(", re.sub(r"#.*", "", body))]
-        code_order = _calls_in_order(methods, name)
-        shared = [c for c in said if c in code_order]
-        it = iter(code_order)
-        assert all(c in it for c in shared), f"the page's {name} calls {shared}, the code in the order {code_order}"
+    condensed = ast.parse(textwrap.dedent("\n".join(line for line in page.splitlines()
+                                                   if line.startswith("    ") or not line.strip())))
+    defs = {n.name: n for n in condensed.body if isinstance(n, ast.FunctionDef)}
+    assert list(defs) == ["train_step", "rollout", "update", "anchor_pass"]
+    for name, node in defs.items():
+        said = _calls_in_order({name: node}, name)
+        code_order = _calls_in_order(methods, name, own_pages=set(defs))
+        shared = set(said) & set(code_order)
+        first = lambda seq, among=shared: list(dict.fromkeys(c for c in seq if c in among))  # noqa: E731
+        assert first(said) == first(code_order), \
+            f"the page's {name} calls {first(said)}, the code in the order {first(code_order)}"
 
 
 def test_a_targeted_gpu_check_rerun_exits_zero_when_what_it_ran_passed(tmp_path):
