@@ -145,7 +145,8 @@ def test_every_option_of_every_command_has_help_and_shows_its_default(capsys):
     assert "(default: 8000)" in " ".join(help_text.split())
     assert main(["recipes"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert sorted(line.split()[0] for line in listed) == sorted(p.stem for p in SHIPPED_RECIPES.glob("*.yaml"))
+    assert sorted(line.split()[0] for line in listed if not line.startswith(" ")) == \
+        sorted(p.stem for p in SHIPPED_RECIPES.glob("*.yaml"))  # (a description wraps onto indented lines)
     assert all(len(line.split()) > 2 for line in listed)  # each with its purpose
     from emapg.models.plan import Phase, Plan, render
 

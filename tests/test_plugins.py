@@ -296,7 +296,8 @@ def test_a_run_folders_config_imports_no_plugin_unless_trusted_on_the_command_li
     assert res.returncode == 0, res.stderr[-2000:]
     (tmp_path / "evil.py").write_text("open('RAN', 'w').write('x')\n")
     config = tmp_path / "run" / "config.yaml"
-    config.write_text(config.read_text() + "plugins: [evil.py]\n")
+    config.write_text(config.read_text().replace("plugins: []\n", "plugins: [evil.py]\n"))
+    assert "plugins: [evil.py]" in config.read_text()
     (tmp_path / "mine.yaml").write_text("extends: run/config.yaml\n")  # a file of mine extending the run's
     (tmp_path / "spec.yaml").write_text("base: run/config.yaml\nconfigs: {a: []}\n")
     for args in (("eval", "--run", "run", "--size", "2", "--max-new-tokens", "2", "--device", "cpu"),

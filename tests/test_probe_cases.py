@@ -561,7 +561,7 @@ def test_the_plan_never_allocates_a_shape_it_cannot_measure(tmp_path, capsys):
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "hidden_size": 28 * 36_000,
                                                             "intermediate_size": 10**6}))
     assert main(["plan", "--config", "smoke", f"model={tmp_path / 'm'}", "--device", "cpu"]) == 2
-    assert "too wide to measure its activations within 2 GiB" in capsys.readouterr().err
+    assert "too wide to measure its activations within 8 GiB" in capsys.readouterr().err
 
 
 def test_a_search_row_whose_answers_are_null_is_said_null_not_missing(tmp_path):

@@ -282,6 +282,7 @@ _COSTS: dict[tuple, ActivationCost] = {}
 
 
 CALIBRATION_BYTES = 2 * GIB  # the most a full-width calibration may build (its 1- and 2-layer copies' weights)
+MEASURABLE_BYTES = 8 * GIB  # past this even the narrowest copy it could measure is refused, never allocated
 PER_TOKEN_FIELDS = ("token", "query_key", "prompt_token", "prompt_token_sq", "prefix_token", "pass_token",
                     "pass_prompt_token")
 
@@ -299,14 +300,15 @@ def activation_cost(shape: ModelShape, how: Calibration) -> ActivationCost:
     if key not in _COSTS:
         full = 3 * shape.layer_params * DTYPE_BYTES[how.dtype]  # the 1- and 2-layer copies together
         divisors = _width_divisors(shape.config) if full > CALIBRATION_BYTES else []
-        if full > CALIBRATION_BYTES and (len(divisors) < 3 or full / divisors[-3] ** 2 > 4 * CALIBRATION_BYTES):
+        smallest = full / divisors[-3] ** 2 if len(divisors) >= 3 else full  # the least this could build
+        if smallest > MEASURABLE_BYTES:
             text = getattr(shape.config, "text_config", None) or shape.config
             from emapg.errors import ConfigError  # (what the plan describes is never allocated: refused instead)
 
             raise ConfigError(f"model: a layer of this shape (hidden_size {text.hidden_size}, intermediate_size "
                               f"{text.intermediate_size}, {text.num_attention_heads} heads) holds "
                               f"{shape.layer_params * DTYPE_BYTES[how.dtype] / GIB:,.1f} GiB of weights, too wide to "
-                              f"measure its activations within {CALIBRATION_BYTES / GIB:.0f} GiB, and its widths share "
+                              f"measure its activations within {MEASURABLE_BYTES / GIB:.0f} GiB, and its widths share "
                               "too few divisors to measure it narrower: emapg plan cannot plan it")
         if len(divisors) < 3:
             _COSTS[key] = _measured_cost(shape.config, how)
