@@ -44,18 +44,22 @@ class PeakRSS:
 
 
 def machine() -> dict:
-    """Where a measurement ran: the CPU's model name, its cores, the OS, torch's version."""
+    """Where a measurement ran: the CPU's model name and the flags that choose its kernels, its cores, the OS, torch's
+    version."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(terse=True), "torch": torch.__version__}
+    kernels = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]  # torch's paths
+    return {"cpu": cpu, "cpu_flags": kernels, "cores": os.cpu_count(), "os": platform.platform(terse=True),
+            "torch": torch.__version__}
 
 
 def commit() -> str | None:

@@ -1,6 +1,6 @@
 """The README's figure: the demo's held-out accuracy by step, the policy and its EMA anchor, from the published
-records: the run of 2026-12-06 (docs/results/bf16_demo.json, its fp32 run: the demo as shipped) and, fainter, the
-run of 2026-12-05 on another machine (docs/results/demo.json): the same code, other CPU kernels, other tokens.
+records (docs/results/demo.json, written by bench/publish_run.py from `bash scripts/demo.sh`): the run of 2026-12-07
+and, fainter, the run of 2026-12-05 on another machine: the same code, other CPU kernels, other tokens.
 
     python bench/demo_figure.py [--out docs/demo.png]
 """
@@ -25,8 +25,8 @@ def main() -> None:
     from matplotlib.ticker import MaxNLocator
 
     results = ROOT / "docs" / "results"
-    runs = [("2026-12-06", json.loads((results / "bf16_demo.json").read_text())["runs"]["fp32"], 1.0),
-            ("2026-12-05", json.loads((results / "demo.json").read_text())["runs"]["2026-12-05"], 0.35)]
+    demo = json.loads((results / "demo.json").read_text())["runs"]
+    runs = [("2026-12-07", demo["2026-12-07"], 1.0), ("2026-12-05", demo["2026-12-05"], 0.35)]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for day, run, alpha in runs:
         for i, (key, label, style) in enumerate((("policy_by_step", "policy", {}),
