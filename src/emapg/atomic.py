@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -15,6 +16,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from emapg.errors import ConfigError
 
 TMP, OLD = ".tmp-", ".old-"
 """Name parts of a folder being written and of one being replaced (``.NAME.tmp-PID-XXXX``)."""
@@ -143,10 +146,6 @@ def one_writer(target: Path, option: str = "--out") -> Iterator[None]:
     runs: an exclusive OS lock on ``.NAME.emapg-lock`` beside it, released however the process ends. A second
     writer gets one line naming the holder's PID, before it writes anything (two builds into one folder both said
     they succeeded while the last rename won)."""
-    import fcntl
-
-    from emapg.errors import ConfigError
-
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     lock = target.parent / f".{target.name}.emapg-lock"

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from emapg.atomic import append_line, write_json_atomic, write_text_atomic
+from emapg.errors import ConfigError
 from emapg.models import distributed
 from emapg.rollout import rollout_for_task
 from emapg.rollout.sampling import SamplingSpec
@@ -146,8 +147,6 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
 def validation_examples(task: Task, size: int, validation: int) -> list[Example]:
     """The ``validation`` held-out problems after the first ``size`` (the test set): disjoint from it and from
     training. Refused, naming what to change, when the task's held-out set has fewer than ``size + validation``."""
-    from emapg.config import ConfigError
-
     every = task.eval_examples(size + validation)
     if len(every) < size + validation:
         raise ConfigError(f"eval.validation_size: {validation} after eval.size {size} needs {size + validation} "
