@@ -91,7 +91,7 @@ DTYPE_OF = {"float32": 4, "bfloat16": 2}
 
 def test_the_plan_agrees_with_a_measured_training_peak(tmp_path):
     """bench/memory_plan.py's smallest shape (2 training steps of a random 11M-parameter model, its own
-    process): the plan within 25% of the measured peak (docs/BENCHMARKS.md holds the table of every shape)."""
+    process): the plan within 15% of the measured peak (docs/BENCHMARKS.md holds the table of every shape)."""
     out = tmp_path / "rows.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_plan.py"), "--shapes", "small", "--json",

@@ -274,8 +274,9 @@ class Trainer(Run):
         anchor's are not, so that rollout pushes the policy back) and sleeps again after, as after a rollout."""
         averaged = {"anchor": self.anchor, "ema": self.ema}.get(which)
         model = averaged.use(self.model) if averaged is not None else contextlib.nullcontext(self.model)
-        evaluates = self.engine is not None and BACKENDS[self.cfg.rollout.backend].for_eval is not None  # else the
-        # evaluator's decode loop (the hf backend's, or with no engine at all)
+        # the engine samples where its backend evaluates too; else the evaluator's decode loop (the hf backend's,
+        # or with no engine at all)
+        evaluates = self.engine is not None and BACKENDS[self.cfg.rollout.backend].for_eval is not None
         with model as m, gathered(m) as g, self._autocast():
             if not evaluates:  # the decode loop (a backend that samples for training only: there too)
                 return self.evaluator.run(g, which, self.progress.step, sets, reuse=reuse)
