@@ -48,18 +48,12 @@ def machine() -> dict:
     version."""
     import torch
 
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    kernels = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]  # torch's paths
-    return {"cpu": cpu, "cpu_flags": kernels, "cores": os.cpu_count(), "os": platform.platform(terse=True),
-            "torch": torch.__version__}
+    from emapg.models.distributed import KERNEL_FLAGS, cpu_flags, cpu_model
+
+    flags = cpu_flags()
+    return {"cpu": cpu_model() or platform.processor() or platform.machine(),
+            "cpu_flags": [f for f in KERNEL_FLAGS if f in flags], "cores": os.cpu_count(),
+            "os": platform.platform(terse=True), "torch": torch.__version__}
 
 
 def commit() -> str | None:

@@ -25,6 +25,7 @@ from typing import Any
 from emapg.config import ConfigError, load_config
 from emapg.errors import EmapgError
 from emapg.lab.spec import read_spec_file
+from emapg.models import distributed
 from emapg.run.checkpoint import has_checkpoint
 from emapg.run.folder import (
     LOCK_ENV,
@@ -204,16 +205,7 @@ def machine_and_code() -> dict[str, Any]:
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, ""
-    cpu, flags = None, set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu is None:
-                cpu = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    flags = distributed.cpu_flags()
     return {"commit": None if commit is None else commit + ("+dirty" if dirty else ""), "torch": torch.__version__,
-            "cpu": cpu, "cpu_flags": [f for f in wanted if f in flags], "cores": os.cpu_count()}
+            "cpu": distributed.cpu_model(), "cpu_flags": [f for f in distributed.KERNEL_FLAGS if f in flags],
+            "cores": os.cpu_count()}

@@ -117,6 +117,18 @@ def cpu_flags() -> set[str]:
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.partition(":")[2].split()}
 
 
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # the flags that choose torch's CPU kernels
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux's /proc/cpuinfo; None elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return next((line.partition(":")[2].strip() for line in text.splitlines() if line.startswith("model name")), None)
+
+
 def native_bf16(device: torch.device) -> tuple[bool, str]:
     """Whether ``device`` computes bf16 natively, and why: a GPU that supports it, or a CPU with AMX-BF16 or
     AVX512-BF16 (elsewhere bf16 is emulated on the CPU and slower than fp32)."""
