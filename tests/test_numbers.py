@@ -102,7 +102,7 @@ def test_the_demo_is_quoted_only_from_its_record():
 # 0.05, eta 0.9, k = 32) and the interval's level ("95% interval") are not measurements.
 MEASURED = re.compile(r"(?<![\w.])[+-]?\d[\d,]*(\.\d+)?(e[+-]?\d+)?(%| ?x\b| s\b| ?GiB| ?GB| ?MiB| ?MB| points| nats)?")
 SETTING = re.compile(r"(?:\b(?:lr|beta|eta|top-p|temperature)|(?<![\w-])k)(?: =)? ?$")
-RESULTS_TABLES = (("README.md", "## Results"), ("docs/RESULTS.md", "## More results at a glance"))
+RESULTS_TABLES = (("README.md", "## Results"), ("docs/RESULTS.md", "## Current results"))
 
 
 def unlinked(cell: str) -> list[str]:
@@ -115,7 +115,7 @@ def unlinked(cell: str) -> list[str]:
 
 def results_rows() -> list[tuple[str, str]]:
     """(where, result cell) of each row of the tables that say what emapg reaches: the README's results and
-    RESULTS.md's at-a-glance table of the same rows."""
+    RESULTS.md's table of current results."""
     out = []
     for name, heading in RESULTS_TABLES:
         lines = (ROOT / name).read_text(encoding="utf-8").splitlines()
