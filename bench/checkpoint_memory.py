@@ -49,19 +49,19 @@ def worker(mode: str, model: str, out: Path) -> None:
     cfg = load_config(ROOT / "recipes" / "smoke.yaml", [f"model={model}", "eval.size=0", "export=false",
                                                          "prompts_per_step=6", "micro_batch_prompts=1", "threads=1"])
     tr = Trainer(cfg, out / "run", progress=False)
-    for p in tr.params:  # AdamW's moments exist after a step
+    for p in tr.run.params:  # AdamW's moments exist after a step
         p.grad = torch.zeros_like(p)
-    tr.optimizer.step()
-    sharded, main = tr.dist.enabled, tr.dist.is_main
+    tr.run.optimizer.step()
+    sharded, main = tr.run.dist.enabled, tr.run.dist.is_main
     ckpt_dir = out / "run" / "checkpoints"
     distributed.barrier()
     with PeakRSS() as save:
         if mode == "shards":
             path = tr.save()
         else:  # gather whole tensors, rank 0 writes
-            policy = distributed.model_state(tr.model)
-            anchor = tr.anchor.state_dict(gather=True)
-            opt = distributed.optimizer_state(tr.model, tr.optimizer, whole=True)
+            policy = distributed.model_state(tr.run.model)
+            anchor = tr.run.anchor.state_dict(gather=True)
+            opt = distributed.optimizer_state(tr.run.model, tr.run.optimizer, whole=True)
             path = ckpt_dir / "whole"
             if main:  # safetensors' own writer, as emapg wrote checkpoints before
                 path.mkdir(parents=True)
@@ -78,17 +78,18 @@ def worker(mode: str, model: str, out: Path) -> None:
     distributed.barrier()
     with PeakRSS() as resume:
         if mode == "shards":
-            restore_training(load_checkpoint(path), tr.model, tr.anchor, tr.optimizer, cfg, sharded)
+            restore_training(load_checkpoint(path), tr.run.model, tr.run.anchor, tr.run.optimizer, cfg, sharded)
         else:  # every rank loads the whole files
             policy, anchor = load_file(path / "policy.safetensors"), load_file(path / "anchor.safetensors")
             tensors, meta = load_file(path / "optimizer.safetensors"), json.loads((path / "state.json").read_text())
             if sharded:
-                distributed.load_model_state(tr.model, policy)
+                distributed.load_model_state(tr.run.model, policy)
             else:
-                tr.model.load_state_dict(policy, strict=False)
-            tr.anchor.load_state_dict(anchor)
-            distributed.load_optimizer_state(tr.model, tr.optimizer, optimizer_state_dict(tensors, meta["optimizer"]))
-    rows = distributed.all_gather_objects({"rank": tr.dist.rank, "save_mb": save.extra, "resume_mb": resume.extra})
+                tr.run.model.load_state_dict(policy, strict=False)
+            tr.run.anchor.load_state_dict(anchor)
+            distributed.load_optimizer_state(tr.run.model, tr.run.optimizer,
+                                             optimizer_state_dict(tensors, meta["optimizer"]))
+    rows = distributed.all_gather_objects({"rank": tr.run.dist.rank, "save_mb": save.extra, "resume_mb": resume.extra})
     if main:
         (out / "ranks.json").write_text(json.dumps(rows))
     distributed.shutdown()

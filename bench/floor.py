@@ -100,8 +100,8 @@ class PartTimer:
 
         self.seconds: dict[str, float] = {}
         tr.micro_loss = self._timed("forward + loss", tr.micro_loss)
-        tr.optimizer.step = self._timed("AdamW step", tr.optimizer.step)
-        tr.anchor.step = self._timed("EMA update", tr.anchor.step)
+        tr.run.optimizer.step = self._timed("AdamW step", tr.run.optimizer.step)
+        tr.run.anchor.step = self._timed("EMA update", tr.run.anchor.step)
         dist = trainer_module.distributed
         self._undo = [(torch.Tensor, "backward", torch.Tensor.backward),
                       (dist, "clip_grad_norm", dist.clip_grad_norm)]
@@ -203,7 +203,7 @@ def main() -> None:
             rows.append(tr.train_step(s))
             timed.append(timer.take())
         timer.close()
-        model_cfg, params = tr.model.config, sum(p.numel() for p in tr.model.parameters())
+        model_cfg, params = tr.run.model.config, sum(p.numel() for p in tr.run.model.parameters())
     measured = {"generation": [r["gen_seconds"] for r in rows[1:]], "anchor": [r["anchor_seconds"] for r in rows[1:]],
                 "update": [r["step_seconds"] - r["gen_seconds"] - r["anchor_seconds"] for r in rows[1:]],
                 "step": [r["step_seconds"] for r in rows[1:]]}

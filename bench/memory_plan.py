@@ -159,12 +159,12 @@ def measure(folder: str, run: str, overrides: list[str]) -> dict:
         values = distributed.all_reduce(values, op="max")
     phases = dict(zip(names, values[: len(names)], strict=True))
     made = dict(zip(seen, (int(v) for v in values[len(names):]), strict=True))
-    checked = P.run_plan(cfg, config, tr.task, tr.tokenizer, world=world, device="cpu")  # as emapg train's check
+    checked = P.run_plan(cfg, config, tr.run.task, tr.run.tokenizer, world=world, device="cpu")  # as train's check
     # the plan at the lengths the run made (the check's lengths are bounds with a margin)
-    p = P.run_plan(cfg, config, tr.task, tr.tokenizer, world=world, device="cpu", prompt_tokens=made["prompt"],
+    p = P.run_plan(cfg, config, tr.run.task, tr.run.tokenizer, world=world, device="cpu", prompt_tokens=made["prompt"],
                    response_tokens=made["response"])
-    prompt = longest_prompt(tr.task, tr.tokenizer)  # the prompt length it planned for, for the record
-    params = sum(t.numel() for t in tr.model.parameters())
+    prompt = longest_prompt(tr.run.task, tr.run.tokenizer)  # the prompt length it planned for, for the record
+    params = sum(t.numel() for t in tr.run.model.parameters())
     resident = sum(p.resident.values())
     planned = {ph.name: (resident + ph.total) / 2**20 for ph in p.phases}
     planned_phases = {name: max((v for k, v in planned.items() if PLAN_PHASE.get(k, k) == name), default=None)

@@ -46,7 +46,7 @@ def measure(name: str, overrides: list[str], prompts: int, n: int, held_out: int
     from emapg.run.evaluate import evaluate
     from emapg.run.trainer import Trainer, step_seed
     from emapg.tasks import make_task
-    from emapg.tasks.scoring import score_completions
+    from emapg.tasks.base import score_completions
 
     cfg = load_config(RECIPE, ["steps=1", "eval.size=0", "save_every=0", "export=false", f"prompts_per_step={prompts}",
                                f"micro_batch_prompts={prompts}", f"rollout.n={n}", *overrides])
@@ -54,8 +54,8 @@ def measure(name: str, overrides: list[str], prompts: int, n: int, held_out: int
         tr = Trainer(cfg, out, progress=False)
         torch.manual_seed(cfg.seed)
         batch = tr.rollout(1)
-        examples = tr.task.train_examples(__import__("random").Random(step_seed(tr.cfg.seed, 1)), prompts)
-        em = score_completions(tr.task, batch.completions, examples, n, evaluation=True)
+        examples = tr.run.task.train_examples(__import__("random").Random(step_seed(tr.run.cfg.seed, 1)), prompts)
+        em = score_completions(tr.run.task, batch.completions, examples, n, evaluation=True)
         groups = em.view(-1, n)
         two_hop = torch.tensor([len(e.meta.get("support", [])) == 2 for e in examples])
         row = {"no_signal": float((groups.max(1).values == groups.min(1).values).float().mean()),
@@ -66,7 +66,8 @@ def measure(name: str, overrides: list[str], prompts: int, n: int, held_out: int
         for hops in ("one", "two") if held_out else ():
             args = {**cfg.task_args, "eval_hops": hops, "hops": "two"}
             task = make_task(cfg.task, **args)
-            res = evaluate(tr.model, tr.tokenizer, task, task.eval_examples(held_out), SamplingSpec(greedy=True))
+            res = evaluate(tr.run.model, tr.run.tokenizer, task, task.eval_examples(held_out),
+                           SamplingSpec(greedy=True))
             row[f"held_{hops}"] = res["accuracy"]
             row[f"held_{hops}_searches"] = res.get("searches_mean", float("nan"))
             row[f"held_{hops}_bridge"] = res.get("bridge_hit_mean", float("nan"))

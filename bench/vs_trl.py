@@ -109,7 +109,7 @@ def run_emapg(steps: int, threads: int, overrides: list[str]) -> tuple[list[dict
         tr = Trainer(cfg, out, progress=False)
         rows = [tr.train_step(s) for s in range(1, steps + 1)]
         t0 = time.perf_counter()
-        tr.anchor.update(tr.model)  # what one EMA update costs on its own
+        tr.run.anchor.update(tr.run.model)  # what one EMA update costs on its own
         ema_seconds = time.perf_counter() - t0
     return rows, ema_seconds
 

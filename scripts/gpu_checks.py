@@ -59,13 +59,13 @@ def agree(device: str = "cuda") -> int:
     full = Trainer(load_config("recipes/smoke.yaml", base), tmp / "fp32", progress=False)
     mixed = Trainer(load_config("recipes/smoke.yaml", [*base, "mixed_precision=bf16"]), tmp / "bf16", progress=False)
     batch = full.rollout(1)
-    mb = batch.micro_batches(full.cfg.micro_batch_prompts)[0]
+    mb = batch.micro_batches(full.run.cfg.micro_batch_prompts)[0]
     counts = {"num_tokens": float(mb.response_mask.sum()), "num_seqs": float(mb.response_mask.shape[0]),
               "max_len": 16}
     with torch.no_grad():
         a, _ = full.micro_loss(mb, full.anchor_pass(mb), counts)
         b, _ = mixed.micro_loss(mb, mixed.anchor_pass(mb), counts)
-        gap = (full._logprobs(full.model, mb).logp_tok - mixed._logprobs(mixed.model, mb).logp_tok).abs()
+        gap = (full._logprobs(full.run.model, mb).logp_tok - mixed._logprobs(mixed.run.model, mb).logp_tok).abs()
     # bf16 keeps 8 bits of mantissa: log-probs agree to a few hundredths of a nat, a small loss less closely
     print(f"loss fp32 {float(a):.5f}, bf16 autocast {float(b):.5f}; sampled tokens' log-probs differ by "
           f"{float(gap.mean()):.4f} nats on average, {float(gap.max()):.3f} at most")

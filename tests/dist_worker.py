@@ -88,35 +88,37 @@ class CollectiveDevices(TorchDispatchMode):
 def cmd_update(out: Path, overrides: list[str]) -> None:
     cfg = load_config(ROOT / "recipes" / "smoke.yaml", BASE + overrides)
     tr = Trainer(cfg, out / "run", progress=False)
-    rank, world = tr.dist.rank, tr.dist.world
+    rank, world = tr.run.dist.rank, tr.run.dist.world
     batch = fixed_batch()
-    mine = rank_share(batch, rank_prompts(batch.num_prompts, tr.plan.mini_prompts, world, rank))
+    mine = rank_share(batch, rank_prompts(batch.num_prompts, tr.run.plan.mini_prompts, world, rank))
     grads: dict[str, torch.Tensor] = {}
-    original_step = tr.optimizer.step
+    original_step = tr.run.optimizer.step
 
     def recording_step(*args, **kwargs):
         if not grads:
-            for name, p in tr.model.named_parameters():
+            for name, p in tr.run.model.named_parameters():
                 if p.grad is not None:
                     grads[f"grad.{name}"] = distributed.full_tensor(p.grad.to_local() if hasattr(p.grad, "to_local")
                                                                     else p.grad, p).detach().clone()
         return original_step(*args, **kwargs)
 
-    tr.optimizer.step = recording_step
+    tr.run.optimizer.step = recording_step
     with CollectiveDevices() as collectives:  # the update, the checkpoint's gathers and the vLLM push
         row = tr.update(mine)
-        params = {f"param.{k}": v.clone() for k, v in distributed.model_state(tr.model).items()}
-        anchor = {f"anchor.{k}": v for k, v in tr.anchor.state_dict().items() if k.startswith("average.")}
-        if tr.weight_ema is not None:  # a weight EMA of its own (beside a frozen anchor), sharded alike
-            anchor.update({f"ema.{k}": v for k, v in tr.weight_ema.state_dict().items() if k.startswith("average.")})
+        params = {f"param.{k}": v.clone() for k, v in distributed.model_state(tr.run.model).items()}
+        anchor = {f"anchor.{k}": v for k, v in tr.run.anchor.state_dict().items() if k.startswith("average.")}
+        if tr.run.weight_ema is not None:  # a weight EMA of its own (beside a frozen anchor), sharded alike
+            ema = tr.run.weight_ema.state_dict()
+            anchor.update({f"ema.{k}": v for k, v in ema.items() if k.startswith("average.")})
         # what the vLLM backend would push: gathered from shards, LoRA merged (collective on every rank)
-        pushed = {f"vllm.{k}": v.detach().clone() for k, v in policy_weights(tr.model)}
-        distributed.clip_grad_norm(tr.params, 1.0)
-    if tr.dist.is_main:
+        pushed = {f"vllm.{k}": v.detach().clone() for k, v in policy_weights(tr.run.model)}
+        distributed.clip_grad_norm(tr.run.params, 1.0)
+    if tr.run.dist.is_main:
         save_file({**grads, **params, **anchor, **pushed}, out / "result.safetensors")
         (out / "row.json").write_text(json.dumps({k: v for k, v in row.items() if not k.endswith("_seconds")}))
         policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
-                    for m in tr.model.modules() if distributed.is_sharded(m) and m._get_fsdp_state()._fsdp_param_group}
+                    for m in tr.run.model.modules()
+                    if distributed.is_sharded(m) and m._get_fsdp_state()._fsdp_param_group}
         (out / "offload.json").write_text(json.dumps(sorted(policies)))
         backend = torch.distributed.get_backend() if world > 1 else "none"
         (out / "collectives.json").write_text(json.dumps(

@@ -156,10 +156,10 @@ def test_retrieved_tokens_contribute_nothing_to_the_loss_or_its_gradient(tmp_pat
     def loss_and_grads(b):
         anc = tr.anchor_pass(b)
         counts = {"num_tokens": float(b.response_mask.sum()), "num_seqs": 4.0, "max_len": 64}
-        tr.optimizer.zero_grad(set_to_none=True)
+        tr.run.optimizer.zero_grad(set_to_none=True)
         loss, _ = tr.micro_loss(b, anc, counts)
         loss.backward()
-        return loss.detach(), [p.grad.clone() for p in tr.params]
+        return loss.detach(), [p.grad.clone() for p in tr.run.params]
 
     base_loss, base_grads = loss_and_grads(batch)
     noisy = batch.micro_batch(slice(0, 2))

@@ -511,10 +511,7 @@ def test_the_pilot_rule_fixes_the_number_of_seeds(bench_module):
 def test_a_comparison_figure_wraps_its_panels_and_draws_only_curves(tmp_path):
     """At most three panels to a row (5-7 in one 2,300-3,200 px row before), no panel for a curve no config
     measured or measured once, accuracy in % with its unit, and two configs with equal curves told apart."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    from matplotlib.figure import Figure
 
     from emapg.lab import report as R
 
@@ -529,11 +526,11 @@ def test_a_comparison_figure_wraps_its_panels_and_draws_only_curves(tmp_path):
     assert list(R.drawn_panels(summary, ["a", "b"])) == ["held-out accuracy (policy)", "reward",
                                                          "KL to the anchor (to the teacher when distilling)", "entropy"]
     captured = []
-    real = plt.close
+    real = Figure.savefig
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(plt, "close", lambda fig=None: captured.append(fig) or real(fig))
+        m.setattr(Figure, "savefig", lambda fig, *a, **k: captured.append(fig) or real(fig, *a, **k))
         plot(summary, tmp_path / "f.png", ["a", "b"])
-    (fig,) = [f for f in captured if f is not None]
+    (fig,) = captured
     visible = [ax for ax in fig.axes if ax.get_visible()]
     assert len(visible) == 4 and fig.axes[0].get_gridspec().ncols == 3  # 2 rows of at most 3
     acc = visible[0]

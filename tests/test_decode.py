@@ -284,7 +284,7 @@ def test_the_prefix_sharing_field_reaches_generation(sharing, tmp_path, monkeypa
     tr = Trainer(load_config(smoke, ["export=false", "eval.size=0", f"prefix_sharing={str(sharing).lower()}"]),
                  tmp_path, progress=False)
     tr.rollout(1)
-    assert calls == ([tr.cfg.rollout.n] if sharing else [])
+    assert calls == ([tr.run.cfg.rollout.n] if sharing else [])
 
 
 class _HostSyncs(torch.overrides.TorchFunctionMode):

@@ -209,7 +209,8 @@ def _repo_file(name: str) -> Path | None:
 
 
 def check_emapg(args: list[str]) -> None:
-    from emapg.cli import build_parser, recipe_path
+    from emapg.cli import build_parser
+    from emapg.commands import recipe_path
     from emapg.config import apply_override, load_config
     from emapg.lab.study import load_spec
     from emapg.tasks import TASKS

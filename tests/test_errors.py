@@ -113,9 +113,10 @@ def test_a_prompt_longer_than_the_context_is_refused_or_cut_before_the_first_ste
     assert "train.jsonl, line 2: prompt of" in capsys.readouterr().err
     from emapg.rollout.sampling import format_prompt
 
-    longest = max(len(format_prompt(tr.tokenizer, ex.messages)) for pool in tr.task.prompt_pools() for ex in pool)
+    pools = tr.run.task.prompt_pools()
+    longest = max(len(format_prompt(tr.run.tokenizer, ex.messages)) for pool in pools for ex in pool)
     assert longest + cfg.rollout.max_new_tokens <= 2048
-    short, cut = tr.task.prompt_pools()[0]
+    short, cut = tr.run.task.prompt_pools()[0]
     assert short.messages[-1]["content"].startswith("What is 1 + 1?\n")  # short ones untouched
     assert "[...]" in cut.messages[-1]["content"] and cut.messages[-1]["content"].endswith("\\boxed{}.")
 
@@ -178,7 +179,7 @@ def test_every_error_a_user_causes_is_an_emapg_error():
     from emapg.errors import CheckpointError, ConfigError, EmapgError, MissingPackage
     from emapg.retrieval import RetrieverError
     from emapg.run.metrics import MetricsError
-    from emapg.tasks.scoring import RewardError
+    from emapg.tasks.base import RewardError
 
     for cls, kind in [(ConfigError, ValueError), (DataError, ValueError), (CheckpointError, ValueError),
                       (MetricsError, ValueError), (RewardError, RuntimeError), (RetrieverError, RuntimeError),

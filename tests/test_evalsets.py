@@ -261,7 +261,7 @@ def test_a_runs_evaluation_takes_its_task_settings_with_the_retriever_given(tmp_
     retriever replaced by the one given (not two retrievers, which the task refuses)."""
     import argparse
 
-    from emapg.cli import eval_subject
+    from emapg.commands import eval_subject
     from emapg.config import load_config, save_config
 
     root = Path(__file__).resolve().parents[1]

@@ -37,9 +37,10 @@ def test_the_step_module_builds_nothing():
 
 def test_a_run_is_one_type_the_assembly_builds_and_the_trainer_steps():
     """What a run is made of is declared once, as the fields of run.assembly.Run, which ``assemble`` returns (a walk
-    of ``cfg`` follows it from the CLI through the assembly into the step); the Trainer is that Run with its loop
-    and its step: every attribute the step reads or writes on ``self`` is a field of Run (or its ``main``) or the
-    Trainer's own method, and where the run stands is the ``progress`` record a checkpoint keeps."""
+    of ``cfg`` follows it from the CLI through the assembly into the step); the Trainer holds that Run (it does not
+    inherit it) with one constructor, and adds its loop and its step: on ``self`` the step touches only ``run`` and
+    its own methods, on the run only what Run declares (a field, or ``main``/``ema`` read off them); where the run
+    stands is the ``progress`` record a checkpoint keeps."""
     import dataclasses
     import typing
 
@@ -47,7 +48,8 @@ def test_a_run_is_one_type_the_assembly_builds_and_the_trainer_steps():
     from emapg.run.checkpoint import Progress
     from emapg.run.trainer import Trainer
 
-    assert typing.get_type_hints(assemble)["return"] is Run and issubclass(Trainer, Run)
+    assert typing.get_type_hints(assemble)["return"] is Run and not issubclass(Trainer, Run)
+    assert not any(isinstance(v, classmethod | staticmethod) for v in vars(Trainer).values())  # one constructor
     from emapg.config import TrainConfig
 
     fields = typing.get_type_hints(Run)  # every field typed, and each type resolves
@@ -58,10 +60,15 @@ def test_a_run_is_one_type_the_assembly_builds_and_the_trainer_steps():
         assert "positional" in str(e)
     assert fields["cfg"] is TrainConfig and fields["progress"] is Progress
     tree = ast.parse((SRC / "run" / "trainer.py").read_text())
-    used = {n.attr for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    on_self = {n.attr for n in ast.walk(trainer)
+               if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    assert on_self - set(vars(Trainer)) == {"run"}
+    on_run = {n.attr for n in ast.walk(trainer) if isinstance(n, ast.Attribute) and (
+        isinstance(n.value, ast.Name) and n.value.id == "run"  # run = self.run
+        or isinstance(n.value, ast.Attribute) and n.value.attr == "run")}  # self.run.X
     derived = {n for n, v in vars(Run).items() if isinstance(v, property)}  # main, ema: read off the fields
-    assert used - set(fields) - set(vars(Trainer)) - derived == set()
+    assert on_run and on_run - set(fields) - derived == set()
     assert {f.name for f in dataclasses.fields(Progress)} == {"step", "skipped_steps", "initial_eval",
                                                                "initial_eval_settings"}
     assert set(Progress(3, 1).state()) | {"step"} == {f.name for f in dataclasses.fields(Progress)}
@@ -192,3 +199,20 @@ def test_a_targeted_gpu_check_rerun_exits_zero_when_what_it_ran_passed(tmp_path)
     assert out.returncode == 0, out.stdout[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| check")]
     assert len(rows) == 10 and all("| skipped |" in row for row in rows), rows
+
+
+def test_every_import_inside_a_function_says_why():
+    """Imports stand at a module's top; one inside a function (an optional extra, a heavy module few paths need, a
+    cycle, the CLI's torch-free start) carries its reason as a comment on its line or the line above, so the
+    wiring a reader does not see at the top is explained where it is."""
+    unexplained = []
+    for path in sorted(SRC.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import | ast.ImportFrom) and not any(
+                        "#" in lines[i] for i in (node.lineno - 2, node.end_lineno - 1)):
+                    unexplained.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert unexplained == []

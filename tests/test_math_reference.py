@@ -10,7 +10,7 @@ import torch
 from emapg.rewards.math import math_reward
 from emapg.rewards.math_reference import extract_answer, graded_text, reference_math_reward
 from emapg.tasks import make_task
-from emapg.tasks.scoring import score_completions
+from emapg.tasks.base import score_completions
 
 
 def boxed(answer: str) -> str:

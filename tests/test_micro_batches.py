@@ -15,7 +15,7 @@ from emapg.models.zoo import load_model
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.hf import generate
 from emapg.rollout.sampling import SamplingSpec
-from emapg.run.micro_batches import cut_into, greedy_cuts, row_tokens, step_micro_batches
+from emapg.run.step_plan import cut_into, greedy_cuts, row_tokens, step_micro_batches
 from emapg.tasks import make_task
 
 

@@ -29,7 +29,7 @@ def mismatched(tmp_path_factory):
     tr = Trainer(cfg("algo.recompute_old=true", "algo.tis_cap=1.5", "algo.kl_weight=old"),
                  tmp_path_factory.mktemp("run"), progress=False)
     batch = tr.rollout(1)
-    mb = batch.micro_batches(tr.cfg.micro_batch_prompts)[0]
+    mb = batch.micro_batches(tr.run.cfg.micro_batch_prompts)[0]
     gen = torch.Generator().manual_seed(0)
     mb.samp_logp = (mb.samp_logp + (torch.rand(mb.samp_logp.shape, generator=gen) - 0.5)) * mb.response_mask
     mb.advantages = torch.randn(mb.advantages.shape, generator=gen)
@@ -49,7 +49,7 @@ def test_pi_old_is_the_trainers_own_and_weighs_the_kl(mismatched):
     tr, mb = mismatched
     anc = tr.anchor_pass(mb)
     valid = mb.response_mask.bool()
-    mine = tr._logprobs(tr.model, mb).logp_tok
+    mine = tr._logprobs(tr.run.model, mb).logp_tok
     torch.testing.assert_close(anc.old_logp, mine, rtol=0, atol=0)
     assert (anc.old_logp - mb.samp_logp[valid]).abs().max() > 0.1  # not the sampler's
     assert anc.weight_logp is anc.old_logp
@@ -58,7 +58,7 @@ def test_pi_old_is_the_trainers_own_and_weighs_the_kl(mismatched):
 
 
 def reference_loss(tr, mb, anc, pol, weight_logp, tis):
-    a, valid = tr.cfg.algo, mb.response_mask.bool()
+    a, valid = tr.run.cfg.algo, mb.response_mask.bool()
     counts = {"num_tokens": float(valid.sum()), "num_seqs": float(mb.response_mask.shape[0]), "max_len": 8}
     scatter = lambda v: v.new_zeros(valid.shape).index_put(valid.nonzero(as_tuple=True), v)  # noqa: E731
     sur = clipped_surrogate(scatter(pol.logp_tok), scatter(anc.old_logp), mb.advantages, a.eps_low, a.eps_high,
@@ -75,10 +75,10 @@ def test_the_loss_applies_the_truncated_weights_and_the_kl_weight_it_is_told(mis
 
     tr, mb = mismatched
     anc = moved_anchor(tr, mb)
-    pol = tr._logprobs(tr.model, mb, ids=anc.head_ids)
+    pol = tr._logprobs(tr.run.model, mb, ids=anc.head_ids)
     samp = mb.samp_logp[mb.response_mask.bool()]
     want, counts = reference_loss(tr, mb, anc, pol, anc.old_logp, anc.tis)
-    total, stats = algo.loss(pol, anc, mb, tr.cfg.algo, counts)
+    total, stats = algo.loss(pol, anc, mb, tr.run.cfg.algo, counts)
     torch.testing.assert_close(total, want)
     assert stats["tis_capped_frac"] > 0 and 0 < stats["tis_weight"] / stats["tokens"] < 1.5
     # each part matters: without the truncated weights, or with the KL weighed over the sampler's log-probs, the
@@ -87,7 +87,7 @@ def test_the_loss_applies_the_truncated_weights_and_the_kl_weight_it_is_told(mis
                   reference_loss(tr, mb, anc, pol, samp, anc.tis)[0]):
         assert (other - want).abs() > 1e-5
     for weight, denominator in (("sampler", samp), ("none", None)):
-        a = dataclasses.replace(tr.cfg.algo, kl_weight=weight)
+        a = dataclasses.replace(tr.run.cfg.algo, kl_weight=weight)
         plain = dataclasses.replace(anc, weight_logp=None)
         torch.testing.assert_close(algo.loss(pol, plain, mb, a, counts)[0],
                                    reference_loss(tr, mb, anc, pol, denominator, anc.tis)[0])

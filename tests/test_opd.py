@@ -139,19 +139,19 @@ def test_the_trainers_kl_is_to_the_teacher(tmp_path, teacher_dtype):
     tr = Trainer(cfg("steps=1", "eval.size=0", f"algo.teacher={teacher}", "algo.pg_coef=0", "algo.beta=1", "algo.k=4",
                      "mini_batch_prompts=null", "algo.eta=0.5", f"algo.teacher_dtype={teacher_dtype or 'null'}"),
                  tmp_path / "run", progress=False)
-    assert {p.dtype for p in tr.teacher.parameters()} == {getattr(torch, teacher_dtype or "float32")}
+    assert {p.dtype for p in tr.run.teacher.parameters()} == {getattr(torch, teacher_dtype or "float32")}
     batch = tr.rollout(1)
-    sampler = full_logits(tr.model, batch, 1.0)
+    sampler = full_logits(tr.run.model, batch, 1.0)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in tr.model.parameters():
+        for p in tr.run.model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     plain_teacher, _ = load_model(teacher, teacher_dtype or "float32")
     mask = batch.response_mask
-    want = token_kl(full_logits(tr.model, batch, 1.0), full_logits(plain_teacher, batch, 1.0), batch.response_ids,
+    want = token_kl(full_logits(tr.run.model, batch, 1.0), full_logits(plain_teacher, batch, 1.0), batch.response_ids,
                     estimator="topk_reverse", k=4, sampling_logits=sampler)
     want = float((want * mask).sum() / mask.sum())
-    w_before = next(tr.model.parameters()).detach().clone()
+    w_before = next(tr.run.model.parameters()).detach().clone()
     row = tr.update(batch)
     # a bfloat16 forward rounds differently in the trainer's chunked, prefix-shared passes than in one plain
     # forward, and how much depends on the CPU's bf16 kernels (1.2e-4 relative on an AMD EPYC); the dtype
@@ -159,8 +159,8 @@ def test_the_trainers_kl_is_to_the_teacher(tmp_path, teacher_dtype):
     rel = 1e-4 if teacher_dtype is None else 1e-3
     assert want > 0.05 and row["kl"] == pytest.approx(want, rel=rel)
     assert row["grad_norm"] > 0
-    assert not any(p.requires_grad for p in tr.teacher.parameters())
-    with tr.anchor.use(tr.model) as m:  # eta 0.5: the anchor moved halfway from the start to the policy
+    assert not any(p.requires_grad for p in tr.run.teacher.parameters())
+    with tr.run.anchor.use(tr.run.model) as m:  # eta 0.5: the anchor moved halfway from the start to the policy
         assert not torch.equal(next(m.parameters()), w_before)
 
 
@@ -186,11 +186,11 @@ def test_lora_student_distils(tmp_path):
     tr = Trainer(cfg("steps=2", "eval.size=0", "save_every=0", f"algo.teacher={teacher}", "algo.pg_coef=0",
                      "algo.beta=1", "lora.r=4", "lora.target_modules=[q_proj,v_proj]", "lr=1e-2"),
                  tmp_path / "run", progress=False)
-    lora = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_B" in n}
+    lora = {n: p.detach().clone() for n, p in tr.run.model.named_parameters() if "lora_B" in n}
     tr.train()
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 2 and all(r["kl"] > 0 and r["grad_norm"] > 0 for r in rows)
-    moved = [n for n, p in tr.model.named_parameters() if n in lora and not torch.equal(p, lora[n])]
+    moved = [n for n, p in tr.run.model.named_parameters() if n in lora and not torch.equal(p, lora[n])]
     assert lora and len(moved) == len(lora)  # every adapter learned (B starts at 0: the KL's gradient moved it)
 
 
@@ -227,8 +227,8 @@ def test_an_untied_padded_teacher_is_cut_to_the_policys_rows(tmp_path):
     original, _ = load_model(str(tmp_path / "untied"))
     ids = torch.tensor([[5, 70, 120, 200, 258]])
     with torch.no_grad():
-        cut, full = tr.teacher(input_ids=ids).logits, original(input_ids=ids).logits
-    assert cut.shape[-1] == 259 and not tr.teacher.config.tie_word_embeddings
+        cut, full = tr.run.teacher(input_ids=ids).logits, original(input_ids=ids).logits
+    assert cut.shape[-1] == 259 and not tr.run.teacher.config.tie_word_embeddings
     torch.testing.assert_close(cut, full[..., :259])
 
 
@@ -237,7 +237,7 @@ def test_a_padded_teacher_vocabulary_is_cut_to_the_policys(tmp_path):
     dropped, so both distributions are over the same ids."""
     padded = teacher_folder(tmp_path / "padded", vocab=272)
     tr = Trainer(cfg(f"algo.teacher={padded}", "steps=1", "eval.size=0"), tmp_path / "run", progress=False)
-    assert tr.teacher.get_output_embeddings().weight.shape[0] == 259
+    assert tr.run.teacher.get_output_embeddings().weight.shape[0] == 259
     assert tr.train_step(1)["kl"] > 0
 
 
@@ -250,7 +250,7 @@ def test_a_resume_refuses_a_teacher_whose_weights_changed(tmp_path):
     Trainer(cfg("steps=2", *common), tmp_path / "whole", progress=False).train()
     Trainer(cfg("steps=1", *common), tmp_path / "run", progress=False).train()
     tr = Trainer(cfg("steps=2", *common), tmp_path / "run", resume=True, progress=False)
-    assert tr.teacher_sha256 == weights_digest(load_model(str(teacher))[0])
+    assert tr.run.teacher_sha256 == weights_digest(load_model(str(teacher))[0])
     tr.train()
     assert strip_timing(read_metrics(tmp_path / "run")) == strip_timing(read_metrics(tmp_path / "whole"))
 
@@ -263,10 +263,10 @@ def test_a_resume_refuses_a_teacher_whose_weights_changed(tmp_path):
     assert not (tmp_path / "run" / "resumes.jsonl").exists()
     tr = Trainer(cfg("steps=3", *common), tmp_path / "run", resume=True, progress=False, force=True)
     (entry,) = [json.loads(line) for line in open(tmp_path / "run" / "resumes.jsonl")]
-    assert entry["forced"] and entry["changed"]["teacher_sha256"][1] == tr.teacher_sha256
+    assert entry["forced"] and entry["changed"]["teacher_sha256"][1] == tr.run.teacher_sha256
     tr.train()
     assert tr.save() and load_checkpoint(latest_checkpoint(tmp_path / "run"))["state"]["teacher_sha256"] == \
-        tr.teacher_sha256
+        tr.run.teacher_sha256
 
 
 def test_the_weights_digest_sees_one_changed_value():
@@ -291,22 +291,22 @@ def test_the_teacher_kl_endpoint_is_the_exact_reverse_kl_on_the_teachers_own_res
     tr = Trainer(cfg("steps=2", "eval.size=6", "eval.every=1", "save_every=0", f"algo.teacher={teacher_dir}",
                      "algo.pg_coef=0", "algo.beta=1", "algo.k=4", "rollout.temperature=0.7"), tmp_path / "run",
                  progress=False)
-    tkl = tr.evaluator.teacher_kl
+    tkl = tr.run.evaluator.teacher_kl
     assert isinstance(tkl, TeacherKL) and len(tkl.examples) == 6 and tkl.temperature == 0.7
-    value = tkl(tr.model)
+    value = tkl(tr.run.model)
     responses = [b.response_ids.clone() for b in tkl.batches]
     from emapg.rollout import rollout_for_task
 
-    greedy = rollout_for_task(tr.teacher, tr.tokenizer, tr.task, tkl.examples,
+    greedy = rollout_for_task(tr.run.teacher, tr.run.tokenizer, tr.run.task, tkl.examples,
                               SamplingSpec(n=1, greedy=True, max_new_tokens=tkl.max_new_tokens))
     assert torch.equal(torch.cat(responses), greedy.response_ids)  # the teacher's own greedy answers
     total, count = 0.0, 0
     for b in tkl.batches:
-        s, t = full_logits(tr.model, b, 0.7).log_softmax(-1), full_logits(tr.teacher, b, 0.7).log_softmax(-1)
+        s, t = full_logits(tr.run.model, b, 0.7).log_softmax(-1), full_logits(tr.run.teacher, b, 0.7).log_softmax(-1)
         per_pos = (s.exp() * (s - t)).sum(-1)
         total, count = total + float((per_pos * b.response_mask).sum()), count + int(b.response_mask.sum())
     assert value > 0.01 and value == pytest.approx(total / count, rel=1e-6)  # float32 passes, two paths
-    assert reverse_kl_sum(tr.teacher, tr.teacher, tkl.batches[0], 0.7)[0] == 0.0
+    assert reverse_kl_sum(tr.run.teacher, tr.run.teacher, tkl.batches[0], 0.7)[0] == 0.0
     tr.train()
     rows = read_metrics(tmp_path / "run")
     kls = [r["eval/policy_teacher_kl"] for r in rows if "eval/policy_teacher_kl" in r]
@@ -317,8 +317,8 @@ def test_the_teacher_kl_endpoint_is_the_exact_reverse_kl_on_the_teachers_own_res
 
 def test_teacher_kl_is_off_without_a_teacher_or_when_asked(tmp_path):
     tr = Trainer(cfg("steps=1", "eval.size=4", "save_every=0"), tmp_path / "a", progress=False)
-    assert tr.evaluator.teacher_kl is None
+    assert tr.run.evaluator.teacher_kl is None
     teacher_dir = teacher_folder(tmp_path / "teacher")
     tr = Trainer(cfg("steps=1", "eval.size=4", "save_every=0", f"algo.teacher={teacher_dir}", "algo.beta=1",
                      "eval.teacher_kl=false"), tmp_path / "b", progress=False)
-    assert tr.evaluator.teacher_kl is None
+    assert tr.run.evaluator.teacher_kl is None

@@ -316,7 +316,7 @@ def test_mixed_precision_auto_picks_bf16_where_the_cpu_has_it(flags, chosen, tmp
     monkeypatch.setattr(distributed, "cpu_flags", lambda: flags)
     cfg = load_config(ROOT / "recipes" / "smoke.yaml", ["mixed_precision=auto", "eval.size=0", "steps=0"])
     tr = Trainer(cfg, tmp_path / "run", progress=False)
-    assert tr.cfg.mixed_precision == chosen
+    assert tr.run.cfg.mixed_precision == chosen
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["mixed_precision"] == chosen
     said = capsys.readouterr().err
     assert f"mixed_precision auto: {'bf16' if chosen else 'fp32'} (this CPU has" in said

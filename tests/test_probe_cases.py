@@ -591,7 +591,8 @@ def test_a_bad_value_is_blamed_on_the_file_that_set_it(tmp_path):
 def test_the_newcomers_cli_answers(tmp_path, capsys):
     """`emapg recipes` gives each recipe's first sentence whole; `kb make --help` names the five files it writes; a
     resume says where it starts; `eval` of a math set defaults to a budget a reasoning answer fits."""
-    from emapg.cli import EVAL_DEFAULTS, TASK_EVAL_DEFAULTS, main
+    from emapg.cli import main
+    from emapg.commands import EVAL_DEFAULTS, TASK_EVAL_DEFAULTS
 
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out

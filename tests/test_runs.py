@@ -34,7 +34,7 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_again_in_its_fold
 
     out = tmp_path / "run"
 
-    from emapg.tasks.scoring import RewardError
+    from emapg.tasks.base import RewardError
 
     def boom(self, step):
         raise RewardError("the reward server went away")

@@ -14,12 +14,12 @@ def test_two_real_steps_of_smollm2(tmp_path):
     cfg = load_config(None, ["model=smollm2-135m", "steps=2", "prompts_per_step=4", "micro_batch_prompts=4",
                              "eval.size=0", "export=false", "rollout.max_new_tokens=16", "threads=2"])
     tr = Trainer(cfg, tmp_path, progress=False)
-    w0 = tr.model.model.layers[3].self_attn.q_proj.weight.detach().clone()
+    w0 = tr.run.model.model.layers[3].self_attn.q_proj.weight.detach().clone()
     tr.train()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(abs(r["ratio_max"] - 1) < 1e-3 for r in rows)  # recomputed log-probs = the sampler's
-    assert not torch.equal(tr.model.model.layers[3].self_attn.q_proj.weight, w0)
+    assert not torch.equal(tr.run.model.model.layers[3].self_attn.q_proj.weight, w0)
 
 
 def test_smollm2_loads_with_im_end_as_eos():

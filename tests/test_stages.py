@@ -12,7 +12,7 @@ import torch
 from emapg.config import ConfigError, TrainConfig, load_config
 from emapg.run.checkpoint import latest_checkpoint, load_checkpoint
 from emapg.run.metrics import read_metrics
-from emapg.run.schedule import lr_factor
+from emapg.run.step_plan import lr_factor
 from emapg.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def test_a_stage_started_from_another_runs_checkpoint_continues_it_exactly(tmp_p
     Trainer(cfg("steps=4", "save_every=2"), full, progress=False).train()
     Trainer(cfg("steps=2", "save_every=2"), first, progress=False).train()
     stage = Trainer(cfg("steps=4", "save_every=2", f"init_from={first}"), second, progress=False)
-    assert stage.progress.step == 2 and stage.anchor.num_steps == 2
+    assert stage.run.progress.step == 2 and stage.run.anchor.num_steps == 2
     stage.train()
     want, got = load_checkpoint(latest_checkpoint(full)), load_checkpoint(latest_checkpoint(second))
     assert got["state"]["step"] == 4
@@ -48,12 +48,12 @@ def test_a_grpo_stage_evaluates_its_frozen_anchor_and_takes_the_configs_optimize
     Trainer(cfg("steps=2", "save_every=2", "algo.eta=1.0"), tmp_path / "a", progress=False).train()
     stage = Trainer(cfg("steps=3", "save_every=1", "algo.eta=1.0", f"init_from={tmp_path / 'a'}", "lr=5e-4",
                         "betas=[0.8, 0.95]", "weight_decay=0.01"), tmp_path / "b", progress=False)
-    assert stage.anchor_is_initial
-    group = stage.optimizer.param_groups[0]
+    assert stage.run.anchor_is_initial
+    group = stage.run.optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (5e-4, (0.8, 0.95), 0.01)
-    assert stage.scheduler.base_lrs == [5e-4]
+    assert stage.run.scheduler.base_lrs == [5e-4]
     stage.train()
-    assert stage.progress.initial_eval_settings["at_step"] == 2 and stage._initial_anchor_eval() is None
+    assert stage.run.progress.initial_eval_settings["at_step"] == 2 and stage._initial_anchor_eval() is None
     resumed = Trainer(cfg("steps=4", "save_every=1", "algo.eta=1.0", f"init_from={tmp_path / 'a'}", "lr=5e-4",
                           "betas=[0.8, 0.95]", "weight_decay=0.01"), tmp_path / "b", resume=True, progress=False)
     assert resumed._initial_anchor_eval() is None  # the record survives a resume
@@ -123,7 +123,7 @@ def test_warmup_ratio_is_verls_constant_schedule_by_training_step():
 def test_a_run_trains_at_the_schedules_rate_and_with_its_betas(tmp_path):
     tr = Trainer(cfg("steps=3", "save_every=0", "eval.size=0", "warmup_ratio=0.7", "mini_batch_prompts=2",
                      "betas=[0.8, 0.9]"), tmp_path, progress=False)
-    assert tr.optimizer.param_groups[0]["betas"] == (0.8, 0.9)
+    assert tr.run.optimizer.param_groups[0]["betas"] == (0.8, 0.9)
     tr.train()
     # W = int(0.7 x 3) = 2: the rate of steps 1, 2, 3 is 0, 1/2, 1 (both optimizer steps of a step alike)
     assert [r["lr"] for r in read_metrics(tmp_path)] == pytest.approx([0.0, 0.5e-3, 1e-3])

@@ -35,7 +35,7 @@ def strip_timing(rows):
 def test_smoke_run_writes_the_run_folder(tmp_path):
     tr = Trainer(load_config(SMOKE), tmp_path, progress=False)
     table = tr.train()
-    vocab = tr.model.get_output_embeddings().weight.shape[0]
+    vocab = tr.run.model.get_output_embeddings().weight.shape[0]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     # the diagnostics hold values that could be wrong, not only keys the code writes
@@ -69,29 +69,30 @@ def test_training_moves_the_policy_and_the_anchor_follows_the_ema_recursion(tmp_
     def weight(m):
         return m.model.layers[0].mlp.up_proj.weight.detach().double().clone()
 
-    w0 = weight(tr.model)
+    w0 = weight(tr.run.model)
     expect = w0.clone()
     for step in (1, 2, 3):
         tr.train_step(step)
-        tr.progress.step = step
-        expect = 0.7 * expect + 0.3 * weight(tr.model)
-        torch.testing.assert_close(weight(tr.anchor.module), expect, atol=1e-6, rtol=0)
-    assert not torch.equal(weight(tr.model), w0) and not torch.equal(weight(tr.anchor.module), weight(tr.model))
+        tr.run.progress.step = step
+        expect = 0.7 * expect + 0.3 * weight(tr.run.model)
+        torch.testing.assert_close(weight(tr.run.anchor.module), expect, atol=1e-6, rtol=0)
+    assert not torch.equal(weight(tr.run.model), w0)
+    assert not torch.equal(weight(tr.run.anchor.module), weight(tr.run.model))
 
 
 def test_frozen_anchor_is_the_initial_model(tmp_path):
     tr = Trainer(cfg("algo.eta=1.0", "algo.kl=k3"), tmp_path, progress=False)
-    w0 = tr.model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    w0 = tr.run.model.model.layers[0].mlp.up_proj.weight.detach().clone()
     tr.train()
-    assert not torch.equal(tr.model.model.layers[0].mlp.up_proj.weight, w0)  # the policy moved: a check that bites
-    assert torch.equal(tr.anchor.module.model.layers[0].mlp.up_proj.weight, w0)
+    assert not torch.equal(tr.run.model.model.layers[0].mlp.up_proj.weight, w0)  # the policy moved: a check that bites
+    assert torch.equal(tr.run.anchor.module.model.layers[0].mlp.up_proj.weight, w0)
 
 
 def test_frozen_anchor_reuses_the_initial_policy(tmp_path, monkeypatch):
     """eta = 1: no second frozen copy for kl_to_init and no second evaluation of the initial model;
     both reuse the anchor's numbers, which must equal what the separate passes would give."""
     tr = Trainer(cfg("algo.eta=1.0", "algo.kl=k3", "log_kl_to_init=true", "steps=2"), tmp_path, progress=False)
-    assert tr.init_anchor is None
+    assert tr.run.init_anchor is None
     evaluations = _anchor_evaluations(tr, monkeypatch)
     table = tr.train()
     rows = read_metrics(tmp_path)
@@ -99,22 +100,23 @@ def test_frozen_anchor_reuses_the_initial_policy(tmp_path, monkeypatch):
     assert table["anchor"]["accuracy"] == table["init"]["accuracy"]
     assert evaluations == ["policy", "policy"]  # step 0 and the end: the anchor's was not run again
     # what the skipped evaluation would have returned (its per-problem outcomes went to RUN/outcomes)
-    assert tr.evaluate("anchor") == {k: v for k, v in tr.progress.initial_eval.items() if k != "solved"}
+    assert tr.evaluate("anchor") == {k: v for k, v in tr.run.progress.initial_eval.items() if k != "solved"}
     # with eta < 1 the initial policy keeps its own frozen copy
-    assert Trainer(cfg("algo.eta=0.9", "log_kl_to_init=true"), tmp_path / "b", progress=False).init_anchor is not None
+    eta = Trainer(cfg("algo.eta=0.9", "log_kl_to_init=true"), tmp_path / "b", progress=False)
+    assert eta.run.init_anchor is not None
 
 
 def _anchor_evaluations(tr, monkeypatch):
     """The models whose held-out set the run evaluates for real (a reused result is not a run)."""
     calls = []
-    real = tr.evaluator.run
+    real = tr.run.evaluator.run
 
     def spy(model, which, step, sets=("heldout", "transfer"), reuse=None):
         if reuse is None and "heldout" in sets:
             calls.append(which)
         return real(model, which, step, sets, reuse=reuse)
 
-    monkeypatch.setattr(tr.evaluator, "run", spy)
+    monkeypatch.setattr(tr.run.evaluator, "run", spy)
     return calls
 
 
@@ -160,7 +162,7 @@ def test_resumed_frozen_anchor_is_reused_only_if_it_is_still_the_initial_policy(
     moved, frozen, other = tmp_path / "moved", tmp_path / "frozen", tmp_path / "other"
     Trainer(cfg(*base, "steps=2", "algo.eta=0.5"), moved, progress=False).train()
     tr = Trainer(load_config(moved / "config.yaml", ["steps=3", "algo.eta=1.0"]), moved, resume=True, progress=False)
-    assert not tr.anchor_is_initial and tr.init_anchor is not None
+    assert not tr.run.anchor_is_initial and tr.run.init_anchor is not None
     calls = _anchor_evaluations(tr, monkeypatch)
     tr.train()
     assert calls == ["policy", "anchor"]
@@ -170,7 +172,7 @@ def test_resumed_frozen_anchor_is_reused_only_if_it_is_still_the_initial_policy(
     for run, extra in ((frozen, []), (other, ["eval.size=6"])):
         Trainer(cfg(*base, "steps=2", "algo.eta=1.0"), run, progress=False).train()
         tr = Trainer(load_config(run / "config.yaml", ["steps=3", *extra]), run, resume=True, progress=False)
-        assert tr.anchor_is_initial and tr.init_anchor is None
+        assert tr.run.anchor_is_initial and tr.run.init_anchor is None
         calls = _anchor_evaluations(tr, monkeypatch)
         tr.train()
         assert calls == (["policy"] if not extra else ["policy", "anchor"]), run
@@ -184,7 +186,7 @@ def test_kl_to_init_is_per_token_whatever_the_ppo_epochs(tmp_path):
                          f"algo.ppo_epochs={epochs}"), tmp_path / str(epochs), progress=False)
         torch.manual_seed(0)
         with torch.no_grad():  # move the policy away from its initial copy
-            for p in tr.params:
+            for p in tr.run.params:
                 p.add_(0.05 * torch.randn_like(p))
         vals.append(tr.train_step(1)["kl_to_init"])
     assert vals[0] > 1e-4 and vals[1] == pytest.approx(vals[0], rel=1e-5)
@@ -209,7 +211,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     Trainer(cfg("steps=2", "save_every=2"), part, progress=False).train()
     # the interrupted run's config said steps=2; resume it to 4 as a user would with an override
     resumed = Trainer(load_config(part / "config.yaml", ["steps=4"]), part, resume=True, progress=False)
-    assert resumed.progress.step == 2
+    assert resumed.run.progress.step == 2
     resumed.train()
     a, b = strip_timing(read_metrics(full)), strip_timing(read_metrics(part))
     # the 2-step run evaluated the anchor at its end (step 2); the full run did not: compare the rest
@@ -268,15 +270,15 @@ def test_non_finite_loss_skips_the_update_and_training_goes_on(tmp_path, monkeyp
         return (loss * math.nan if calls["n"] == 1 else loss), sums
 
     monkeypatch.setattr(tr, "micro_loss", poisoned)
-    w0 = tr.model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    w0 = tr.run.model.model.layers[0].mlp.up_proj.weight.detach().clone()
     tr.train_step(1)
-    assert torch.equal(tr.model.model.layers[0].mlp.up_proj.weight, w0)  # the poisoned update was dropped
-    tr.progress.step = 1
+    assert torch.equal(tr.run.model.model.layers[0].mlp.up_proj.weight, w0)  # the poisoned update was dropped
+    tr.run.progress.step = 1
     tr.train()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [2, 3] and all(r["skipped_updates"] == 0 for r in rows)
-    assert tr.progress.skipped_steps == 1 and rows[-1]["skipped_total"] == 1
-    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+    assert tr.run.progress.skipped_steps == 1 and rows[-1]["skipped_total"] == 1
+    assert all(torch.isfinite(p).all() for p in tr.run.model.parameters())
 
 
 def test_reward_error_names_the_sample(tmp_path):
@@ -287,7 +289,7 @@ def test_reward_error_names_the_sample(tmp_path):
             raise KeyError("boom")
         return 0.0
 
-    tr.task.reward = bad_reward
+    tr.run.task.reward = bad_reward
     with pytest.raises(RuntimeError, match=r"raised KeyError.*example 'train-1'"):
         tr.train_step(1)
 
@@ -416,11 +418,11 @@ def test_every_estimator_family_logs_the_kl_its_reference_form_gives(tmp_path, e
     batch = tr.rollout(1)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in tr.model.parameters():
+        for p in tr.run.model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    temperature, mask = tr.cfg.rollout.temperature, batch.response_mask
-    policy = full_logits(tr.model, batch, temperature)
-    with tr.anchor.use(tr.model) as m:
+    temperature, mask = tr.run.cfg.rollout.temperature, batch.response_mask
+    policy = full_logits(tr.run.model, batch, temperature)
+    with tr.run.anchor.use(tr.run.model) as m:
         anchor = full_logits(m, batch, temperature)
     mean = lambda t: float((t * mask).sum() / mask.sum())  # noqa: E731
     want = mean(token_kl(policy, anchor, batch.response_ids, estimator=estimator, k=k, sampling_logits=anchor))
@@ -437,7 +439,7 @@ def test_under_top_p_the_sampler_head_is_pi_olds_top_k_from_the_trainer(tmp_path
     top-k are -inf ties in no order); the head is then pi_old's own top-k from the trainer's pi_old pass, as the
     reference fork takes it: checked against each row's full softmax, recomputed here without padding."""
     tr = Trainer(cfg("steps=1", "eval.size=0", "rollout.top_p=0.02", "algo.k=8"), tmp_path, progress=False)
-    mb = tr.rollout(1).micro_batches(tr.cfg.micro_batch_prompts)[0]
+    mb = tr.rollout(1).micro_batches(tr.run.cfg.micro_batch_prompts)[0]
     anc = tr.anchor_pass(mb)
     valid = mb.response_mask.bool()
     truth = []
@@ -447,8 +449,8 @@ def test_under_top_p_the_sampler_head_is_pi_olds_top_k_from_the_trainer(tmp_path
             prompt = mb.prompt_ids[p][mb.prompt_mask[p].bool()]
             n = int(valid[row].sum())
             ids = torch.cat([prompt, mb.response_ids[row, :n]])
-            logits = tr.model(ids[None]).logits[0, len(prompt) - 1: len(prompt) - 1 + n].float()
-            truth.append(torch.softmax(logits / tr.cfg.rollout.temperature, -1))
+            logits = tr.run.model(ids[None]).logits[0, len(prompt) - 1: len(prompt) - 1 + n].float()
+            truth.append(torch.softmax(logits / tr.run.cfg.rollout.temperature, -1))
     probs = torch.cat(truth)
     top = probs.topk(8, -1).values
     got = probs.gather(-1, anc.head_ids).sort(-1, descending=True).values
@@ -476,7 +478,7 @@ def test_two_ppo_epochs_with_top_p_recompute_pi_old(tmp_path, monkeypatch):
     monkeypatch.setattr(algo_mod, "clipped_surrogate", spy)
     batch = tr.rollout(1)
     row = tr.update(batch)
-    mb = batch.micro_batches(tr.cfg.micro_batch_prompts)[0]
+    mb = batch.micro_batches(tr.run.cfg.micro_batch_prompts)[0]
     valid = mb.response_mask.bool()
     torch.testing.assert_close(ratios[0][valid], torch.ones(int(valid.sum())), rtol=0, atol=1e-5)
     assert float(mb.top_p_cut[valid].max()) > 1e-2  # pi_samp would have given a ratio this far from 1
@@ -487,13 +489,13 @@ def test_two_ppo_epochs_with_top_p_recompute_pi_old(tmp_path, monkeypatch):
 
 def test_lora_training_with_ema_of_adapters(tmp_path):
     tr = Trainer(cfg("steps=2", "lora.r=4", "algo.eta=0.5", "export=true", "eval.size=4"), tmp_path, progress=False)
-    assert tr.anchor.mode == "lora" and tr.anchor.module is None
-    base = {n: p.detach().clone() for n, p in tr.model.named_parameters() if not p.requires_grad}
+    assert tr.run.anchor.mode == "lora" and tr.run.anchor.module is None
+    base = {n: p.detach().clone() for n, p in tr.run.model.named_parameters() if not p.requires_grad}
     tr.train()
-    assert all(torch.equal(p, base[n]) for n, p in tr.model.named_parameters() if not p.requires_grad)
-    adapters = {n: p for n, p in tr.model.named_parameters() if p.requires_grad}
-    assert set(tr.anchor.average) == set(adapters)
-    assert any(not torch.equal(tr.anchor.average[n], p.float()) for n, p in adapters.items())
+    assert all(torch.equal(p, base[n]) for n, p in tr.run.model.named_parameters() if not p.requires_grad)
+    adapters = {n: p for n, p in tr.run.model.named_parameters() if p.requires_grad}
+    assert set(tr.run.anchor.average) == set(adapters)
+    assert any(not torch.equal(tr.run.anchor.average[n], p.float()) for n, p in adapters.items())
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "anchor")
@@ -525,11 +527,11 @@ def _saved_bytes_and_grads(tr, mb):
         saved[0] += t.numel() * t.element_size()
         return t
 
-    tr.model.zero_grad(set_to_none=True)
+    tr.run.model.zero_grad(set_to_none=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        st = tr._logprobs(tr.model, mb)
+        st = tr._logprobs(tr.run.model, mb)
     st.logp_tok.sum().backward()
-    return saved[0], {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+    return saved[0], {n: p.grad.clone() for n, p in tr.run.model.named_parameters() if p.grad is not None}
 
 
 def test_gradient_checkpointing_saves_activation_memory_and_keeps_the_gradients(tmp_path):
@@ -556,13 +558,13 @@ def test_lora_dropout_is_on_in_the_policy_pass_only(tmp_path):
     from emapg.models.lm import set_pass_mode
 
     tr = Trainer(cfg("lora.r=4", "lora.dropout=0.5", "eval.size=0"), tmp_path, progress=False)
-    drops = [m for n, m in tr.model.named_modules() if ".lora_dropout." in f".{n}."]
+    drops = [m for n, m in tr.run.model.named_modules() if ".lora_dropout." in f".{n}."]
     assert drops
-    set_pass_mode(tr.model, grad=True, lora_dropout=True)
+    set_pass_mode(tr.run.model, grad=True, lora_dropout=True)
     assert all(m.training for m in drops)
-    assert not any(m.training for n, m in tr.model.named_modules() if m not in drops)  # no checkpointing asked
-    set_pass_mode(tr.model, grad=False, lora_dropout=True)
-    assert not any(m.training for m in tr.model.modules())
+    assert not any(m.training for n, m in tr.run.model.named_modules() if m not in drops)  # no checkpointing asked
+    set_pass_mode(tr.run.model, grad=False, lora_dropout=True)
+    assert not any(m.training for m in tr.run.model.modules())
 
 
 @pytest.fixture(scope="module")
@@ -612,11 +614,11 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(finishe
     file, hurt, step = DAMAGE[damage]
     hurt(run / "checkpoints" / file)
     tr = Trainer(cfg("steps=6", "save_every=2", "eval.size=0"), run, resume=True, progress=False)
-    assert tr.progress.step == step
+    assert tr.run.progress.step == step
     if step == 2:
         assert file.split("/")[-1] in capsys.readouterr().err  # the damaged file is named
     tr.train()
-    assert tr.progress.step == 6
+    assert tr.run.progress.step == 6
 
 
 def test_latest_naming_a_deleted_checkpoint_is_named_and_the_newest_complete_one_resumes(finished_run, tmp_path,
@@ -627,7 +629,7 @@ def test_latest_naming_a_deleted_checkpoint_is_named_and_the_newest_complete_one
     shutil.copytree(finished_run, run)
     shutil.rmtree(run / "checkpoints" / "step_000004")  # latest still names it
     tr = Trainer(cfg("steps=6", "save_every=2", "eval.size=0"), run, resume=True, progress=False)
-    assert tr.progress.step == 2
+    assert tr.run.progress.step == 2
     assert "names step_000004, which is incomplete or missing" in capsys.readouterr().err
 
 
@@ -686,8 +688,8 @@ def test_every_evaluation_keeps_its_per_problem_outcomes_on_both_held_out_sets(t
                      "save_every=1"), tmp_path, progress=False)
     tr.train()
     ids = {s: json.loads((tmp_path / "outcomes" / f"{s}.ids.json").read_text()) for s in ("heldout", "transfer")}
-    assert ids["heldout"] == [ex.id for ex in tr.task.eval_examples(8)] and len(ids["transfer"]) == 6
-    assert all(" - " in ex.messages[-1]["content"] for ex in tr.evaluator.sets["transfer"][1])
+    assert ids["heldout"] == [ex.id for ex in tr.run.task.eval_examples(8)] and len(ids["transfer"]) == 6
+    assert all(" - " in ex.messages[-1]["content"] for ex in tr.run.evaluator.sets["transfer"][1])
     lines = [json.loads(x) for x in (tmp_path / "outcomes" / "outcomes.jsonl").read_text().splitlines()]
     assert [(r["step"], r["set"], r["model"]) for r in lines] == [
         (0, "heldout", "policy"), (0, "transfer", "policy"),
@@ -704,7 +706,7 @@ def test_every_evaluation_keeps_its_per_problem_outcomes_on_both_held_out_sets(t
     assert (f"same 8 heldout problems (step 2): only the anchor solved {only_anchor}, only the policy "
             f"{only_policy};") in (tmp_path / "eval.md").read_text()
     # a resume replays the steps after its checkpoint: their lines go, and come back once
-    tr.evaluator.forget_after(1)
+    tr.run.evaluator.forget_after(1)
     assert [json.loads(x)["step"] for x in (tmp_path / "outcomes" / "outcomes.jsonl").read_text().splitlines()] \
         == [0, 0, 1, 1, 1, 1]
 
@@ -729,14 +731,14 @@ def test_a_run_trains_with_each_kind_of_head_and_tail(tmp_path, kl, head, form):
     the step is finite, its telemetry in the row, in float32 as trained."""
     tr = Trainer(cfg("steps=2", "eval.size=0", "save_every=0", "export=false", f"algo.kl={kl}", f"algo.head={head}",
                      f"algo.form={form}", "algo.k=8", "algo.beta=0.5"), tmp_path / "run", progress=False)
-    w = next(tr.model.parameters()).detach().clone()
+    w = next(tr.run.model.parameters()).detach().clone()
     tr.train()
     rows = read_metrics(tmp_path / "run")
     for row in rows:
         assert all(math.isfinite(row[key]) for key in ("kl", "grad_norm", "head_mass", "head_mass_anchor",
                                                         "tail_token_frac", "kl_tok_var"))
         assert 0 < row["head_mass"] < 1 and 0 <= row["tail_token_frac"] <= 1
-    assert not torch.equal(next(tr.model.parameters()), w)
+    assert not torch.equal(next(tr.run.model.parameters()), w)
 
 
 def test_epochs_walk_the_training_set_as_verls_seeded_sampler_does():
@@ -745,7 +747,7 @@ def test_epochs_walk_the_training_set_as_verls_seeded_sampler_does():
     once per epoch, and any step computable alone (a resume mid-epoch continues it)."""
     from torch.utils.data import DataLoader, RandomSampler
 
-    from emapg.tasks.order import epoch_indices
+    from emapg.tasks.base import epoch_indices
 
     size, per, seed = 10, 3, 6725
     sampler = RandomSampler(range(size), generator=torch.Generator().manual_seed(seed))

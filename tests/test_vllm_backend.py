@@ -268,9 +268,10 @@ class FakeLLM:
 
 
 def with_engine(tr):
-    tr.engine = vb.VLLMRollout(FakeLLM(tr.model, tr.tokenizer), tr.tokenizer, eos_ids(tr.model, tr.tokenizer),
-                               sampling_params_cls=SimpleNamespace)
-    return tr.engine
+    run = tr.run
+    run.engine = vb.VLLMRollout(FakeLLM(run.model, run.tokenizer), run.tokenizer, eos_ids(run.model, run.tokenizer),
+                                sampling_params_cls=SimpleNamespace)
+    return tr.run.engine
 
 
 def test_trainer_samples_through_the_engine_with_the_current_policy_weights(tmp_path):
@@ -282,7 +283,7 @@ def test_trainer_samples_through_the_engine_with_the_current_policy_weights(tmp_
     assert engine.llm.pushes == 1 and engine.llm.resets == 1 and engine.llm.repacks == 1
     # on-policy: the engine's log-probs and top-k are the policy's own at the temperature
     valid = batch.response_mask.bool()
-    pol = tr._logprobs(tr.model, batch.micro_batch(slice(0, batch.num_prompts)), k_self=4)
+    pol = tr._logprobs(tr.run.model, batch.micro_batch(slice(0, batch.num_prompts)), k_self=4)
     assert torch.allclose(pol.logp_tok, batch.samp_logp[valid], atol=1e-4)
     assert torch.equal(pol.topk_ids, batch.samp_topk[valid])
     assert batch.top_p_cut is None and torch.equal(batch.entropy, -batch.samp_logp)
@@ -292,10 +293,10 @@ def test_trainer_samples_through_the_engine_with_the_current_policy_weights(tmp_
     tr.train()
     assert engine.llm.pushes == 3  # one per step: after each update the engine gets the new weights
     # the last push came before the last update; a sync for the current version brings the engine level
-    assert any(not torch.equal(p, q) for p, q in zip(tr.model.parameters(), engine.llm.model.parameters(),
+    assert any(not torch.equal(p, q) for p, q in zip(tr.run.model.parameters(), engine.llm.model.parameters(),
                                                       strict=True))
-    engine.sync(tr.model, version=tr.progress.step)
-    for p, q in zip(tr.model.parameters(), engine.llm.model.parameters(), strict=True):
+    engine.sync(tr.run.model, version=tr.run.progress.step)
+    for p, q in zip(tr.run.model.parameters(), engine.llm.model.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
@@ -303,10 +304,10 @@ def test_a_row_stopped_without_eos_keeps_its_own_length_when_pad_is_eos(tmp_path
     cfg = load_config(SMOKE, ["export=false", "eval.size=0", "rollout.max_new_tokens=30"])
     tr = Trainer(cfg, tmp_path, progress=False)
     engine = with_engine(tr)
-    assert tr.tokenizer.pad_token_id in engine.eos
-    examples = tr.task.train_examples(__import__("random").Random(0), 4)
-    longest = max(len(vb.format_prompt(tr.tokenizer, ex.messages)) for ex in examples)
-    engine.sync(tr.model, version=0)
+    assert tr.run.tokenizer.pad_token_id in engine.eos
+    examples = tr.run.task.train_examples(__import__("random").Random(0), 4)
+    longest = max(len(vb.format_prompt(tr.run.tokenizer, ex.messages)) for ex in examples)
+    engine.sync(tr.run.model, version=0)
     engine.llm.max_model_len = longest + 5  # rows stop 5 or more tokens in, without an EOS
     batch = engine.generate(examples, SamplingSpec(n=2, max_new_tokens=30), seed=0)
     done_by_limit = 0
@@ -411,9 +412,9 @@ def test_search_agent_episodes_sample_through_the_engine(tmp_path):
     for p in range(batch.num_prompts):  # a prompt's episodes start alike but are sampled apart
         assert len(set(batch.completions[p * n:(p + 1) * n])) > 1
     valid = batch.response_mask.bool()
-    pol = tr._logprobs(tr.model, batch.micro_batch(slice(0, batch.num_prompts)))
+    pol = tr._logprobs(tr.run.model, batch.micro_batch(slice(0, batch.num_prompts)))
     assert torch.allclose(pol.logp_tok, batch.samp_logp[valid], atol=1e-4)  # on-policy, every model turn
-    before = [p.detach().clone() for p in tr.params]
+    before = [p.detach().clone() for p in tr.run.params]
     row = tr.update(batch)
     assert math.isfinite(row["grad_norm"])
-    assert any(not torch.equal(p, q) for p, q in zip(tr.params, before, strict=True))
+    assert any(not torch.equal(p, q) for p, q in zip(tr.run.params, before, strict=True))

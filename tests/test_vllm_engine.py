@@ -198,11 +198,11 @@ def trainer(tmp_path, *overrides):
 def engine_vs_policy(tr, examples, k=0):
     """The engine's samples (no sync) against the policy's own log-probs of them (the sampled tokens': a run whose
     pi_old pass gives the head asks its engine for no top-k, so the engine serves none)."""
-    batch = tr.engine.generate(examples, SamplingSpec(n=2, temperature=1.0, max_new_tokens=12, k=k), seed=5,
+    batch = tr.run.engine.generate(examples, SamplingSpec(n=2, temperature=1.0, max_new_tokens=12, k=k), seed=5,
                                device=DEVICE)
     valid = batch.response_mask.bool()
     with torch.no_grad():
-        pol = response_logprobs(tr.model, batch, k_self=k, temperature=1.0)
+        pol = response_logprobs(tr.run.model, batch, k_self=k, temperature=1.0)
     return batch, float((pol.logp_tok - batch.samp_logp[valid]).abs().max())
 
 
@@ -212,16 +212,17 @@ def test_the_engine_gets_the_policys_weights_after_every_optimizer_step(tmp_path
         examples = make_task("arithmetic", digits=1).eval_examples(4)
         for step in (1, 2):
             tr.train_step(step)  # rollout(step) synced the engine to the policy before this update
-            tr.progress.step = step
+            tr.run.progress.step = step
             stale, err_stale = engine_vs_policy(tr, examples)
             assert err_stale > 1e-2  # the update moved the policy; the engine still samples the old one
-            now = tr.progress.step
-            assert tr.engine.sync(tr.model, version=now) and not tr.engine.sync(tr.model, version=now)
+            now = tr.run.progress.step
+            assert tr.run.engine.sync(tr.run.model, version=now) and not tr.run.engine.sync(tr.run.model, version=now)
             fresh, err = engine_vs_policy(tr, examples)
             assert err < LOGP_TOL  # after the push the engine is the policy
             assert not torch.equal(stale.samp_logp, fresh.samp_logp)
-            ours = hf_generate(tr.model, tr.tokenizer, examples, SamplingSpec(n=1, greedy=True, max_new_tokens=12))
-            theirs = tr.engine.generate(examples, SamplingSpec(n=1, greedy=True, max_new_tokens=12), device=DEVICE)
+            ours = hf_generate(tr.run.model, tr.run.tokenizer, examples,
+                               SamplingSpec(n=1, greedy=True, max_new_tokens=12))
+            theirs = tr.run.engine.generate(examples, SamplingSpec(n=1, greedy=True, max_new_tokens=12), device=DEVICE)
             assert theirs.completions == ours.completions
     finally:
         tr.close()
@@ -234,34 +235,34 @@ def test_the_runs_evaluation_samples_on_its_engine_as_the_decode_loop_does(tmp_p
     tr = trainer(tmp_path, "lr=1e-2", "eval.size=8", "eval.greedy=true", "eval.max_new_tokens=12", "algo.eta=0.5")
     try:
         tr.train_step(1)
-        tr.progress.step = 1
+        tr.run.progress.step = 1
         sampled: list[str] = []
-        generate = tr.engine.generate
+        generate = tr.run.engine.generate
 
         def recording(*a, **k):
             batch = generate(*a, **k)
             sampled.extend(batch.completions)
             return batch
 
-        tr.engine.generate = recording
+        tr.run.engine.generate = recording
         on_engine, texts = {}, {}
         for which in ("policy", "anchor"):
             sampled.clear()
             on_engine[which] = tr._evaluate(which, sets=("heldout",))["heldout"]
             texts[which] = sorted(sampled)
         assert texts["policy"] and texts["policy"] != texts["anchor"]  # the engine sampled each model's own
-        examples = tr.evaluator.sets["heldout"][1]
+        examples = tr.run.evaluator.sets["heldout"][1]
         spec = SamplingSpec(n=1, greedy=True, max_new_tokens=12)
-        with tr.anchor.use(tr.model) as anchor:
-            assert texts["anchor"] == sorted(hf_generate(anchor, tr.tokenizer, examples, spec).completions)
-        assert texts["policy"] == sorted(hf_generate(tr.model, tr.tokenizer, examples, spec).completions)
+        with tr.run.anchor.use(tr.run.model) as anchor:
+            assert texts["anchor"] == sorted(hf_generate(anchor, tr.run.tokenizer, examples, spec).completions)
+        assert texts["policy"] == sorted(hf_generate(tr.run.model, tr.run.tokenizer, examples, spec).completions)
         # the anchor's weights were in it: the policy goes back
-        assert tr.engine.sync(tr.model, version=tr.progress.step)
-        engine, tr.engine = tr.engine, None
+        assert tr.run.engine.sync(tr.run.model, version=tr.run.progress.step)
+        engine, tr.run.engine = tr.run.engine, None
         try:
             on_loop = {w: tr._evaluate(w, sets=("heldout",))["heldout"] for w in ("policy", "anchor")}
         finally:
-            tr.engine = engine
+            tr.run.engine = engine
         for which in ("policy", "anchor"):
             assert on_engine[which]["solved"] == on_loop[which]["solved"], which
             assert on_engine[which]["mean_length"] == pytest.approx(on_loop[which]["mean_length"])
@@ -273,13 +274,13 @@ def test_lora_adapters_reach_the_engine_merged(tmp_path):
     tr = trainer(tmp_path, "lr=1e-2", "lora.r=4", "lora.alpha=8", "lora.target_modules=[q_proj,v_proj,up_proj]")
     try:
         tr.train_step(1)
-        tr.progress.step = 1  # one step: the adapters' B is no longer zero
+        tr.run.progress.step = 1  # one step: the adapters' B is no longer zero
         examples = make_task("arithmetic", digits=1).eval_examples(4)
-        tr.engine.sync(tr.model, version=1)
+        tr.run.engine.sync(tr.run.model, version=1)
         batch, err = engine_vs_policy(tr, examples)
         assert err < LOGP_TOL
-        with tr.model.disable_adapter(), torch.no_grad():  # the base alone is another model
-            base = response_logprobs(tr.model, batch, k_self=0, temperature=1.0)
+        with tr.run.model.disable_adapter(), torch.no_grad():  # the base alone is another model
+            base = response_logprobs(tr.run.model, batch, k_self=0, temperature=1.0)
         assert (base.logp_tok - batch.samp_logp[batch.response_mask.bool()]).abs().max() > 10 * LOGP_TOL
     finally:
         tr.close()
@@ -294,14 +295,14 @@ def test_search_agent_episodes_through_the_engine(tmp_path):
         assert batch.stats["searches"].float().mean() > 0 and batch.stats["info_tokens"].sum() > 0
         valid = batch.response_mask.bool()
         with torch.no_grad():
-            pol = tr._logprobs(tr.model, batch.micro_batch(slice(0, batch.num_prompts)))
+            pol = tr._logprobs(tr.run.model, batch.micro_batch(slice(0, batch.num_prompts)))
         assert (pol.logp_tok - batch.samp_logp[valid]).abs().max() < LOGP_TOL  # every model turn on-policy
         # retrieved passages are context, not actions: inside the episode, masked out of the loss
         for row in torch.nonzero(batch.stats["info_tokens"]).flatten().tolist():
             ids, mask = batch.response_ids[row], batch.response_mask[row].bool()
             last = int(torch.nonzero(mask).max())  # the answer turn comes after the information
-            assert "<information>" in tr.tokenizer.decode(ids[: last][~mask[: last]])
-            assert "<information>" not in tr.tokenizer.decode(ids[mask])
+            assert "<information>" in tr.run.tokenizer.decode(ids[: last][~mask[: last]])
+            assert "<information>" not in tr.run.tokenizer.decode(ids[mask])
         n = cfg.rollout.n
         assert all(len(set(batch.completions[p * n:(p + 1) * n])) > 1 for p in range(batch.num_prompts))
     finally:
@@ -396,11 +397,11 @@ def test_pi_old_is_recomputed_by_the_trainer_when_vllm_samples(tmp_path):
     tr = trainer(tmp_path, "algo.k=8", "algo.tis_cap=2.0", "algo.kl_weight=old")
     try:
         batch = tr.rollout(1)
-        mb = batch.micro_batches(tr.cfg.micro_batch_prompts)[0]
+        mb = batch.micro_batches(tr.run.cfg.micro_batch_prompts)[0]
         anc = tr.anchor_pass(mb)
         valid = mb.response_mask.bool()
         with torch.no_grad():
-            mine = tr._logprobs(tr.model, mb).logp_tok
+            mine = tr._logprobs(tr.run.model, mb).logp_tok
         torch.testing.assert_close(anc.old_logp, mine, rtol=0, atol=0)
         gap = (anc.old_logp - mb.samp_logp[valid]).abs()
         assert gap.max() < LOGP_TOL  # the engine holds the same weights: it differs by its kernels' rounding

@@ -26,25 +26,25 @@ def test_the_weight_ema_is_the_average_of_the_policy_after_each_step(tmp_path, m
     step, from the policy after that step (recomputed here from the policy's weights, step by step); the KL's
     reference stays the initial policy."""
     tr = Trainer(cfg("steps=3", "save_every=0", "eval.size=0", *GRPO), tmp_path, progress=False)
-    assert tr.weight_ema is not None and tr.ema is tr.weight_ema and tr.anchor.frozen
-    init = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    assert tr.run.weight_ema is not None and tr.run.ema is tr.run.weight_ema and tr.run.anchor.frozen
+    init = {n: p.detach().clone() for n, p in tr.run.model.named_parameters()}
     expect = {n: p.clone() for n, p in init.items()}
-    real_step = tr.weight_ema.step
+    real_step = tr.run.weight_ema.step
 
     def step(model):  # the policy after the step's updates, as the weight EMA sees it
         for n, p in model.named_parameters():
             expect[n] = 0.5 * expect[n] + 0.5 * p.detach()
         return real_step(model)
 
-    monkeypatch.setattr(tr.weight_ema, "step", step)
+    monkeypatch.setattr(tr.run.weight_ema, "step", step)
     tr.train()
     moved = averaged = False
-    for n, p in tr.model.named_parameters():
-        torch.testing.assert_close(tr.weight_ema.average[n], expect[n], rtol=0, atol=1e-7)
+    for n, p in tr.run.model.named_parameters():
+        torch.testing.assert_close(tr.run.weight_ema.average[n], expect[n], rtol=0, atol=1e-7)
         moved |= not torch.equal(expect[n], p.detach())
         averaged |= not torch.equal(expect[n], init[n])
     assert averaged  # it was stepped
-    with tr.anchor.use(tr.model) as ref:  # the KL's reference: still the initial weights
+    with tr.run.anchor.use(tr.run.model) as ref:  # the KL's reference: still the initial weights
         for n, p in ref.named_parameters():
             assert torch.equal(p, init[n]), n
     assert moved  # the average lags the policy: the test could fail
@@ -53,7 +53,7 @@ def test_the_weight_ema_is_the_average_of_the_policy_after_each_step(tmp_path, m
 def test_with_ema_pg_the_anchor_is_the_weight_ema_and_another_decay_is_refused(tmp_path):
     tr = Trainer(cfg("steps=1", "save_every=0", "eval.size=0", "algo.eta=0.9", "weight_ema=0.9"), tmp_path,
                  progress=False)
-    assert tr.weight_ema is None and tr.ema is tr.anchor  # no second copy
+    assert tr.run.weight_ema is None and tr.run.ema is tr.run.anchor  # no second copy
     with pytest.raises(ConfigError, match=r"weight_ema: 0\.95 differs from algo\.eta=0\.9"):
         cfg("algo.eta=0.9", "weight_ema=0.95")
     with pytest.raises(ConfigError, match="weight_ema"):
@@ -78,7 +78,7 @@ def test_a_checkpoint_that_lost_its_weight_ema_is_damaged_and_the_older_one_resu
     Trainer(cfg("steps=4", "save_every=2", *GRPO), tmp_path, progress=False).train()
     (latest_checkpoint(tmp_path) / "weight_ema.safetensors").unlink()
     resumed = Trainer(load_config(tmp_path / "config.yaml", ["steps=4"]), tmp_path, resume=True, progress=False)
-    assert resumed.progress.step == 2
+    assert resumed.run.progress.step == 2
     assert "weight_ema.safetensors is damaged" in capsys.readouterr().err
 
 

@@ -14,443 +14,24 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import signal
 import sys
-import time
+import textwrap
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from emapg.atomic import one_writer
-from emapg.errors import ConfigError, EmapgError, regular_file
+from emapg.errors import EmapgError
 from emapg.retrieval import SERVER_LIMITS
 
-# Only torch-free modules above: `emapg --help` and every subcommand's --help answer at once. A command imports
-# the config (whose estimators' registry is torch code) when it runs: _config().
-DEFAULT_RECIPE = "cpu_demo"
+# Only torch-free modules above: `emapg --help` and every subcommand's --help answer at once. A command's work is
+# emapg.commands', imported when the command runs (main).
 RECIPES = Path(__file__).resolve().parent / "recipes"  # = emapg.config.SHIPPED_RECIPES, named without torch
 
 
-def _config():
-    """:mod:`emapg.config`, with every task's arguments check registered (emapg.tasks): what a command that reads
-    a config uses."""
-    import emapg.config
-    import emapg.tasks  # noqa: F401 (registers the task_args check a config's loading runs)
-
-    return emapg.config
-
-
-def recipe_path(name_or_path: str) -> Path:
-    """A config file: a path, or the name of a recipe shipped with emapg (``smoke``, ``cpu_demo.yaml``)."""
-    if not str(name_or_path).strip():  # an unset shell variable in --config "$CFG": not the default recipe
-        raise ConfigError("--config: empty (give a config file or a recipe's name, or leave --config out for the "
-                          "default)")
-    path = Path(name_or_path)
-    regular_file(path, "--config")
-    if path.exists():
-        return path
-    shipped = RECIPES / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
-    if path.parent == Path(".") and shipped.exists():
-        return shipped
-    names = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
-    raise ConfigError(f"--config {name_or_path}: no such file, and no recipe of that name (recipes: {names})")
-
-
-def _launch(args: argparse.Namespace, run_dir: Path) -> int:
-    """Re-run this command under torchrun with ``args.nproc`` processes on this machine."""
-    import subprocess
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "emapg", "train"]
-    cmd += ["--resume", str(run_dir)] if args.resume else ["--out", str(run_dir)]
-    cmd += ["--force"] if args.force else []
-    cmd += ["--trust-plugins"] if args.trust_plugins else []
-    if args.config is not None:
-        cmd += ["--config", str(recipe_path(args.config))]
-    from emapg.run.folder import LAUNCHER_ENV, LOCK_ENV, die_with_parent, stop_child
-
-    # this process holds the folder's lock for them; its PID lets a worker see that it outlived it
-    env = {**os.environ, LOCK_ENV: str(run_dir.resolve()), LAUNCHER_ENV: str(os.getpid())}
-    proc = subprocess.Popen(cmd + list(args.overrides), env=env, preexec_fn=die_with_parent)  # noqa: PLW1509
-    try:
-        rc = proc.wait()
-    finally:  # interrupted or terminated: the workers end before the lock is let go
-        stop_child(proc)
-    if rc < 0:  # torchrun itself was killed (SIGKILL prints nothing): say what happened and how to go on
-        name = signal.Signals(-rc).name if -rc in {s.value for s in signal.Signals} else f"signal {-rc}"
-        print(f"emapg: the torchrun launcher (PID {proc.pid}) was killed by {name}; its workers stop with it. "
-              f"Continue from the last checkpoint: emapg train --resume {run_dir} --nproc {args.nproc}",
-              file=sys.stderr)
-        return 128 - rc
-    return rc
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from emapg.run.checkpoint import has_checkpoint
-    from emapg.run.folder import (
-        LAUNCHER_ENV,
-        LOCK_ENV,
-        check_resume,
-        claim_run_folder,
-        die_with_parent,
-        lock_run,
-        unlock_run,
-    )
-
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
-    if args.resume and (args.out is not None or args.config is not None):  # a resume: its folder, its config.yaml
-        given = " and ".join(o for o, v in (("--out", args.out), ("--config", args.config)) if v is not None)
-        raise ConfigError(f"{given}: not with --resume, which continues {args.resume} with its own config.yaml "
-                          "(change settings with KEY=VALUE overrides)")
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if launched and os.environ.get(LOCK_ENV):  # a worker of `--nproc`: it ends with torchrun, which ends with
-        die_with_parent(int(os.environ.get(LAUNCHER_ENV, "0")) or None)  # the launcher holding the lock
-    if launched and not (args.out or args.resume):
-        raise ConfigError("--out: needed with more than one process (each would pick its own default folder)")
-    rank0 = not launched or os.environ.get("RANK", "0") == "0"  # rank 0 alone: the others may see its files
-    if args.resume:
-        run_dir = Path(args.resume)
-        cfg_file = run_dir / "config.yaml"
-        if not cfg_file.exists():
-            raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
-        cfg = _config().load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins)
-    else:
-        cfg = _config().load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
-                          trust_plugins=args.trust_plugins)
-        run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
-    if args.nproc > 1 and not launched:  # the batch must split over the processes: said once, before torchrun
-        _config().check_world(cfg, args.nproc)
-    change = None
-    try:  # the run folder's one writer from here to the end of the command (rank 0: the others only read)
-        if rank0 and args.resume:
-            lock_run(run_dir)
-            if not _steps_left(run_dir, cfg.steps):
-                return 0
-            change = check_resume(run_dir, cfg_file, cfg, args.overrides, force=args.force)
-        elif rank0:
-            claim_run_folder(run_dir, has_checkpoint(run_dir))
-        return _train_locked(args, cfg, run_dir, launched, change)
-    finally:
-        unlock_run(run_dir)
-
-
-def _steps_left(run_dir: Path, steps: int) -> bool:
-    """Whether a resume of ``run_dir`` to ``steps`` has work: steps to train, or, at the checkpoint's step, a
-    run's end (export, evaluation table, plots) that did not finish; with neither it says so (nothing is
-    touched); a resume to before the checkpoint is refused."""
-    from emapg.run.checkpoint import resume_step
-    from emapg.run.folder import run_finished
-
-    done = resume_step(run_dir)
-    if done is None or steps > done:
-        return True
-    if steps < done:
-        raise ConfigError(f"steps: {steps} is before step {done}, where {run_dir} stopped; a resume trains on to a "
-                          "later step (nothing was changed)")
-    if not run_finished(run_dir, done):
-        print(f"emapg: {run_dir} reached step {done}, but its end (export, evaluation table, plots) did not "
-              "finish: finishing it", file=sys.stderr)
-        return True
-    print(f"emapg: {run_dir} is at step {done} already (steps: {steps}): nothing to train; give steps=N with N > "
-          f"{done} to continue (nothing was changed)", file=sys.stderr)
-    return False
-
-
-def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool, change=None) -> int:
-    """``emapg train`` once its run folder is claimed (or its resume checked: ``change``, recorded once the
-    trainer is built, so a resume that cannot start changes no file) by this process."""
-    from emapg.models import distributed
-    from emapg.run.checkpoint import has_checkpoint
-    from emapg.run.trainer import Trainer
-
-    if args.nproc > 1 and not launched:
-        return _launch(args, run_dir)
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), force=args.force)
-    if change is not None:
-        change.record()
-    if trainer.main:
-        print(f"emapg: run folder {run_dir} ({trainer.dist.world} process(es), {trainer.dist.device})",
-              file=sys.stderr)
-        if args.resume:
-            print(f"emapg: resumed at step {trainer.progress.step}, training on to step {cfg.steps}", file=sys.stderr)
-    try:
-        table = trainer.train()
-    except BaseException as e:
-        if trainer.main:
-            how = (f"resume with: emapg train --resume {run_dir}" if has_checkpoint(run_dir) else
-                   f"no checkpoint yet: run the same command again to start over in {run_dir}")
-            what = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
-            print(f"emapg: the run {what} at step {trainer.progress.step}; {how}", file=sys.stderr)
-        raise
-    finally:
-        trainer.close()
-    if trainer.main and table is not None:
-        print((run_dir / "eval.md").read_text())  # the trainer wrote it
-    distributed.shutdown()
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from emapg.run.export import export_checkpoint
-
-    if args.step is not None and args.step < 0:
-        raise ConfigError(f"--step: must be >= 0, got {args.step}")
-    out = export_checkpoint(Path(args.run), out=args.out, step=args.step, trust_plugins=args.trust_plugins)
-    print(f"emapg: wrote {out / 'policy'} and {out / 'anchor'}")
-    return 0
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from emapg.models.plan import report
-
-    cfg = _config().load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
-                      trust_plugins=args.trust_plugins)
-    if args.gpu_memory is None:  # a GPU's 80 GiB, or on the CPU this host's memory shared by the processes
-        from emapg.run.assembly import host_share
-
-        host = host_share(max(args.gpus, 1)) if args.device == "cpu" else None
-        args.gpu_memory = 80.0 if host is None else host / 2**30
-    responses = 1 if args.response_tokens is None else args.response_tokens  # 0 is refused, not "not given"
-    for name, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory),
-                        ("--prompt-tokens", args.prompt_tokens), ("--response-tokens", responses)):
-        if not value > 0 or value == float("inf"):  # NaN compares false: refused too
-            raise ConfigError(f"{name}: must be a finite number > 0, got {value}")
-    print(report(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, prompt_tokens=args.prompt_tokens,
-                 response_tokens=args.response_tokens, device=args.device))
-    return 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from emapg.config import EVAL_OPTIONS, EvalConfig, RolloutConfig, TrainConfig, check_options, import_plugins
-    from emapg.run.evalsuite import EvalPlan, markdown, parse_sets, resolve_device, resolve_dtype, run
-    from emapg.run.evaluate import eval_sampling
-
-    import_plugins(args.plugins or [])
-    _eval_protocol(args)
-    temperature = args.temperature or None  # 0: greedy
-    asked = TrainConfig(device=args.device, rollout=RolloutConfig(backend=args.backend, max_rows=args.batch_size),
-                        eval=EvalConfig(samples=args.samples, greedy=temperature is None, temperature=temperature,
-                                        top_p=args.top_p, max_new_tokens=args.max_new_tokens, size=args.size))
-    check_options(asked, {k: v for k, v in EVAL_OPTIONS.items() if k != "dtype"})  # the config's rules, by option
-    if args.size == 0:  # eval.size 0 means "no evaluation" in training; here it would evaluate nothing
-        raise ConfigError("--size: must be >= 1, got 0 (at most this many problems per set; the default, 100000, "
-                          "takes every problem of a file)")
-    models, task, task_args = eval_subject(args)
-    if args.grader is not None:
-        if task != "math":
-            raise ConfigError(f"--grader: only the math task has graders (this is {task})")
-        task_args = {**task_args, "grader": args.grader}
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    asked.dtype = dtype
-    check_options(asked, {"dtype": EVAL_OPTIONS["dtype"]})
-    spec = eval_sampling(asked)
-    plan = EvalPlan(models=models, task=task, task_args=task_args, sets=parse_sets(args.data), spec=spec,
-                    device=device, dtype=dtype, backend=args.backend,
-                    batch_size=args.batch_size, size=args.size, seed=args.seed, protocol=args.protocol,
-                    seeding=args.seeding)
-    out = Path(args.out) if args.out else None
-    if out is not None:
-        from emapg.run.folder import MARKER
-
-        if (out / MARKER).exists():  # its eval.json is the run's own (compare reads it): never overwritten here
-            raise ConfigError(f"--out {out}: a run folder, whose eval.json and eval.md are its training's; write "
-                              f"the evaluation elsewhere (e.g. --out {out / 'eval'})")
-        out.mkdir(parents=True, exist_ok=True)
-    rows = run(plan, out)
-    from emapg.models import distributed
-
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(markdown(rows))
-    distributed.shutdown()  # under torchrun: leave together
-    return 0
-
-
-PAPER_PROTOCOL = {"samples": 32, "temperature": 0.8, "top_p": 0.9, "max_new_tokens": 28000, "seed": 429,
-                  "grader": "reference"}
-"""The reference README's evaluation of its checkpoints (LunjunZhang/ema-pg, math/): 32 samples a problem at
-T = 0.8, top-p 0.9, 28,000 new tokens, seed 429, graded by rLLM's reward; its aggregate weighs each set by its
-number of problems (evaluate_benchmarks.py)."""
-EVAL_DEFAULTS = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 32, "seed": 0, "grader": None}
-TASK_EVAL_DEFAULTS = {"math": {"max_new_tokens": 1024}}  # a reasoning answer needs hundreds of tokens, not 32
-
-
-def _eval_protocol(args: argparse.Namespace) -> None:
-    """Fill the sampling options a user left out: from ``--protocol paper``, else emapg's defaults; a given
-    option wins over the protocol (and is said to differ from it)."""
-    protocol = PAPER_PROTOCOL if args.protocol == "paper" else {}
-    if protocol and args.task not in (None, "math"):
-        raise ConfigError(f"--protocol paper: the paper's math evaluation; --task is {args.task}")
-    task = args.task
-    if task is None and args.run:  # the run's task (its config.yaml read as data: no plugin imported here)
-        import yaml
-
-        try:
-            task = (yaml.safe_load((Path(args.run) / "config.yaml").read_text()) or {}).get("task")
-        except (OSError, yaml.YAMLError, AttributeError, UnicodeDecodeError):
-            task = None  # (eval_subject names what is wrong with the folder)
-    defaults = {**EVAL_DEFAULTS, **TASK_EVAL_DEFAULTS.get(task, {})}
-    for name, default in defaults.items():
-        given = getattr(args, name)
-        if given is None:
-            setattr(args, name, protocol.get(name, default))
-        elif protocol and given != protocol[name]:
-            print(f"emapg eval: --{name.replace('_', '-')} {given}: not the paper's protocol ({protocol[name]})",
-                  file=sys.stderr)
-    if protocol and args.seeding == "independent":
-        print("emapg eval: --protocol paper draws each problem's 32 samples independently; the reference's engine "
-              "sends seed 429 with each of its 32 requests, so its samples are nearly one sample repeated: avg@32 "
-              "has the same expectation, pass@k does not (--seeding reference reproduces that)", file=sys.stderr)
-    if protocol and not args.data:
-        raise ConfigError("--protocol paper: give the paper's sets with --data NAME=FILE (AIME 2024, AIME 2025, AMC "
-                          "2023, AMC 2025, MATH-500, Minerva, OlympiadBench: docs/REPRODUCE.md, 'Evaluation')")
-
-
-def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
-    """The models, task and task_args of ``emapg eval``: given, or a run's (``--run``: its exported policy
-    and anchor, and its weight EMA where it kept one of its own, its task and task_args, which ``--task-args``
-    entries override)."""
-    try:
-        task_args = json.loads(args.task_args) if args.task_args else {}
-    except ValueError as e:
-        raise ConfigError(f"--task-args: not JSON ({e}); e.g. '{{\"digits\": 2}}' (keys in double quotes)") from None
-    if not isinstance(task_args, dict):
-        raise ConfigError(f"--task-args: expected a JSON object, got {args.task_args}")
-    if args.run is None:
-        if not args.model or not args.task:
-            raise ConfigError("--model and --task: needed unless --run names a run folder")
-        return args.model, args.task, task_args
-    run = Path(args.run)
-    if not (run / "config.yaml").exists():
-        raise ConfigError(f"--run {run}: no config.yaml there (is this a run folder?)")
-    cfg = _config().load_config(run / "config.yaml", trust_plugins=args.trust_plugins)
-    if args.task and args.task != cfg.task:
-        raise ConfigError(f"--task {args.task}: the run {run} trained on {cfg.task}")
-    models = args.model or [str(run / "export" / m) for m in ("policy", "anchor", "ema")
-                            if m != "ema" or (run / "export" / m).exists()]  # a weight EMA of its own: exported
-    missing = [m for m in models if not Path(m).exists() and not args.model]
-    if missing:
-        raise ConfigError(f"--run {run}: no exported model at {missing[0]} (the run exports at its end)")
-    return models, cfg.task, _config().merged_task_args(cfg.task_args, task_args)
-
-
-def corpus_fields(text: str | None) -> dict[str, str] | None:
-    """``--fields``: a JSON mapping of passage fields to the corpus's columns."""
-    try:
-        fields = json.loads(text) if text else None
-    except ValueError as e:
-        raise ConfigError(f"--fields: not JSON ({e})") from None
-    if fields is not None and not (isinstance(fields, dict) and all(isinstance(v, str) for v in fields.values())):
-        raise ConfigError('--fields: expected a JSON object of names to columns, e.g. \'{"text": "contents"}\'')
-    return fields
-
-
-def cmd_index_build(args: argparse.Namespace) -> int:
-    from emapg.retrieval.bm25 import build_index
-
-    with one_writer(Path(args.out)):
-        meta = build_index(args.corpus, args.out, fields=corpus_fields(args.fields))
-    print(f"emapg index: {meta['documents']} passages indexed into {args.out}", file=sys.stderr)
-    if meta["dense"] == "dropped" and not args.dense:
-        print(f"emapg index: warning: its dense index was encoded from other passages and is removed; encode "
-              f"these with: emapg index dense --index {args.out}", file=sys.stderr)
-    elif meta["dense"] == "kept":
-        print("emapg index: its dense index is kept (the same passages)", file=sys.stderr)
-    if args.dense:
-        args.index = args.out
-        return cmd_index_dense(args)
-    return 0
-
-
-def search_params(pairs: list[str] | None) -> dict | None:
-    """``--search-param NAME=VALUE`` options as a mapping of faiss search parameters (None when none)."""
-    out: dict[str, float] = {}
-    for pair in pairs or []:
-        name, eq, value = pair.partition("=")
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-        if not eq or not name.strip() or number is None:
-            raise ConfigError(f"--search-param {pair!r}: expected NAME=NUMBER, e.g. nprobe=32 or efSearch=128")
-        out[name.strip()] = int(number) if number.is_integer() else number
-    return out or None
-
-
-def cmd_index_dense(args: argparse.Namespace) -> int:
-    from emapg.retrieval.dense import build_dense
-
-    with one_writer(Path(args.index), "--index"):
-        meta = build_dense(args.index, args.embedder, batch_size=args.batch_size, factory=args.factory,
-                           device=args.device, search_params=search_params(args.search_param),
-                           train_size=args.train_size)
-    print(f"emapg index: {meta['documents']} passages encoded by {meta['embedder']} ({meta['dim']} dimensions, "
-          f"faiss {meta['factory']}) into {Path(args.index) / 'dense'} in {meta['build_seconds']:.0f} s",
-          file=sys.stderr)
-    return 0
-
-
-def cmd_index_import(args: argparse.Namespace) -> int:
-    from emapg.retrieval.dense import import_dense
-
-    with one_writer(Path(args.index), "--index"):
-        meta = import_dense(args.index, args.faiss, args.embedder, corpus=args.corpus,
-                            fields=corpus_fields(args.fields), query_prefix=args.query_prefix, link=not args.copy)
-    print(f"emapg index: {meta['documents']} vectors of {args.faiss} ({meta['dim']} dimensions, "
-          f"{meta['factory']}) taken as {Path(args.index) / 'dense'}, queries encoded by {meta['embedder']} "
-          f"with prefix {meta['query_prefix']!r}", file=sys.stderr)
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from emapg.config import import_plugins
-    from emapg.retrieval.server import serve
-
-    import_plugins(args.plugins or [])
-    serve(args.index, host=args.host, port=args.port, allow_remote=args.allow_remote, retriever=args.retriever,
-          search_params=search_params(args.search_param), device=args.device, max_queries=args.max_queries,
-          max_query_chars=args.max_query_chars, max_topk=args.max_topk,
-          max_body_bytes=args.max_body_bytes)
-    return 0
-
-
-def cmd_kb_make(args: argparse.Namespace) -> int:
-    from emapg.atomic import write_text_atomic
-    from emapg.tasks.multihop_kb import make_kb
-
-    out = Path(args.out)
-    kb = make_kb(seed=args.seed)
-    texts = {out / f"{name}.jsonl": "".join(json.dumps(r) + "\n" for r in rows) for name, rows in kb.items()}
-    other = [str(f) for f, text in texts.items() if f.exists() and (not f.is_file() or f.read_bytes() != text.encode())]
-    if other:  # the same knowledge base again is fine; anything else there is the user's
-        raise ConfigError(f"--out {out}: {', '.join(other)} already exist and are not this knowledge base; pick "
-                          "another folder (nothing was changed)")
-    out.mkdir(parents=True, exist_ok=True)
-    for f, text in texts.items():
-        write_text_atomic(f, text)
-    print(f"emapg kb: {len(kb['corpus'])} passages, {len(kb['train'])} training and {len(kb['eval'])} held-out "
-          f"questions in {out}", file=sys.stderr)
-    return 0
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    from emapg.lab.report import report
-    from emapg.lab.study import load_spec, run_all
-
-    spec = load_spec(args.spec, quick=args.quick, only=args.only, extra=args.overrides,
-                     trust_plugins=args.trust_plugins)
-    out = Path(args.out)
-    if not args.report_only:
-        run_all(spec, out, log=lambda m: print(f"emapg compare: {m}", file=sys.stderr, flush=True), jobs=args.jobs)
-    print(report(spec, out))
-    return 0
-
-
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("emapg")
     except PackageNotFoundError:  # run from a source tree that was never installed
@@ -491,28 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--markdown", action="store_true", help="the reference as docs/CONFIG.md holds it")
     _trust_plugins_arg(c)
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="with --show: overrides, e.g. algo.eta=0.95")
-    c.set_defaults(func=cmd_config)
+    c.set_defaults(func="config")
     return p
-
-
-def cmd_config(args: argparse.Namespace) -> int:
-    from emapg.config import reference
-
-    if args.show is None:
-        if args.overrides:
-            raise ConfigError(f"{' '.join(args.overrides)}: overrides go with --show CONFIG")
-        print(reference.markdown() if args.markdown else reference.text(), end="")
-        return 0
-    cfg = _config().load_config(recipe_path(args.show), args.overrides, trust_plugins=args.trust_plugins)
-    print(reference.resolved(cfg), end="")
-    return 0
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
     """Each shipped recipe's name and the first sentence of its leading comment, whole (wrapped)."""
-    import re
-    import textwrap
-
     for path in sorted(RECIPES.glob("*.yaml")):
         lines = path.read_text().splitlines()
         head = " ".join(line.lstrip("#").strip() for line in lines[: next((i for i, line in enumerate(lines)
@@ -534,7 +99,7 @@ def _train_parser(sub) -> None:
     t.add_argument("--nproc", type=int, default=1,
                    help="data-parallel processes on this machine (runs torchrun; or launch torchrun yourself)")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. algo.eta=0.95 steps=100")
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func="train")
 
 
 def _trust_plugins_arg(parser: argparse.ArgumentParser) -> None:
@@ -551,7 +116,7 @@ def _plan_parser(sub) -> None:
     ex.add_argument("--step", type=int, help="the checkpoint's step (default: the newest complete checkpoint)")
     ex.add_argument("--out", help="where OUT/policy and OUT/anchor go (default: RUN/export-step_NNNNNN)")
     _trust_plugins_arg(ex)
-    ex.set_defaults(func=cmd_export)
+    ex.set_defaults(func="export")
     pl = sub.add_parser("plan", help="the memory a run needs per device, phase by phase (config.json only, no weights)")
     pl.add_argument("--config", help="YAML config file, or the name of a shipped recipe")
     _trust_plugins_arg(pl)
@@ -564,7 +129,7 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--response-tokens", type=int,
                     help="the longest response (default: task_args.max_total_tokens, else rollout.max_new_tokens)")
     pl.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model=/models/X rollout.max_rows=128")
-    pl.set_defaults(func=cmd_plan)
+    pl.set_defaults(func="plan")
 
 
 def _eval_parser(sub) -> None:
@@ -610,7 +175,7 @@ def _eval_parser(sub) -> None:
                         "so its samples are one sample repeated (avg@n: the same expectation, one sample's "
                         "variance; pass@k = pass@1): one sample a problem, counted n times (a like-for-like table)")
     e.add_argument("--out", help="folder for eval.json, eval.md and SET.samples.jsonl (every completion)")
-    e.set_defaults(func=cmd_eval)
+    e.set_defaults(func="eval")
 
 
 def _dense_args(p) -> None:
@@ -639,11 +204,11 @@ def _retrieval_parsers(sub) -> None:
     b.add_argument("--fields", help='JSON column mapping, e.g. \'{"text": "contents"}\'')
     b.add_argument("--dense", action="store_true", help="also encode a dense index (as `emapg index dense`)")
     _dense_args(b)
-    b.set_defaults(func=cmd_index_build)
+    b.set_defaults(func="index_build")
     d = ix.add_parser("dense", help="encode an index folder's passages into a faiss index (resumable)")
     d.add_argument("--index", required=True, help="an index folder built by `emapg index build`")
     _dense_args(d)
-    d.set_defaults(func=cmd_index_dense)
+    d.set_defaults(func="index_dense")
     im = ix.add_parser("import-dense", help="take an existing faiss index of the folder's passages (Search-R1's "
                                             "e5_Flat.index over wiki-18.jsonl) as its dense index, encoding nothing")
     im.add_argument("--index", required=True, help="an index folder built by `emapg index build` from the same "
@@ -655,7 +220,7 @@ def _retrieval_parsers(sub) -> None:
     im.add_argument("--embedder", required=True, help="the folder of the embedder that encoded it (e5-base-v2)")
     im.add_argument("--query-prefix", help="text before each query (default: e5's 'query: ' for an e5 folder)")
     im.add_argument("--copy", action="store_true", help="copy the faiss file into the folder instead of linking it")
-    im.set_defaults(func=cmd_index_import)
+    im.set_defaults(func="index_import")
     sv = sub.add_parser("serve-retriever", help="serve an index over HTTP in Search-R1's /retrieve format")
     sv.add_argument("--index", required=True, help="an index folder (emapg index build / dense / import-dense)")
     sv.add_argument("--retriever", default="bm25",
@@ -680,7 +245,7 @@ def _retrieval_parsers(sub) -> None:
     sv.add_argument("--max-query-chars", type=int, default=lim["max_query_chars"], help="characters of one query")
     sv.add_argument("--max-topk", type=int, default=lim["max_topk"], help="passages per query one request may ask")
     sv.add_argument("--max-body-bytes", type=int, default=lim["max_body_bytes"], help="size of one request body")
-    sv.set_defaults(func=cmd_serve)
+    sv.set_defaults(func="serve")
     kb = sub.add_parser("kb", help="the generated multi-hop knowledge base").add_subparsers(dest="kb_command",
                                                                                          required=True)
     mk = kb.add_parser("make", help="write corpus.jsonl, train.jsonl, eval.jsonl, train_one_hop.jsonl and "
@@ -688,7 +253,7 @@ def _retrieval_parsers(sub) -> None:
     mk.add_argument("--out", required=True, help="the folder for corpus.jsonl, train.jsonl, eval.jsonl, "
                                                   "train_one_hop.jsonl and eval_one_hop.jsonl")
     mk.add_argument("--seed", type=int, default=0, help="the generated knowledge base's seed")
-    mk.set_defaults(func=cmd_kb_make)
+    mk.set_defaults(func="kb_make")
 
 
 def _compare_parser(sub) -> None:
@@ -706,7 +271,7 @@ def _compare_parser(sub) -> None:
     c.epilog = ("To stop a long comparison without losing its live runs, `touch OUT/.compare.stop`: it starts "
                 "no new run, lets the running ones finish, and the next call carries on. Ctrl-C stops the "
                 "running runs too; they resume from their last checkpoint next time.")
-    c.set_defaults(func=cmd_compare)
+    c.set_defaults(func="compare")
 
 
 class Terminated(KeyboardInterrupt):
@@ -721,7 +286,7 @@ def _leave(code: int) -> int:
     """``code``; a torchrun process that stops on an error leaves at once (the interpreter's teardown of gloo's
     threads while a peer is gone aborts it: "terminate called without an active exception")."""
     if "torch" in sys.modules:
-        import torch.distributed as tdist
+        import torch.distributed as tdist  # (torch only once a command loaded it: the CLI imports none)
 
         if tdist.is_available() and tdist.is_initialized():
             sys.stdout.flush()
@@ -735,7 +300,7 @@ def _peer_gone(e: Exception) -> bool:
     defect of this process, which then says so in one line."""
     if os.environ.get("RANK", "0") == "0" or "torch" not in sys.modules:
         return False
-    import torch.distributed as tdist
+    import torch.distributed as tdist  # (torch only once a command loaded it: the CLI imports none)
 
     text = str(e)
     return isinstance(e, getattr(tdist, "DistError", ())) or any(
@@ -762,7 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     # a scheduler's SIGTERM stops a run (or a comparison and its runs) as Ctrl-C does (its resume hint), exit 143
     before = signal.signal(signal.SIGTERM, _terminated) if args.command in ("train", "compare") else None
     try:
-        return args.func(args)
+        if callable(args.func):  # (emapg recipes: torch-free)
+            return args.func(args)
+        from emapg.commands import COMMANDS  # the command's work, and the modules (torch) it needs
+
+        return COMMANDS[args.func](args)
     except Terminated:
         print("emapg: terminated (SIGTERM)", file=sys.stderr)
         return 143

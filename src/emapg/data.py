@@ -72,7 +72,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
 
 def _iter_parquet(path: Path, batch_rows: int = 4096) -> Iterator[tuple[str, dict]]:
     """A Parquet file's rows a batch at a time (pyarrow), never the whole table in memory."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # (optional: emapg[math], for Parquet files)
 
     try:
         reader = pq.ParquetFile(path)
@@ -128,7 +128,7 @@ def _read_json(path: Path) -> list[tuple[str, dict]]:
 
 def _read_table(path: Path) -> list[tuple[str, dict]]:
     """A ``datasets`` folder saved to disk (``save_to_disk``): its train split, or its only one."""
-    from datasets import load_from_disk
+    from datasets import load_from_disk  # (optional: emapg[math], for datasets folders)
 
     ds = load_from_disk(str(path))
     if hasattr(ds, "keys"):  # a DatasetDict: take the train split, or the only one

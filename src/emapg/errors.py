@@ -6,6 +6,9 @@ backends) does not import torch and the whole config to do so; ``emapg.config`` 
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
 
@@ -43,10 +46,6 @@ class NotAFile(EmapgError, ValueError):
 def regular_file(path, what: str = "") -> None:
     """Refuse, naming ``path`` (and ``what`` it is, e.g. ``--config``), anything that exists and is not a regular
     file (symbolic links are followed); an absent path is the caller's to report."""
-    import os
-    import stat
-    from pathlib import Path
-
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:

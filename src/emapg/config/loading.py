@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
+import sys
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -221,10 +223,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def import_plugins(names: Any) -> None:
     """Import a config's ``plugins`` (module names or ``.py`` files), each once per process; ConfigError naming
     the plugin when one is not found or fails to import."""
-    import importlib
-    import importlib.util
-    import sys
-
     if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
         raise ConfigError(f"plugins: expected a list of module names or .py files, got {names!r}")
     for name in names:
@@ -265,8 +263,6 @@ def import_plugins(names: Any) -> None:
 def _imported_from(path: Path) -> bool:
     """Whether a module imported already was loaded from ``path`` (a plugin named once as a module and once as
     its file is the same plugin: importing it twice would register its names twice)."""
-    import sys
-
     target = path.resolve()
     for module in list(sys.modules.values()):
         origin = getattr(module, "__file__", None)

@@ -11,7 +11,10 @@ import inspect
 import textwrap
 from typing import Any, get_type_hints
 
+import yaml
+
 from emapg.config import schema
+from emapg.config.loading import to_dict
 from emapg.config.schema import TrainConfig
 from emapg.settings import declared
 
@@ -112,9 +115,7 @@ def markdown() -> str:
 
 def resolved(cfg: Any) -> str:
     """The YAML of a loaded config, every field at its value (what the run's config.yaml would hold)."""
-    import yaml
 
-    from emapg.config.loading import to_dict
 
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 

@@ -37,6 +37,7 @@ policy); here ``kl`` chooses the estimator and that switch is ignored.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,6 +48,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
@@ -56,7 +58,7 @@ from emapg.atomic import write_json_atomic
 from emapg.config import TRL_KEYWORDS, ConfigError, check_fields
 from emapg.logprobs import token_logprobs, transform_logits
 from emapg.models.lm import head_transform
-from emapg.models.zoo import fit_teacher, load_teacher, weights_digest
+from emapg.models.zoo import fit_teacher, load_teacher, save_hf_folder, weights_digest
 from emapg.tasks.base import Example
 
 EMA_FILE, TEACHER_FILE = "emapg_ema.safetensors", "emapg_teacher.json"
@@ -187,7 +189,6 @@ class WeightEMACallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if self.export and state.is_world_process_zero and self.ema is not None:
-            from emapg.models.zoo import save_hf_folder
 
             tokenizer = processing_class if processing_class is not None else kwargs.get("tokenizer")
             with self.ema.use(_unwrap_peft_outer(model)) as m:
@@ -336,7 +337,6 @@ class EMAPGTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save and self.anchor is None:
@@ -372,8 +372,6 @@ class EMAPGTrainer(GRPOTrainer):
 
     def _check_teacher(self, checkpoint: str) -> None:
         """Refuse to resume distillation from ``checkpoint`` against a teacher with other weights."""
-        import json
-
         path = os.path.join(checkpoint, TEACHER_FILE)
         try:
             with open(path, encoding="utf-8") as f:

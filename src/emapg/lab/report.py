@@ -8,8 +8,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
+
+from matplotlib.figure import Figure
 
 from emapg.errors import EmapgError, regular_file
 from emapg.lab.study import Spec
@@ -381,16 +384,12 @@ def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) ->
     """One figure: a panel per curve that has one (:func:`drawn_panels`), at most three to a row, a line per
     config (mean over seeds) with a ±1 std band, each axis with its unit; configs whose curves coincide are
     drawn dashed and named "(= ...)" so none hides another (the run plots' :func:`draw_series`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [n for n in (names or list(summary)) if n in summary]
     panels = drawn_panels(summary, names) or dict(list(CURVES.items())[:1])
     cols = min(PANELS_PER_ROW, len(panels))
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.4 * rows), squeeze=False)
+    fig = Figure(figsize=(4.4 * cols, 3.4 * rows))  # (no pyplot: no global figure state, no GUI backend)
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, (title, key) in zip(axes.flat, panels.items(), strict=False):
         unit, scale = METRIC_UNITS.get(key, ("", 1.0))
         drawn: list[tuple[str, list]] = []
@@ -412,7 +411,6 @@ def plot(summary: dict[str, Any], path: Path, names: list[str] | None = None) ->
         ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -424,19 +422,12 @@ def plot_claims(judged: list[Judged], path: Path) -> Path:
     seed's difference (the dots), zero marked, coloured by the corrected verdict (green holds, red fails, grey
     undecided) and labelled with it and its Holm p; one panel per unit (points, nats per token). A claim of no
     difference that "holds" only detected none: it is drawn blue and says so."""
-    import textwrap
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     by_unit: dict[str, list[Judged]] = {}
     for j in judged:
         by_unit.setdefault(unit(j.claim.metric)[0], []).append(j)
     heights = [0.62 * len(js) + 0.9 for js in by_unit.values()]
-    fig, axes = plt.subplots(len(by_unit), 1, figsize=(9.5, sum(heights)), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    fig = Figure(figsize=(9.5, sum(heights)))
+    axes = fig.subplots(len(by_unit), 1, squeeze=False, gridspec_kw={"height_ratios": heights})
     for ax, (name, js) in zip(axes[:, 0], by_unit.items(), strict=True):
         scale = unit(js[0].claim.metric)[1]
         labels = []
@@ -458,7 +449,6 @@ def plot_claims(judged: list[Judged], path: Path) -> Path:
         ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

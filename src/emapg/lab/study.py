@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from emapg.config import ConfigError, load_config
 from emapg.errors import EmapgError
 from emapg.lab.spec import read_spec_file
@@ -195,8 +197,6 @@ def machine_and_code() -> dict[str, Any]:
     """What a run's numbers depend on besides its config: the commit of the emapg code that ran it (with
     ``+dirty`` when its src/ had uncommitted changes; None outside a git checkout), torch's version and the
     CPU's model name and flags that decide its kernels (AVX-512, AMX, BF16)."""
-    import torch
-
     src = Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,

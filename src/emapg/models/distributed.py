@@ -31,6 +31,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from emapg.errors import ConfigError, PeerStopped
 from emapg.models.lm import decoder_and_head
@@ -173,7 +188,6 @@ def shutdown() -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
 
@@ -191,8 +205,6 @@ def shard(model: nn.Module, mixed_precision: str | None = None,
     each unit is copied to the device for its forward and backward, and the optimizer steps on the CPU
     (FSDP2's ``CPUOffloadPolicy``; verl's param_offload and optimizer_offload).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
     mp = None
     if mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -216,8 +228,6 @@ def shard(model: nn.Module, mixed_precision: str | None = None,
 
 def reshard(model: nn.Module) -> None:
     """Free every gathered FSDP unit of ``model`` (no-op when not sharded)."""
-    from torch.distributed.fsdp import FSDPModule
-
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -229,8 +239,6 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
 
     Costs one full copy of the parameters while open (what a generation engine holds anyway).
     """
-    from torch.distributed.fsdp import FSDPModule
-
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         yield model
@@ -335,8 +343,6 @@ def whole(t: Tensor) -> Tensor:
 def full_tensor(local: Tensor, like: Tensor) -> Tensor:
     """The whole tensor of which ``local`` is this rank's shard, sharded as ``like`` (a DTensor).
     Collective: every rank must call it. ``local`` itself when ``like`` is not a DTensor."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(like, DTensor):
         return local
     whole = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
@@ -347,8 +353,6 @@ def full_tensor(local: Tensor, like: Tensor) -> Tensor:
 def as_dtensor(local: Tensor, like: Tensor) -> Tensor:
     """``local`` as this rank's shard of a DTensor laid out as ``like`` (no communication); ``local`` itself
     when ``like`` is not a DTensor."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(like, DTensor):
         return local
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
@@ -357,8 +361,6 @@ def as_dtensor(local: Tensor, like: Tensor) -> Tensor:
 
 def local_shard(full: Tensor, like: Tensor) -> Tensor:
     """This rank's shard of ``full``, sharded as ``like`` (no communication); ``full`` when not sharded."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     if not isinstance(like, DTensor):
         return full
     return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
@@ -368,15 +370,12 @@ def model_state(model: nn.Module) -> dict[str, Tensor]:
     """The whole state dict on CPU (rank 0 gets it; other ranks get {} when sharded). Collective."""
     if not is_sharded(model):
         return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     """Load a whole state dict (every rank passes it) into a plain or sharded model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
@@ -384,8 +383,6 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, whole: b
     """The optimizer state keyed by parameter name: one format for any number of processes. ``whole``: whole
     tensors on CPU (rank 0 gets them when sharded; collective); else each rank's DTensor shards (no
     communication)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     full = whole and is_sharded(model)
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
@@ -394,6 +391,4 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
                          sharded: bool = False) -> None:
     """Load :func:`optimizer_state`'s dict: whole tensors (every rank passes them), or (``sharded``) each
     rank's DTensor shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=not sharded))

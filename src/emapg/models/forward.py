@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from emapg.logprobs import TokenLogprobs, token_logprobs
 from emapg.models import distributed
@@ -56,8 +57,6 @@ def _prefix_cache(cache, rows: Tensor | None = None) -> Cache:
 
 def _checkpointing(decoder: nn.Module) -> list[nn.Module]:
     """The layers transformers checkpoints in this pass (:func:`emapg.models.lm.set_pass_mode` turns them on)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     if not torch.is_grad_enabled():
         return []
     return [m for m in decoder.modules()

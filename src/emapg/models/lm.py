@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from emapg.errors import ConfigError
 from emapg.logprobs import HeadTransform, head_logits
@@ -49,8 +50,6 @@ def set_pass_mode(model: nn.Module, grad: bool, lora_dropout: bool = False) -> N
     anchor and policy log-probs must be of one function), except, in a pass with gradients, the
     layers transformers checkpoints (they checkpoint only while ``training`` is true: without this
     ``gradient_checkpointing`` would do nothing) and, if asked, PEFT's LoRA dropout modules."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     model.eval()
     if not grad:
         return

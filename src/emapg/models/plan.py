@@ -27,17 +27,30 @@ cannot fit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from peft import LoraConfig, get_peft_model
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from emapg.backends import BACKENDS
-from emapg.config import mini_batch_prompts
+from emapg.config import ConfigError, check_world, mini_batch_prompts
+from emapg.models import zoo as models
+from emapg.models.distributed import native_bf16
+from emapg.models.forward import response_hidden
+from emapg.models.lm import decoder_and_head, set_pass_mode
+from emapg.models.zoo import DTYPES
+from emapg.rollout import response_budget
+from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.prompts import longest_prompt
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -69,15 +82,11 @@ class ModelShape:
 
 def model_config(name: str, trust_remote_code: bool = False, field: str = "model"):
     """The transformers config of a built-in name or a model folder (its config.json; no weights)."""
-    from emapg.models import zoo as models
-
     if name in models.BUILTIN and name != "smollm2-135m":
         with torch.device("meta"):
             model, _ = models.load_model(name)
         return model.config
-    from transformers import AutoConfig
 
-    from emapg.errors import ConfigError
 
     path = models.smollm2_folder() if name == "smollm2-135m" else name
 
@@ -113,9 +122,7 @@ def model_config(name: str, trust_remote_code: bool = False, field: str = "model
 def shape_of(config) -> ModelShape:
     """The counts of a config: the model built on the meta device (no memory, no weights). A config whose sizes
     are not whole numbers >= 1 is a ConfigError naming the field."""
-    from transformers import AutoModelForCausalLM
 
-    from emapg.errors import ConfigError
 
     text = getattr(config, "text_config", None) or config
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
@@ -138,7 +145,6 @@ def shape_of(config) -> ModelShape:
     except (RuntimeError, ValueError, TypeError, OverflowError) as e:  # sizes no model can have
         raise ConfigError(f"model: its config.json describes no model transformers can build "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    from emapg.models.lm import decoder_and_head
 
     decoder, head = decoder_and_head(model)
     layer = decoder.layers[0]
@@ -211,12 +217,8 @@ def _layers_model(config, layers: int, how: Calibration) -> nn.Module:
     """A copy of the model with ``layers`` layers and a 256-token vocabulary, its weights and buffers zeros
     (their values change no byte autograd saves), in the calibration's dtype and flags of a pass with gradients,
     with its LoRA adapters (the base frozen) when it has them."""
-    import warnings
 
-    from transformers import AutoModelForCausalLM
 
-    from emapg.models.lm import set_pass_mode
-    from emapg.models.zoo import DTYPES
 
     cfg = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": layers, "vocab_size": 256,
                                       "layer_types": None, "use_cache": False, "bos_token_id": None,
@@ -233,7 +235,6 @@ def _layers_model(config, layers: int, how: Calibration) -> nn.Module:
             warnings.simplefilter("ignore")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if how.lora is not None:
-        from peft import LoraConfig, get_peft_model
 
         r, alpha, targets = how.lora
         model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets)))
@@ -244,8 +245,6 @@ def _layers_model(config, layers: int, how: Calibration) -> nn.Module:
 def _calibration_batch(prompts: int, n: int, prompt_tokens: int, response_tokens: int):
     """A micro-batch of ``prompts`` prompts (their first column padding, so the attention takes a mask as in a
     run) with ``n`` responses each of ``response_tokens`` inputs."""
-    from emapg.rollout.batch import RolloutBatch
-
     ids = torch.randint(2, 256, (prompts, prompt_tokens))
     mask = torch.ones_like(ids)
     mask[:, 0] = 0
@@ -257,8 +256,6 @@ def _calibration_batch(prompts: int, n: int, prompt_tokens: int, response_tokens
 def _saved_bytes(model: nn.Module, mb, autocast: bool, sharing: bool = True) -> int:
     """Bytes autograd saves (parameters not counted, each storage once) in emapg's pass of the micro-batch
     ``mb`` (:func:`emapg.models.forward.response_hidden`, prefix-shared or plain)."""
-    from emapg.models.forward import response_hidden
-
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
     kept: list[torch.Tensor] = []  # alive until the pass ends, so that no two saved storages share an address
@@ -303,7 +300,6 @@ def activation_cost(shape: ModelShape, how: Calibration) -> ActivationCost:
         smallest = full / divisors[-3] ** 2 if len(divisors) >= 3 else full  # the least this could build
         if smallest > MEASURABLE_BYTES:
             text = getattr(shape.config, "text_config", None) or shape.config
-            from emapg.errors import ConfigError  # (what the plan describes is never allocated: refused instead)
 
             raise ConfigError(f"model: a layer of this shape (hidden_size {text.hidden_size}, intermediate_size "
                               f"{text.intermediate_size}, {text.num_attention_heads} heads) holds "
@@ -324,7 +320,6 @@ def activation_cost(shape: ModelShape, how: Calibration) -> ActivationCost:
 
 
 def _measured_cost(config, how: Calibration) -> ActivationCost:
-    import numpy as np
 
     autocast = how.mixed_precision == "bf16"
     one, two = (_layers_model(config, n, how) for n in (1, 2))
@@ -373,8 +368,6 @@ def _narrowed(config, d: int):
 
 def _extrapolate(points: list[tuple[float, float]], degree: int) -> float:
     """The polynomial of ``degree`` in the width through the measured points (least squares), at width 1."""
-    import numpy as np
-
     xs, ys = zip(*points, strict=True)
     return max(float(np.polyval(np.polyfit(xs, ys, degree), 1.0)), 0.0)
 
@@ -622,9 +615,6 @@ _LORA: dict[tuple, int] = {}
 def _lora_params(shape: ModelShape, cfg: Any) -> int:
     """Trainable parameters of the LoRA adapters ``cfg.lora`` asks for (PEFT on the meta model; cached, as
     :func:`largest_fitting` plans many times)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     key = (shape.config.to_json_string(use_diff=False), cfg.lora.r, str(cfg.lora.target_modules))
     if key not in _LORA:
         with torch.device("meta"):
@@ -646,9 +636,6 @@ def run_plan(cfg: Any, config, task, tokenizer, *, world: int = 1, device: str =
     """The plan of a run as ``emapg train`` checks it: the model's ``config``, prompts as long as the task's
     longest (:func:`emapg.rollout.prompts.longest_prompt`), responses as long as its budget (an agent episode's whole
     budget), a teacher's config read from ``algo.teacher``; or at the lengths given."""
-    from emapg.rollout import response_budget
-    from emapg.rollout.prompts import longest_prompt
-
     teacher = teacher_shape(cfg)
     return plan(cfg, shape_of(config), world=world, prompt_tokens=prompt_tokens or longest_prompt(task, tokenizer),
                 response_tokens=response_tokens or response_budget(task, cfg.rollout.max_new_tokens),
@@ -674,8 +661,6 @@ def largest_fitting(cfg: Any, shape: ModelShape, capacity: float, **kw) -> dict[
     """The largest ``rollout.max_rows`` (hf backend) and ``micro_batch_prompts`` (or, packed by tokens,
     ``micro_batch_tokens`` in whole rows of the full length) that fit in ``capacity`` bytes, each tried with the
     other as configured (None: none fits)."""
-    import dataclasses
-
     out: dict[str, Any] = {}
     if cfg.rollout.backend == "hf":
         rows_step = cfg.prompts_per_step // kw.get("world", 1) * cfg.rollout.n
@@ -740,13 +725,10 @@ def report(cfg: Any, *, gpus: int, gpu_memory_gb: float, prompt_tokens: int, res
     sharing a host) of ``gpu_memory_gb`` GiB each, whether it fits, and the largest row bound and micro-batch
     that fit. ``response_tokens``: default an agent task's ``task_args.max_total_tokens`` when it sets one, else
     rollout.max_new_tokens."""
-    import dataclasses
 
-    from emapg.config import ConfigError, check_world
 
     response_tokens = response_tokens or cfg.task_args.get("max_total_tokens") or cfg.rollout.max_new_tokens
     if cfg.mixed_precision == "auto":  # as the run would choose: bf16 on a GPU (A100, H100), this host's CPU as it is
-        from emapg.models.distributed import native_bf16
 
         native = device == "cuda" or native_bf16(torch.device("cpu"))[0]
         cfg = dataclasses.replace(cfg, mixed_precision="bf16" if native else None)

@@ -16,6 +16,7 @@ Nothing is fetched from a hub; ``trust_remote_code`` is off unless the caller as
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.metadata as md
 import os
@@ -23,7 +24,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import LoraConfig, get_peft_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from emapg.atomic import folder_atomic
 from emapg.config import DTYPE_NAMES, ConfigError
@@ -79,7 +92,6 @@ def smollm2_folder() -> Path:
     digest = _sha256(gguf)
     if digest != SMOLLM2_SHA256:
         raise EmapgError(f"model smollm2-135m: {gguf} has sha256 {digest}, expected {SMOLLM2_SHA256}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     # dequantize=True drops the GGUF quantizer, without which save_pretrained refuses to write.
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
@@ -99,8 +111,6 @@ def smollm2_folder() -> Path:
 def tiny_model(kind: str = "llama", vocab_size: int = 512, seed: int = 0, head_dim: int | None = None) -> nn.Module:
     """A small random causal LM (2 layers, hidden 64, 4 heads of 16 unless ``head_dim`` says more:
     vLLM's CPU attention takes heads of 32 and up, ``tiny-llama-h32``) for tests and smoke runs."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=True)
@@ -114,8 +124,6 @@ def tiny_model(kind: str = "llama", vocab_size: int = 512, seed: int = 0, head_d
 
 def random_qwen25(size: str, seed: int = 0) -> nn.Module:
     """A Qwen2.5-shaped model with random weights (``size`` 0.5b, 1.5b or r1-1.5b): real compute and memory cost."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     hidden, layers, heads, kv, inter, tied = QWEN25_SHAPES[size]
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(Qwen2Config(
@@ -133,9 +141,6 @@ CHATML = (
 def byte_tokenizer():
     """A real Hugging Face tokenizer over bytes (259 ids: 3 specials + 256 bytes), with a ChatML
     template: saved and loaded like any other, for the tiny test models."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<|im_start|>", END_TOKEN, "<|endoftext|>"]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {t: i for i, t in enumerate(specials + sorted(alphabet))}
@@ -150,7 +155,6 @@ def byte_tokenizer():
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:
@@ -169,7 +173,6 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
         return model.to(DTYPES[dtype]), byte_tokenizer()
     if name.startswith("random-qwen2.5-"):
         return random_qwen25(name.removeprefix("random-qwen2.5-"), seed).to(DTYPES[dtype]), byte_tokenizer()
-    from transformers import AutoModelForCausalLM
 
     if name == "smollm2-135m":
         path = smollm2_folder()
@@ -196,7 +199,6 @@ def save_hf_folder(model: nn.Module, tokenizer, path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     target = model
     if hasattr(model, "merge_and_unload"):
-        import copy
 
         target = copy.deepcopy(model).merge_and_unload()
     target.save_pretrained(path)
@@ -208,7 +210,6 @@ def policy_model(cfg: Any) -> tuple[nn.Module, Any]:
     LoRA adapters when ``lora.r > 0``."""
     model, tokenizer = load_model(cfg.model, cfg.dtype, seed=cfg.seed)
     if cfg.lora.r > 0:
-        from peft import LoraConfig, get_peft_model
 
         try:
             model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,

@@ -52,7 +52,7 @@ class Retriever(Protocol):
 
 
 def _bm25(index: str, search_params: dict | None) -> Retriever:
-    from emapg.retrieval.bm25 import BM25Index
+    from emapg.retrieval.bm25 import BM25Index  # (cycle: bm25 imports Passage from this package)
 
     return BM25Index.load(index)
 
@@ -64,9 +64,9 @@ def _dense(index: str, search_params: dict | None, device: str = "cpu") -> Retri
 
 
 def _hybrid(index: str, search_params: dict | None, device: str = "cpu") -> Retriever:
-    from emapg.retrieval.bm25 import BM25Index
-    from emapg.retrieval.dense import DenseIndex
-    from emapg.retrieval.hybrid import HybridRetriever
+    from emapg.retrieval.bm25 import BM25Index  # (cycle: bm25 imports Passage from this package)
+    from emapg.retrieval.dense import DenseIndex  # (cycle, and torch: only for the kinds that need it)
+    from emapg.retrieval.hybrid import HybridRetriever  # (cycle: hybrid imports Passage from this package)
 
     sparse = BM25Index.load(index)
     # one copy of the text, read and hashed once
@@ -108,7 +108,7 @@ def retriever_problem(kind: str, index: str | None, url: str | None, search_para
     if device != "cpu" and (url or kind not in DENSE_KINDS):
         return f"device: {device!r} is for a local dense or hybrid retriever (BM25 runs on the CPU)"
     if index and kind in DENSE_KINDS:
-        from emapg.retrieval.passages import has_dense
+        from emapg.retrieval.passages import has_dense  # (cycle)
 
         if not has_dense(Path(index)):
             return f"retriever: {kind} needs a dense index in {index}; build it with: emapg index dense --index {index}"
@@ -130,7 +130,7 @@ def open_retriever(index: str | None = None, url: str | None = None, kind: str =
     if problem:
         raise ConfigError(problem)
     if index is None:
-        from emapg.retrieval.client import HTTPRetriever
+        from emapg.retrieval.client import HTTPRetriever  # (cycle: the client imports Passage from this package)
 
         return HTTPRetriever(url, timeout=timeout)
     if device == "cpu":
@@ -144,7 +144,7 @@ _LAZY = {"BM25Index": "bm25", "build_index": "bm25", "DenseIndex": "dense", "bui
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
+        import importlib  # (cycle: the names below live in modules that import this package)
 
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,8 +44,8 @@ _BM25S_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "
 
 def _import_bm25s():
     try:
-        import bm25s
-        import Stemmer
+        import bm25s  # (optional: emapg[search])
+        import Stemmer  # (optional: emapg[search])
     except ImportError as e:
         raise MissingPackage(f"the BM25 retriever needs bm25s and PyStemmer ({e}); "
                           "install them with: pip install 'emapg[search]'") from None

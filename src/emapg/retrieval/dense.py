@@ -18,6 +18,7 @@ format (no pickle). ``dense/`` appears only when complete (written to a temporar
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
 
 from emapg.atomic import folder_atomic, write_error, write_json_atomic
 from emapg.data import DataError
@@ -50,7 +53,7 @@ FAISS_FILE, PARTIAL_DIR = "index.faiss", ".dense.partial"
 
 def _import_faiss():
     try:
-        import faiss
+        import faiss  # (optional: emapg[dense])
     except ImportError as e:
         raise MissingPackage(f"the dense retriever needs faiss-cpu and sentence-transformers ({e}); "
                           "install them with: pip install 'emapg[dense]'") from None
@@ -60,7 +63,7 @@ def _import_faiss():
 def set_search_params(index, params: dict | None, where: str) -> dict:
     """Set faiss search parameters (``{"nprobe": 32}``, ``{"efSearch": 128}``) on ``index``; returns them.
     Raises ValueError naming ``where`` for a parameter that is not a number or that this index lacks."""
-    import faiss
+    import faiss  # (optional: emapg[dense])
 
     if params is None:
         return {}
@@ -159,8 +162,6 @@ def build_dense(index: str | Path, embedder: str | Embedder = "minilm", *, batch
     encodes (``auto``: the GPU when there is one). ``search_params``: faiss search parameters kept with
     the index (``{"nprobe": 32}``). ``train_size``: how many vectors an index that trains (IVF, PQ) trains
     on, sampled with ``train_seed`` (None: 256 per IVF list, at least 65,536, at most the corpus)."""
-    import fcntl
-
     index = Path(index)
     if not (index / PASSAGES_FILE).is_file():
         raise FileNotFoundError(f"{index} is not an emapg index folder (no {PASSAGES_FILE}); build the BM25 "
@@ -183,7 +184,6 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
     faiss = _import_faiss()
     start = time.perf_counter()
     if device == "auto":
-        import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     emb = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=device)
@@ -202,7 +202,6 @@ def _build_locked(index: Path, embedder, batch_size: int, shard_size: int, facto
     shards = -(-len(passages) // shard_size)
     rows_of = lambda s: min(shard_size, len(passages) - s * shard_size)  # noqa: E731
     done = _partial_state(partial, plan, rows_of)
-    from tqdm.auto import tqdm
 
     with tqdm(total=len(passages), initial=min(done * shard_size, len(passages)), unit="passage",
               desc=f"dense index ({emb.name})", disable=not progress) as bar:

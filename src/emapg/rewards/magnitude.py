@@ -40,7 +40,7 @@ def _int_digits(p: int) -> float:
 
 def _value_bound(node, digits: float) -> float:
     """An upper bound on ``|node|`` given its digits (its exact value when it is an integer or a rational)."""
-    import sympy
+    import sympy  # (heavy, ~0.5 s: only when an answer needs it)
 
     if isinstance(node, sympy.Rational):
         return abs(float(node)) if _int_digits(node.p) < 300 else math.inf
@@ -49,7 +49,7 @@ def _value_bound(node, digits: float) -> float:
 
 def _leaf_digits(node) -> float | None:
     """The digits of a number or a symbol, or None for a node with arguments."""
-    import sympy
+    import sympy  # (heavy, ~0.5 s: only when an answer needs it)
 
     if isinstance(node, sympy.Integer):
         return _int_digits(node.p)
@@ -65,7 +65,7 @@ def _leaf_digits(node) -> float | None:
 
 def _counting(node) -> bool:
     """Whether sympy computes the function's value as an exact integer or rational of its argument's size."""
-    import sympy
+    import sympy  # (heavy, ~0.5 s: only when an answer needs it)
 
     module = type(node).__module__ or ""  # an undefined function, f(x), has none
     return isinstance(node, sympy.Function) and (
@@ -74,7 +74,7 @@ def _counting(node) -> bool:
 
 def _node_digits(node, children: list[float], args: tuple, symbolic: list[bool]) -> float:
     """A node's digits from its arguments' (``symbolic``: whether each argument holds a symbol)."""
-    import sympy
+    import sympy  # (heavy, ~0.5 s: only when an answer needs it)
 
     if isinstance(node, sympy.Pow):
         (base, base_digits), (exponent, exp_digits) = zip(args, children, strict=True)
@@ -94,8 +94,8 @@ def _node_digits(node, children: list[float], args: tuple, symbolic: list[bool])
 def digits_bound(expr) -> float:
     """An upper bound on the decimal digits of the exact numbers evaluating ``expr`` produces (see the module);
     ``math.inf`` when it has no finite bound. Walks the tree without recursion (a model can nest 35,000 deep)."""
-    import sympy
-    from sympy.matrices import MatrixBase
+    import sympy  # (heavy, ~0.5 s: only when an answer needs it)
+    from sympy.matrices import MatrixBase  # (heavy: as sympy)
 
     stack: list[tuple[object, bool]] = [(expr, False)]
     done: list[tuple[float, bool]] = []  # each finished node's digits and whether it holds a symbol

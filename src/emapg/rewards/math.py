@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
 from emapg.rewards.magnitude import too_large
 
@@ -75,7 +76,7 @@ def _normalise_number_text(s: str) -> str:
 def _parse(text: str, timeout: int | None) -> list:
     """math-verify's forms of a text (a sympy expression and its string), the sympy ones dropped where their
     numbers are too large to compute (the string forms still compare)."""
-    from math_verify import parse
+    from math_verify import parse  # (optional: emapg[math])
 
     return [form for form in parse(text, parsing_timeout=timeout) if isinstance(form, str) or not too_large(form)]
 
@@ -86,9 +87,7 @@ def math_reward(completion: str, answer: str, timeout: int = 5) -> float:
     ``timeout`` (seconds) bounds math-verify's parsing and comparison in the main thread; math-verify times
     out with ``signal.alarm``, which only the main thread may use, so elsewhere (a reward in a worker
     thread, as TRL or a web server may call it) they run without a limit."""
-    import threading
-
-    from math_verify import verify
+    from math_verify import verify  # (optional: emapg[math])
 
     if threading.current_thread() is not threading.main_thread():
         timeout = None

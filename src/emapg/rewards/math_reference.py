@@ -17,7 +17,7 @@ The rules, in order:
    match), fractions as equal strings, integers against integers, the rest by ``sympy.simplify(a - b) == 0``
    when the expression is safe to evaluate (:func:`sympy_equal`).
 5. **Truncated** responses score 0 (rLLM's engine resets the reward of a response that ran out of tokens),
-   which the caller applies (:func:`emapg.tasks.scoring.score_completions`).
+   which the caller applies (:func:`emapg.tasks.base.score_completions`).
 
 Ours alone: an answer whose exact numbers would exceed 10,000 digits (``99999999!``, ``9**9**9``: the reference
 computes them for minutes or hours, or until memory runs out) is not equal, decided from its unevaluated parse
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
+import threading
 
 from emapg.rewards.magnitude import too_large
 from emapg.rewards.math import closing_brace
@@ -193,7 +195,7 @@ def _is_int_text(s: str) -> bool:
 
 
 def _latex_to_text(s: str) -> str:
-    from pylatexenc.latex2text import LatexNodes2Text
+    from pylatexenc.latex2text import LatexNodes2Text  # (optional: emapg[math])
 
     s = s.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
     s = LatexNodes2Text().latex_to_text(s)
@@ -256,8 +258,8 @@ def _safe_to_evaluate(expr: str) -> bool:
 def _parsed(expr: str, evaluate: bool = True):
     """The reference's sympy parse of a normalised difference; unevaluated, with factorials left unevaluated too
     (sympy's parser computes ``99999999!`` as it reads it), for :func:`emapg.rewards.magnitude.too_large`."""
-    import sympy
-    from sympy.parsing import sympy_parser
+    import sympy  # (heavy, ~0.5 s: only when an answer needs it)
+    from sympy.parsing import sympy_parser  # (heavy: as sympy)
 
     transformations = sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)
     if evaluate:
@@ -272,13 +274,10 @@ def sympy_equal(gold: str, given: str, timeout: int = 5) -> bool:
     """``simplify(gold - given) == 0`` for normalised elements, when safe to evaluate; not equal, without
     computing, when its numbers would exceed :data:`~emapg.rewards.magnitude.DIGITS_LIMIT` digits; bounded in
     time in the main thread (then: not equal)."""
-    import signal
-    import threading
-
     expr = f"({gold})-({given})"
     if not _safe_to_evaluate(expr):
         return False
-    import sympy
+    import sympy  # (heavy, ~0.5 s: only when an answer needs it)
 
     def check() -> bool:
         unevaluated = None

@@ -6,6 +6,8 @@ import re
 import string
 from collections import Counter
 
+from emapg.data import DataError, answer_text
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 
@@ -45,8 +47,6 @@ def gold_answers(value: object, where: str) -> list[str]:
     """A row's gold answers as a list of strings (a string or a number alone is one answer), refusing what no
     prediction could match: no answers, a null, a non-text item, or only answers that normalise to nothing.
     Answers that normalise to nothing beside others are dropped. Errors name ``where`` (file, line, field)."""
-    from emapg.data import DataError, answer_text
-
     items = value if isinstance(value, list | tuple) else [value]
     out = [answer_text(item, where) for item in items]
     if not out:

@@ -35,6 +35,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ def unavailable_reason(device: str = "cuda") -> str | None:
     # vLLM logs every request and reload at INFO; a training run keeps its warnings only (unless asked)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # (optional: the vllm backend)
     except ImportError:
         return f"vllm is not installed; {INSTALL_HINT.get(device, INSTALL_HINT['cuda'])}"
     if device == "cpu" and not current_platform.is_cpu():
@@ -139,7 +140,7 @@ def sampling_kwargs(spec: SamplingSpec, *, stop_token_ids: Sequence[int], stop: 
 
 def _has_flat_logprobs() -> bool:
     try:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # (optional: the vllm backend)
     except ImportError:
         return False
     return "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()) or hasattr(SamplingParams,
@@ -287,7 +288,6 @@ def engine_for_eval(model: nn.Module, tokenizer, tasks: list[Any], spec: Samplin
 
 
 def _eval_workdir() -> Path:
-    import tempfile
 
     return Path(tempfile.mkdtemp(prefix="emapg-eval-vllm-"))
 
@@ -304,7 +304,7 @@ class VLLMRollout:
         self.llm, self.tokenizer, self.eos, self.sleep = llm, tokenizer, eos, sleep
         self.seeded = seeded  # False: requests carry no seed (vLLM's batched sampling path, the engine's generator)
         if sampling_params_cls is None:
-            from vllm import SamplingParams
+            from vllm import SamplingParams  # (optional: the vllm backend)
 
             sampling_params_cls = SamplingParams
         self.params_cls = sampling_params_cls
@@ -328,7 +328,7 @@ class VLLMRollout:
             raise ConfigError("rollout.backend_args.sleep: vLLM's CPU backend has no sleep mode; set it to false")
         if on_cpu and cpu_kv_cache_gib is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
-        from vllm import LLM
+        from vllm import LLM  # (optional: the vllm backend)
 
         folder = engine_folder(model, tokenizer, Path(workdir) / f"vllm-model-rank{os.environ.get('RANK', '0')}")
         owns_dist = not torch.distributed.is_initialized()  # vLLM makes a process group if none exists
@@ -385,6 +385,7 @@ class VLLMRollout:
         self.llm = None
         gc.collect()
         if self.owns_dist:
+            # (optional: the vllm backend)
             from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
             destroy_model_parallel()
@@ -469,7 +470,7 @@ def repack_vocab_layers(worker: Any) -> None:
     tied to the embedding is not among the checkpoint's tensors, so vLLM's in-place reload leaves it
     computing logits with the dummy weights (the engine then samples noise). Elsewhere the step does
     nothing, so this is safe on every device."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding  # (optional)
 
     for module in worker.model_runner.get_model().modules():
         if isinstance(module, VocabParallelEmbedding):

@@ -13,6 +13,8 @@ import copy
 import dataclasses
 import io
 import os
+import secrets
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from emapg import algo
 from emapg.anchor import EMAAnchor
 from emapg.backends import BACKENDS
 from emapg.config import ConfigError, TrainConfig, check_world, save_config
-from emapg.models import distributed
+from emapg.models import distributed, plan
 from emapg.models.forward import SHARD_METHODS
 from emapg.models.zoo import policy_model, teacher_model, training_policy, weights_digest
 from emapg.rollout import DecodeLoop, response_budget
@@ -43,11 +45,9 @@ from emapg.run.checkpoint import (
 from emapg.run.evaluate import RunEvaluator
 from emapg.run.folder import check_teacher
 from emapg.run.metrics import MetricsWriter
-from emapg.run.schedule import lr_factor, restore_schedule
-from emapg.run.step_plan import StepPlan, step_plan
+from emapg.run.step_plan import StepPlan, lr_factor, restore_schedule, step_plan
 from emapg.tasks import make_task
-from emapg.tasks.base import Task
-from emapg.tasks.order import check_order
+from emapg.tasks.base import Task, check_order
 
 
 @dataclass(kw_only=True)
@@ -176,8 +176,6 @@ def check_shared_folder(run_dir: Path, dist: distributed.DistInfo) -> None:
     on a filesystem they share; a rank that cannot see it is named, with its host, on every rank."""
     if not dist.enabled:
         return
-    import secrets
-    import socket
 
     probe = run_dir / ".emapg-ranks"
     token = secrets.token_hex(8) if dist.is_main else None
@@ -206,7 +204,6 @@ def check_memory(cfg: TrainConfig, model: torch.nn.Module, tokenizer, task, dist
     capacity = device_capacity(dist.device)
     if capacity is None or not cfg.memory_check:
         return
-    from emapg.models import plan
 
     p = plan.run_plan(cfg, model.config, task, tokenizer, world=dist.world, device=dist.device.type,
                       gpu_memory=capacity)

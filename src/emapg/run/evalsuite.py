@@ -13,16 +13,23 @@ sets weighted by their problems (the reference's aggregate) and unweighted: the 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from emapg.atomic import naming_failed_writes, write_text_atomic
 from emapg.backends import BACKENDS
 from emapg.config import ConfigError
+from emapg.models import distributed
+from emapg.models.zoo import load_model
+from emapg.rollout.prompts import context_length, fit_prompts
 from emapg.rollout.sampling import SamplingSpec
-from emapg.run.evaluate import RANK_SEED_STRIDE
+from emapg.run.evaluate import RANK_SEED_STRIDE, combine_evals, evaluate
+from emapg.tasks import make_task
 
 
 @dataclass(frozen=True)
@@ -74,9 +81,7 @@ def unique_names(names: list[str]) -> list[str]:
 def resolve_device(device: str) -> str:
     """auto = cuda when a GPU is visible, else cpu; an unavailable cuda is a one-line error (the name itself is
     checked by the config's ``device`` rule). The training's rule, with the command line's option name."""
-    from emapg.models.distributed import resolve_device as resolve
-
-    return str(resolve(device, "--device"))
+    return str(distributed.resolve_device(device, "--device"))
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -100,12 +105,7 @@ def sets_of(task, name: str, size: int) -> list[tuple[str, list]]:
 def run(plan: EvalPlan, out: Path | None, log=lambda m: print(m, file=sys.stderr)) -> list[dict[str, Any]]:
     """Evaluate every model on every set; returns the rows (and writes eval.json, eval.md and every
     completion, ``MODEL__SET.samples.jsonl``, into ``out``)."""
-    import torch
 
-    from emapg.models.zoo import load_model
-    from emapg.rollout.prompts import context_length, fit_prompts
-    from emapg.run.evaluate import evaluate
-    from emapg.tasks import make_task
 
     tasks = []
     for name, path in plan.sets:  # every file read and checked before the first model loads
@@ -190,11 +190,8 @@ def repeated_sample(res: dict[str, Any], n: int) -> dict[str, Any]:
 def eval_processes(device: str) -> tuple[int, int, str]:
     """(rank, world, device) of this ``emapg eval`` process: one process, or under torchrun each process with
     its share of every set (every ``world``-th problem) on its own device (cuda:LOCAL_RANK)."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, device
-    from emapg.models import distributed
 
     info = distributed.init(device)
     return info.rank, info.world, str(info.device)
@@ -202,9 +199,6 @@ def eval_processes(device: str) -> tuple[int, int, str]:
 
 def _combined(res: dict[str, Any], world: int) -> tuple[dict[str, Any], list[dict]]:
     """One process's result of its share and its transcripts -> the whole set's (collective when world > 1)."""
-    from emapg.models import distributed
-    from emapg.run.evaluate import combine_evals
-
     records = res.pop("records", [])
     if world <= 1:
         return res, records

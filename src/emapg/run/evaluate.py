@@ -10,14 +10,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from emapg.atomic import append_line, write_json_atomic, write_text_atomic
 from emapg.errors import ConfigError
 from emapg.models import distributed
 from emapg.rollout import rollout_for_task
 from emapg.rollout.sampling import SamplingSpec
-from emapg.tasks.base import Example, Task
-from emapg.tasks.scoring import score_completions
+from emapg.run.teacher_kl import TeacherKL
+from emapg.tasks import make_task
+from emapg.tasks.base import Example, Task, score_completions
 
 RANK_SEED_STRIDE = 7919  # rank r samples with seed + r * stride; rank 0 (and a single process) with seed
 
@@ -103,8 +105,6 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
     ``engine``: a vLLM engine holding the model's weights samples instead (``seed`` seeds its batches).
     ``max_rows``: the hf backend decodes at most this many rows at once (``rollout.max_rows``).
     """
-    from tqdm.auto import tqdm
-
     n = spec.n
     total, length, count = 0.0, 0.0, 0
     correct: list[int] = []
@@ -168,8 +168,6 @@ class RunEvaluator:
                  fit=None):
         """``fit(task)``: what the trainer checks every prompt with (the context length): applied to the
         transfer task too, before its set is drawn."""
-        from emapg.tasks import make_task
-
         self.cfg, self.tokenizer, self.main = cfg, tokenizer, dist.is_main
         self.rank, self.world = dist.rank, dist.world
         self.spec, self.settings = eval_sampling(cfg), eval_settings(cfg, dist.world, dist.device.type)
@@ -194,8 +192,6 @@ class RunEvaluator:
     def use_teacher(self, teacher: nn.Module, temperature: float) -> None:
         """Measure, with every held-out evaluation, the model's exact reverse KL to a distillation teacher
         on the teacher's own greedy responses to the held-out prompts (:mod:`emapg.run.teacher_kl`)."""
-        from emapg.run.teacher_kl import TeacherKL
-
         if "heldout" in self.sets and self.cfg.eval.teacher_kl:
             task, examples = self.sets["heldout"]
             self.teacher_kl = TeacherKL(teacher, self.tokenizer, task, examples, self.spec.max_new_tokens,

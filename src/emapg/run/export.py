@@ -13,6 +13,7 @@ from torch import nn
 
 from emapg.anchor import EMAAnchor
 from emapg.atomic import folder_atomic
+from emapg.config import load_config
 from emapg.models import distributed
 from emapg.models.zoo import policy_model, save_hf_folder
 from emapg.run.checkpoint import WEIGHT_EMA, CheckpointError, load_checkpoint, load_policy, resume_candidates
@@ -49,8 +50,6 @@ def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None =
     ``RUN/export-step_NNNNNN``), each replaced atomically. The policy is
     built on the CPU from the run's config.yaml (its model and LoRA settings), and the checkpoint's tensors
     loaded into it; the anchor is the policy with the checkpoint's averages in place of its tensors."""
-    from emapg.config import load_config
-
     run_dir = Path(run_dir)
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.exists():

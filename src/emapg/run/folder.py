@@ -10,10 +10,13 @@ is refused unless ``--force`` is given.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -79,9 +82,6 @@ def die_with_parent(grandparent: int | None = None) -> None:
     The request covers only what happens after it: a parent (or, for a torchrun worker, the launcher
     ``grandparent`` above torchrun) that ended before it leaves this process adopted by init or by a
     subreaper, which the parent's PID no longer being the one expected shows; then it ends now."""
-    import ctypes
-    import signal
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -105,8 +105,6 @@ def _parent_of(pid: int) -> int | None:
 def stop_child(proc) -> None:
     """Stop a child process that writes under this process's lock, and wait for it to end (SIGTERM, then
     SIGKILL after 60 s), so the lock is released only when nothing writes under it."""
-    import subprocess
-
     if proc.poll() is None:
         proc.terminate()
         try:

@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from torch.utils.tensorboard import SummaryWriter
 
 from emapg.atomic import append_line, naming_failed_writes, write_json_atomic, write_text_atomic
-from emapg.errors import EmapgError, regular_file
+from emapg.errors import ConfigError, EmapgError, regular_file
 from emapg.models import distributed
 from emapg.run.outcomes import anchor_against_policy
 
@@ -111,7 +114,6 @@ class MetricsWriter:
             write_text_atomic(self.path, "".join(line + "\n" for line in kept))  # a kill keeps the old file
         self.tb = self.wandb = None
         if "tensorboard" in report_to:
-            from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step)
         if "wandb" in report_to:
@@ -133,7 +135,7 @@ class MetricsWriter:
         """The final eval table (initial model, policy, anchor), as a W&B table and run summary."""
         if self.wandb is None:
             return
-        import wandb
+        import wandb  # (optional: report_to wandb)
 
         rows = [[name, None if not res else res.get("accuracy")] for name, res in table.items()]
         self.wandb.log({"eval/table": wandb.Table(columns=["model", "held-out accuracy"], data=rows)})
@@ -160,9 +162,8 @@ def _wandb_run(run_dir: Path, config: dict[str, Any], project: str):
     """A W&B run for this run folder; a resumed run continues the same W&B run (its id is kept in
     the folder)."""
     try:
-        import wandb
+        import wandb  # (optional: report_to wandb)
     except ImportError:
-        from emapg.errors import ConfigError
 
         raise ConfigError("report_to: wandb needs Weights & Biases: pip install -e '.[wandb]' in emapg's clone "
                           "(or pip install wandb)") from None
@@ -222,11 +223,6 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def plot_run(run_dir: Path) -> list[Path]:
     """PNG plots of reward, held-out accuracy (%), KL and entropy against step (:func:`run_figure`). Returns the
     files."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = read_metrics(run_dir)
     out = []
     for name in PLOTS:
@@ -234,7 +230,6 @@ def plot_run(run_dir: Path) -> list[Path]:
         if fig is not None:
             path = Path(run_dir) / f"{name}.png"
             fig.savefig(path, dpi=100)
-            plt.close(fig)
             out.append(path)
     return out
 
@@ -242,9 +237,8 @@ def plot_run(run_dir: Path) -> list[Path]:
 def run_figure(rows: list[dict[str, Any]], name: str):
     """One of :data:`PLOTS` as a matplotlib figure (None when no row has its values): the axis labelled with its
     unit, steps as whole numbers, coinciding series told apart (:func:`draw_series`)."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig = Figure(figsize=(5, 3.2))  # (no pyplot: no global figure state, no GUI backend)
+    ax = fig.subplots()
     drawn: list[tuple[str, list]] = []
     for key in PLOTS[name]:
         scale = METRIC_UNITS[key][1]
@@ -253,7 +247,6 @@ def run_figure(rows: list[dict[str, Any]], name: str):
         if pts:
             draw_series(ax, *zip(*pts, strict=True), LABELS.get(key, key), drawn, marker_below=30, ms=4)
     if not drawn:
-        plt.close(fig)
         return None
     finish_axes(ax, PLOT_TITLES[name], METRIC_UNITS[PLOTS[name][0]][0], fontsize=9)
     ax.legend(fontsize=8)
@@ -275,8 +268,6 @@ def draw_series(ax, steps, values, label: str, drawn: list[tuple[str, list]], *,
 
 def finish_axes(ax, title: str, unit: str, fontsize: float) -> None:
     """A plot's axes: its title, step as a whole number on x, the unit on y, a light grid."""
-    from matplotlib.ticker import MaxNLocator
-
     ax.set_xlabel("step")
     ax.set_ylabel(unit)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from emapg.errors import CheckpointError
 
@@ -48,8 +50,6 @@ class Piece:
 
 def _dtensor_rows(t: Tensor) -> tuple[int, Tensor] | None:
     """(first row, local rows) of a DTensor sharded on dim 0 over a 1-D mesh; None for a plain tensor."""
-    from torch.distributed.tensor import DTensor, Shard
-
     if not isinstance(t, DTensor):
         return None
     if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
@@ -115,7 +115,6 @@ class Tensors(Mapping):
     one (what a DTensor laid out as ``like`` holds). Opening reads the header only (a damaged file raises)."""
 
     def __init__(self, file: Path):
-        from safetensors import safe_open
 
         self.file = Path(file)
         self._f = safe_open(str(file), "pt")

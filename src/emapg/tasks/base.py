@@ -1,11 +1,31 @@
-"""What a task is: data, a prompt format, a reward, and (for tool tasks) an episode's budgets and a retriever."""
+"""What a task is (data, a prompt format, a reward, and for tool tasks an episode's budgets and a retriever), the
+order a run sees its training prompts in, and its reward called on a batch of completions.
+
+The order (``data_order``):
+
+* ``random``: each step draws its prompts with replacement, seeded by (seed, step).
+* ``epochs``: the training set walked in shuffled epochs without replacement, as verl's dataloader walks it
+  (a ``RandomSampler`` over a generator seeded with the run's seed, batches of ``prompts_per_step``, the last
+  incomplete batch of an epoch dropped): epoch e is the (2e + 1)-th ``torch.randperm`` of that generator (the
+  sampler draws two per epoch, the second cut to nothing). Step s's
+  prompts are a function of (seed, s) alone, so a run resumed mid-epoch continues the epoch exactly.
+
+Scoring: a reward that fails or returns a non-number is a :class:`RewardError` naming the sample.
+"""
 
 from __future__ import annotations
 
+import inspect
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
+
+import torch
+
+from emapg.errors import ConfigError, EmapgError
 
 
 @dataclass
@@ -95,3 +115,100 @@ class Task:
         """Every example the task hands out, as lists the caller may edit in place (cut a prompt
         that does not fit the model), for tasks that read user files. Generated tasks return []."""
         return []
+
+
+ORDERS = ("random", "epochs")
+
+
+def _batches_per_epoch(size: int, per_step: int) -> int:
+    batches = size // per_step
+    if batches == 0:
+        raise ConfigError(f"data_order: epochs needs at least prompts_per_step ({per_step}) training examples, "
+                         f"the task has {size}")
+    return batches
+
+
+def epoch_indices(size: int, per_step: int, seed: int, step: int) -> list[int]:
+    """The training-set indices of step ``step`` (1-based) in shuffled epochs of a set of ``size`` examples."""
+    epoch, batch = divmod(step - 1, _batches_per_epoch(size, per_step))
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(2 * epoch):  # the sampler's generator runs on: each epoch draws two permutations (its order,
+        torch.randperm(size, generator=g)  # then one cut to num_samples % n = 0 rows)
+    order = torch.randperm(size, generator=g)
+    return order[batch * per_step : (batch + 1) * per_step].tolist()
+
+
+def _pool(task: Task) -> list[Example]:
+    pool = task.train_pool()
+    if pool is None:
+        raise ConfigError(f"data_order: epochs needs a task with a fixed training set; {task.name!r} draws its "
+                          "examples")
+    return pool
+
+
+def check_order(task: Task, order: str, per_step: int) -> None:
+    """Before the first step: ``epochs`` needs a fixed training set of at least one step's prompts."""
+    if order == "epochs":
+        _batches_per_epoch(len(_pool(task)), per_step)
+
+
+def defined_in(cls: type) -> str:
+    """Where a class (a plugin's task) is defined, as a user wrote it: ``Echo in my_plugin.py``."""
+    try:
+        return f"{cls.__qualname__} in {Path(inspect.getfile(cls)).name}"
+    except (TypeError, OSError):
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def draw_examples(task: Task, rng: random.Random, n: int) -> list[Example]:
+    """``task.train_examples(rng, n)``, checked: a task (a plugin's) that returns anything but a list of ``n``
+    Examples is named in one line."""
+    drawn = task.train_examples(rng, n)
+    if not (isinstance(drawn, list) and len(drawn) == n and all(isinstance(e, Example) for e in drawn)):
+        got = (f"{len(drawn)} items of {', '.join(sorted({type(e).__name__ for e in drawn}))}"
+               if isinstance(drawn, list) and drawn else type(drawn).__name__)
+        raise EmapgError(f"task {defined_in(type(task))}: train_examples returned {got}, expected a list of {n} "
+                         "Example")
+    return drawn
+
+
+def training_prompts(task: Task, order: str, seed: int, step: int, n: int, step_seed: int) -> list[Example]:
+    """The ``n`` training examples of step ``step``: drawn with ``random.Random(step_seed)``, or the step's batch
+    of the shuffled epochs."""
+    if order == "random":
+        return draw_examples(task, random.Random(step_seed), n)
+    pool = _pool(task)
+    return [pool[i] for i in epoch_indices(len(pool), n, seed, step)]
+
+
+class RewardError(EmapgError, RuntimeError):
+    """A reward function failed or returned a non-number, for a named sample."""
+
+
+def score_completions(task: Task, completions: list[str], examples: list[Example], n: int,
+                      evaluation: bool = False, truncated: torch.Tensor | None = None) -> torch.Tensor:
+    """Rewards [len(completions)] for completions grouped n per example (example i // n).
+
+    evaluation: score with the task's ``eval_reward`` (the correctness alone, without shaping terms
+    such as a format bonus) instead of its training ``reward``. truncated: [len(completions)] bools, the
+    responses that ran out of tokens: they score 0 where the task says so (``Task.zero_truncated``: the
+    paper's math grader, as rLLM's engine does).
+    """
+    fn = task.eval_reward if evaluation else task.reward
+    out = []
+    for i, completion in enumerate(completions):
+        ex = examples[i // n]
+        try:
+            value = float(fn(completion, ex))
+        except Exception as e:  # the user's reward code: report which sample broke it
+            raise RewardError(
+                f"reward of task {task.name!r} raised {type(e).__name__}: {e} "
+                f"(sample {i}: example {ex.id!r}, response {i % n}, completion {completion[:200]!r})"
+            ) from e
+        if not math.isfinite(value):
+            raise RewardError(f"reward of task {task.name!r} returned {value} for sample {i} (example {ex.id!r})")
+        out.append(value)
+    rewards = torch.tensor(out, dtype=torch.float32)
+    if truncated is not None and getattr(task, "zero_truncated", False):
+        rewards[truncated.bool().cpu()] = 0.0
+    return rewards

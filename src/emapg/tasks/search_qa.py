@@ -12,6 +12,7 @@ episode: small models need to see the format once).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import random
@@ -24,6 +25,8 @@ from emapg.data import DataError, check_text, load_rows
 from emapg.errors import ConfigError
 from emapg.models.zoo import cache_dir
 from emapg.retrieval import DENSE_KINDS, RETRIEVERS, open_retriever, retriever_problem
+from emapg.retrieval.bm25 import build_index
+from emapg.retrieval.dense import build_dense
 from emapg.retrieval.passages import has_dense
 from emapg.rewards.qa import gold_answers, qa_em, qa_f1
 from emapg.tags import INVALID_ACTION, extract_answer
@@ -112,9 +115,7 @@ def qa_rows(path: str, question_field: str = "question", answers_field: str = "a
 def synthetic_index(options: dict[str, Any], retriever: str = "bm25") -> tuple[Path, dict[str, list[dict]]]:
     """The generated knowledge base and its BM25 index (and, for a dense or hybrid retriever, its dense
     index), built once into the emapg cache; a lock lets parallel runs share one build."""
-    import fcntl
 
-    from emapg.retrieval.bm25 import build_index  # bm25s: the optional extra emapg[search]
 
     kb = make_kb(**options)
     key = hashlib.sha256(json.dumps(kb["corpus"], sort_keys=True).encode()).hexdigest()[:16]
@@ -130,7 +131,6 @@ def synthetic_index(options: dict[str, Any], retriever: str = "bm25") -> tuple[P
             corpus.write_text("".join(json.dumps(d) + "\n" for d in kb["corpus"]))
             build_index(corpus, index)
         if retriever in DENSE_KINDS and not has_dense(index):
-            from emapg.retrieval.dense import build_dense  # faiss, sentence-transformers: emapg[dense]
 
             build_dense(index, progress=False)
     return index, kb
