@@ -332,3 +332,46 @@ def test_a_plugin_named_as_a_module_and_as_its_file_is_imported_once(tmp_path, p
     res = run("train", "--config", str(SMOKE), "--out", "run", "plugins=[my_plugin, my_plugin.py]", "task=echo",
               "task_args={letter: b}", "steps=1", "export=false", "eval.size=0", "save_every=0", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+BAD_TASKS = '''
+from emapg.tasks import register_task
+from emapg.tasks.base import Example, Task
+
+
+class Undefined(Task):
+    def __init__(self, size: "NoSuchType" = 4):
+        self.size = size
+
+    def train_examples(self, rng, n):
+        return [Example(id=str(i), messages=[{"role": "user", "content": "say a"}], answer="a") for i in range(n)]
+
+    def eval_examples(self, size):
+        return self.train_examples(None, size)
+
+    def reward(self, completion, example):
+        return 1.0
+
+
+class Stringy(Undefined):
+    def __init__(self, size: int = 4, **smoke_args):  # (the smoke recipe's arithmetic arguments too)
+        self.size = size
+
+    def train_examples(self, rng, n):
+        return "say a"
+
+
+register_task("undefined", Undefined)
+register_task("stringy", Stringy)
+'''
+
+
+@pytest.mark.parametrize(("task", "message"), [
+    ("undefined", "task undefined (Undefined in bad_tasks.py): its __init__'s annotations do not resolve"),
+    ("stringy", "task Stringy in bad_tasks.py: train_examples returned str, expected a list of 64 Example"),
+])
+def test_a_plugin_task_that_breaks_its_protocol_is_named_in_one_line(tmp_path, task, message):
+    (tmp_path / "bad_tasks.py").write_text(BAD_TASKS)
+    res = run("train", "--config", str(SMOKE), "--out", "run", "plugins=[bad_tasks.py]", f"task={task}", "steps=1",
+              cwd=tmp_path)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]

@@ -11,7 +11,7 @@ import sys
 
 from emapg.errors import ConfigError
 from emapg.rollout.sampling import format_prompt
-from emapg.tasks.base import Example, Task
+from emapg.tasks.base import Example, Task, draw_examples
 
 
 def context_length(model) -> int | None:
@@ -116,7 +116,7 @@ def longest_prompt(task: Task, tokenizer, sample: int = 64) -> int:
     pools = task.prompt_pools()
     if pools:
         return max((len(format_prompt(tokenizer, ex.messages)) for pool in pools for ex in pool), default=0)
-    drawn = task.train_examples(random.Random(0), sample)
+    drawn = draw_examples(task, random.Random(0), sample)
     return math.ceil(1.5 * max((len(format_prompt(tokenizer, ex.messages)) for ex in drawn), default=0))
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from emapg.config import TASK_ARGS_CHECKS, rule_problems
 from emapg.errors import ConfigError
 from emapg.tasks.arithmetic import ArithmeticTask
-from emapg.tasks.base import Example, Task
+from emapg.tasks.base import Example, Task, defined_in
 from emapg.tasks.math import MathTask
 from emapg.tasks.search_qa import SearchQATask
 
@@ -39,7 +39,11 @@ def task_args_problems(name: str, kwargs: dict[str, Any]) -> list[str]:
     params = inspect.signature(cls.__init__).parameters
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # **kwargs takes any key
     known = [p for p, v in params.items() if p != "self" and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)]
-    hints = typing.get_type_hints(cls.__init__)
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception as e:  # a plugin's annotation naming a type its module does not define
+        raise ConfigError(f"task {name} ({defined_in(cls)}): its __init__'s annotations do not "
+                          f"resolve ({type(e).__name__}: {e})") from None
     problems, typed = [], {}
     for key, value in kwargs.items():
         if key not in known and not open_ended:
