@@ -47,7 +47,6 @@ from emapg.models import zoo as models
 from emapg.models.distributed import native_bf16
 from emapg.models.forward import response_hidden
 from emapg.models.lm import decoder_and_head, set_pass_mode
-from emapg.models.zoo import DTYPES
 from emapg.rollout import response_budget
 from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.prompts import longest_prompt
@@ -224,7 +223,7 @@ def _layers_model(config, layers: int, how: Calibration) -> nn.Module:
                                       "layer_types": None, "use_cache": False, "bos_token_id": None,
                                       "eos_token_id": None, "pad_token_id": None})
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[how.dtype])
+        model = AutoModelForCausalLM.from_config(cfg, dtype=models.DTYPES[how.dtype])
     model.to_empty(device="cpu")
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
