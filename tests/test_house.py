@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -216,3 +217,53 @@ def test_every_import_inside_a_function_says_why():
                         "#" in lines[i] for i in (node.lineno - 2, node.end_lineno - 1)):
                     unexplained.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert unexplained == []
+
+
+def test_importing_a_package_fills_no_table_of_another():
+    """Wiring in plain sight (issue 72): importing ``emapg.tasks`` (or any package above the config) changes no
+    table of ``emapg.config`` or ``emapg.settings``, so what a config's load checks does not depend on what
+    happened to be imported before it (the task's ``task_args`` check is passed to ``load_config`` instead)."""
+    probe = """
+import sys, importlib
+import emapg.config, emapg.settings
+mods = [m for name, m in sorted(sys.modules.items()) if name.startswith(("emapg.config", "emapg.settings"))]
+def snapshot():
+    return {f"{m.__name__}.{k}": repr(v) for m in mods for k, v in vars(m).items()
+            if isinstance(v, list | dict | set) and not k.startswith("__")}
+before = snapshot()
+for name in ("emapg.tasks", "emapg.retrieval", "emapg.backends", "emapg.run.trainer", "emapg.commands"):
+    importlib.import_module(name)
+after = snapshot()
+print(sorted(k for k in before if before[k] != after[k]))
+"""
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_config_checks_task_args_with_the_check_it_is_given(tmp_path):
+    """``load_config`` checks ``task_args`` by the ``task_check`` its caller passes (every command passes the
+    tasks' own), in the same one message as the other fields; without it the task checks them when built."""
+    from emapg.config import ConfigError, load_config
+    from emapg.tasks import make_task, task_args_problems
+
+    over = ["task_args.digits=x", "lr=-1"]
+    assert load_config(None, ["task_args.digits=2"], task_check=task_args_problems).task_args == {"digits": 2}
+    try:
+        load_config(None, over, task_check=task_args_problems)
+    except ConfigError as e:
+        assert "task_args.digits: expected an integer, got 'x'" in str(e) and "lr" in str(e), str(e)
+    else:
+        raise AssertionError("a bad task_args value was not refused")
+    try:
+        load_config(None, ["task_args.digits=x"])
+    except ConfigError as e:
+        raise AssertionError(f"no task_check given, yet task_args checked: {e}") from None
+    cfg = load_config(None, ["task_args.digits=x"])
+    try:
+        make_task(cfg.task, **cfg.task_args)
+    except ConfigError as e:
+        assert "task_args.digits: expected an integer" in str(e)
+    else:
+        raise AssertionError("make_task took digits='x'")

@@ -56,6 +56,7 @@ from emapg.run.folder import (
     unlock_run,
 )
 from emapg.run.trainer import Trainer
+from emapg.tasks import task_args_problems
 from emapg.tasks.multihop_kb import make_kb
 
 DEFAULT_RECIPE = "cpu_demo"
@@ -120,10 +121,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg_file = run_dir / "config.yaml"
         if not cfg_file.exists():
             raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
-        cfg = load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins)
+        cfg = load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins, task_check=task_args_problems)
     else:
         cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
-                          trust_plugins=args.trust_plugins)
+                          trust_plugins=args.trust_plugins, task_check=task_args_problems)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
     if args.nproc > 1 and not launched:  # the batch must split over the processes: said once, before torchrun
         check_world(cfg, args.nproc)
@@ -201,7 +202,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
-                      trust_plugins=args.trust_plugins)
+                      trust_plugins=args.trust_plugins, task_check=task_args_problems)
     if args.gpu_memory is None:  # a GPU's 80 GiB, or on the CPU this host's memory shared by the processes
 
         host = host_share(max(args.gpus, 1)) if args.device == "cpu" else None
@@ -317,7 +318,7 @@ def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     run = Path(args.run)
     if not (run / "config.yaml").exists():
         raise ConfigError(f"--run {run}: no config.yaml there (is this a run folder?)")
-    cfg = load_config(run / "config.yaml", trust_plugins=args.trust_plugins)
+    cfg = load_config(run / "config.yaml", trust_plugins=args.trust_plugins, task_check=task_args_problems)
     if args.task and args.task != cfg.task:
         raise ConfigError(f"--task {args.task}: the run {run} trained on {cfg.task}")
     models = args.model or [str(run / "export" / m) for m in ("policy", "anchor", "ema")
@@ -431,7 +432,8 @@ def cmd_config(args: argparse.Namespace) -> int:
             raise ConfigError(f"{' '.join(args.overrides)}: overrides go with --show CONFIG")
         print(reference.markdown() if args.markdown else reference.text(), end="")
         return 0
-    cfg = load_config(recipe_path(args.show), args.overrides, trust_plugins=args.trust_plugins)
+    cfg = load_config(recipe_path(args.show), args.overrides, trust_plugins=args.trust_plugins,
+                      task_check=task_args_problems)
     print(reference.resolved(cfg), end="")
     return 0
 

@@ -22,7 +22,6 @@ from emapg.config.rules import (
     CONSISTENCY,
     EVAL_OPTIONS,
     RULES,
-    TASK_ARGS_CHECKS,
     TRL_KEYWORDS,
     check_fields,
     check_options,
@@ -46,7 +45,7 @@ from emapg.settings import Rule, above, across_rules, at_least, one_of, rule_pro
 
 __all__ = [
     "AlgoConfig", "CONSISTENCY", "ConfigError", "DTYPE_NAMES", "EVAL_OPTIONS", "EvalConfig", "LoraConfig", "MOVED",
-    "RULES", "RUN_MARKER", "RolloutConfig", "Rule", "SHIPPED_RECIPES", "TASK_ARGS_CHECKS", "TRL_KEYWORDS",
+    "RULES", "RUN_MARKER", "RolloutConfig", "Rule", "SHIPPED_RECIPES", "TRL_KEYWORDS",
     "TRUST_FLAG", "TrainConfig", "above", "across_rules", "apply_override", "apply_overrides", "at_least",
     "check_fields", "check_options", "check_world", "import_plugins", "load_config", "merged_task_args",
     "mini_batch_prompts", "run_folder_of", "one_of", "recomputes_old", "replay_safe", "rule_problems", "save_config",

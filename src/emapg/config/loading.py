@@ -19,7 +19,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from emapg.atomic import write_text_atomic
-from emapg.config.rules import args_problems, validate
+from emapg.config.rules import TaskCheck, args_problems, validate
 from emapg.config.schema import RolloutConfig, TrainConfig
 from emapg.errors import ConfigError, not_utf8, regular_file
 from emapg.settings import all_of, moved_hint, typed
@@ -161,8 +161,10 @@ def run_folder_of(path: str | Path) -> Path | None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                trust_plugins: bool = False) -> TrainConfig:
-    """Read a YAML config (or the defaults), apply overrides, validate, and return it.
+                trust_plugins: bool = False, task_check: TaskCheck | None = None) -> TrainConfig:
+    """Read a YAML config (or the defaults), apply overrides, validate, and return it. ``task_check``
+    (:func:`emapg.tasks.task_args_problems`, which every command passes) checks ``task_args`` with the other
+    fields, in the same one message, before any model loads; without it they are checked when the task is built.
 
     A config's ``plugins`` are code, and one rule decides whether they are imported, on every path that reads a
     config (train, resume, plan, eval, export, compare): plugins named by a file the user wrote are; plugins named
@@ -207,8 +209,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             cfg = typed(TrainConfig, data, "", MOVED)  # every field's type and own rule: all problems at once
         except ConfigError as e:  # and task_args and backend_args, checked on what was read, in the same message
-            raise all_of(e.problems + (args_problems(e.partial) if e.partial is not None else [])) from None
-        validate(cfg)
+            raise all_of(e.problems + (args_problems(e.partial, task_check) if e.partial is not None else [])) from None
+        validate(cfg, task_check)
     except ConfigError as e:  # each problem blamed on where its value came from: the file or an override
         blames = [_blamed(p, source, overrides or [], origins) for p in e.problems]
         if len(set(blames)) == 1 and not unapplied:  # one place to fix: named once

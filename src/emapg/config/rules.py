@@ -70,30 +70,30 @@ def value_of(cfg: Any, name: str) -> Any:
     return cfg
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Check every field by :data:`RULES`, then :data:`CONSISTENCY`, and the task's ``task_args`` by the task's own
-    signature and rules (before any model or data loads); raise one ConfigError naming every field wrong."""
+TaskCheck = Callable[[str, dict[str, Any]], list[str]]
+"""A task's check of its ``task_args``, ``check(task, task_args) -> problems`` (:func:`emapg.tasks.task_args_problems`,
+given by the caller: the tasks build on this module, not the other way round)."""
+
+
+def validate(cfg: TrainConfig, task_check: TaskCheck | None = None) -> None:
+    """Check every field by :data:`RULES`, then :data:`CONSISTENCY`, and the task's ``task_args`` by
+    ``task_check`` (before any model or data loads); raise one ConfigError naming every field wrong."""
     try:
         check_fields({name: value_of(cfg, name) for name in RULES})  # first: the rules across fields assume these
     except ConfigError as e:
-        raise all_of(e.problems + args_problems(cfg)) from None
+        raise all_of(e.problems + args_problems(cfg, task_check)) from None
     problems = [f"{name}: {message(cfg)}" for name, ok, message in CONSISTENCY if not ok(cfg)]
-    problems += args_problems(cfg)
+    problems += args_problems(cfg, task_check)
     if problems:
         raise all_of(problems)
 
 
-TASK_ARGS_CHECKS: list[Callable[[str, dict[str, Any]], list[str]]] = []
-"""Checks of a config's ``task_args`` against its task, ``check(task, task_args) -> problems``: emapg.tasks
-registers its own when imported (the tasks build on this module, not the other way round)."""
-
-
-def args_problems(cfg: TrainConfig) -> list[str]:
-    """What the registered task checks find wrong in ``task_args`` (by the task's signature and ``ARGS`` rules),
-    and the backend's own check of ``rollout.backend_args`` (its declared settings)."""
+def args_problems(cfg: TrainConfig, task_check: TaskCheck | None) -> list[str]:
+    """What ``task_check`` finds wrong in ``task_args`` (none given: nothing, the task checks them when it is
+    built), and the backend's own check of ``rollout.backend_args`` (its declared settings)."""
     problems = []
-    if isinstance(cfg.task_args, dict):
-        problems += [p for check in TASK_ARGS_CHECKS for p in check(cfg.task, cfg.task_args)]
+    if isinstance(cfg.task_args, dict) and task_check is not None:
+        problems += task_check(cfg.task, cfg.task_args)
     if cfg.rollout.backend in BACKENDS and isinstance(cfg.rollout.backend_args, dict):
         try:
             BACKENDS[cfg.rollout.backend].settings_of(cfg.rollout.backend_args)

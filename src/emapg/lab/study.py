@@ -38,6 +38,7 @@ from emapg.run.folder import (
     stop_child,
     unlock_run,
 )
+from emapg.tasks import task_args_problems
 
 
 @dataclass
@@ -80,7 +81,7 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
         raise ConfigError(f"{path}: base: {base} does not exist")
     for name, over in configs.items():  # every config is checked before the first run starts
         try:
-            load_config(base, [*overrides, *over], trust_plugins=trust_plugins)
+            load_config(base, [*overrides, *over], trust_plugins=trust_plugins, task_check=task_args_problems)
         except ConfigError as e:
             raise ConfigError(f"{path}: configs.{name}: {e}") from None
     groups = {g: [str(n) for n in names if str(n) in configs] for g, names in raw.groups.items()}

@@ -6,8 +6,8 @@ import inspect
 import typing
 from typing import Any
 
-from emapg.config import TASK_ARGS_CHECKS, rule_problems
 from emapg.errors import ConfigError
+from emapg.settings import rule_problems
 from emapg.tasks.arithmetic import ArithmeticTask
 from emapg.tasks.base import Example, Task, defined_in
 from emapg.tasks.math import MathTask
@@ -34,7 +34,11 @@ _SIMPLE = {int: "an integer", float: "a number", str: "a string", bool: "true or
 def task_args_problems(name: str, kwargs: dict[str, Any]) -> list[str]:
     """Every wrong entry of task ``name``'s ``task_args``: an unknown key (the known ones listed), a value of
     the wrong type where the task's signature declares int, float, str or bool, and a value its ``ARGS``
-    rules refuse (checked like the config's own fields)."""
+    rules refuse (checked like the config's own fields). An unknown task: none here (the config's ``task``
+    field says so; :func:`make_task` refuses it). ``load_config(..., task_check=task_args_problems)`` checks a
+    config's ``task_args`` with its other fields, before any model loads."""
+    if name not in TASKS:
+        return []
     cls = TASKS[name]
     params = inspect.signature(cls.__init__).parameters
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # **kwargs takes any key
@@ -76,12 +80,5 @@ def make_task(name: str, **kwargs: Any) -> Task:
         key = str(e).rsplit("argument", 1)[-1].strip(" '\"")
         raise ConfigError(f"task_args.{key}: task {name} does not take it ({e})") from None
 
-
-def _config_check(name: str, kwargs: dict[str, Any]) -> list[str]:
-    """The config's early check of ``task_args`` (an unknown task: nothing here, the task field's rule says so)."""
-    return task_args_problems(name, kwargs) if name in TASKS else []
-
-
-TASK_ARGS_CHECKS.append(_config_check)  # a config is checked with its task's arguments, before any model loads
 
 __all__ = ["Example", "Task", "TASKS", "make_task", "register_task", "task_args_problems"]

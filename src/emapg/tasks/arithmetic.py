@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 
-from emapg.config import at_least
+from emapg.settings import at_least
 from emapg.tasks.base import Example, Task
 
 _INT = re.compile(r"-?\d[\d,]*")

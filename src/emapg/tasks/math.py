@@ -13,11 +13,11 @@ import random
 import re
 import sys
 
-from emapg.config import at_least, one_of
 from emapg.data import DataError, answer_text, check_text, load_rows
 from emapg.errors import ConfigError
 from emapg.rewards.math import boxed_format_reward, math_reward
 from emapg.rewards.math_reference import gold_forms, normalize, reference_math_reward
+from emapg.settings import at_least, one_of
 from emapg.tasks.base import Example, Task
 
 R1_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from emapg.config import at_least, one_of, within
 from emapg.data import DataError, check_text, load_rows
 from emapg.errors import ConfigError
 from emapg.models.zoo import cache_dir
@@ -29,6 +28,7 @@ from emapg.retrieval.bm25 import build_index
 from emapg.retrieval.dense import build_dense
 from emapg.retrieval.passages import has_dense
 from emapg.rewards.qa import gold_answers, qa_em, qa_f1
+from emapg.settings import at_least, one_of, within
 from emapg.tags import INVALID_ACTION, extract_answer
 from emapg.tasks.base import AgentConfig, Example, Task
 from emapg.tasks.multihop_kb import make_kb
