@@ -126,7 +126,7 @@ def test_low_var_kl_is_k3_where_its_clamps_do_not_bind(off_policy):
 def test_low_var_kl_clamps_as_verl_does():
     lp = torch.tensor([-1.0, -1.0, -30.0, 0.0], dtype=torch.float64, requires_grad=True)
     la = torch.tensor([-1.5, -15.0, -1.0, -40.0], dtype=torch.float64)
-    value = kl.estimator("low_var_kl").sample(lp, la)
+    value = kl.estimator_named("low_var_kl").sample(lp, la)
     log_w = (la - lp).detach().clamp(-20, 20)
     k3 = torch.exp(log_w) - 1 - log_w
     # in range: k3; log w = -14: k3 = 13 + e^-14 > 10, clamped; log w = 29 clamped to 20, then the value to 10
@@ -295,7 +295,7 @@ def test_every_head_and_tail_has_the_expectation_method_states(estimator, head, 
     """Value and gradient, in expectation over the sampled token, enumerated exactly, against section 3.5's
     formula; the unbiased tails against the KL itself; the biased ones provably biased where T is partial."""
     theta, anchor, samp = make(off_policy=off_policy, seed=k + 7)
-    direction = kl.estimator(estimator).direction
+    direction = kl.estimator_named(estimator).direction
     value, grad = expectation(estimator, theta, anchor, samp, k=k, form=form, head=head)
     T = head_set(head, k, theta, anchor, samp)
     want = expected_by_formula(direction, form, theta, anchor, T)
@@ -333,7 +333,7 @@ def lean_from_logits(policy_logits, anchor_logits, tokens, estimator, k, samplin
     logp = torch.log_softmax(policy_logits, -1)
     loga = torch.log_softmax(anchor_logits, -1)
     samp = policy_logits if sampling_logits is None else sampling_logits
-    est = kl.estimator(estimator)
+    est = kl.estimator_named(estimator)
     if est.topk:
         q, mask = kl.choose_head(head or est.default_head, k, samp, anchor_logits)
     else:

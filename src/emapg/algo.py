@@ -52,7 +52,7 @@ class KLHead:
 
 def kl_head(a: AlgoConfig) -> KLHead:
     """The head of the configured estimator (``algo.kl`` at ``algo.k``, ``algo.head`` or its own)."""
-    est = kl.estimator(a.kl)
+    est = kl.estimator_named(a.kl)
     if est.topk:
         return KLHead(a.head or est.default_head, a.k) if a.k > 0 else KLHead("none")
     return KLHead(est.head)

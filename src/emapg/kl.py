@@ -293,14 +293,11 @@ def register_tail(tail: Tail) -> Tail:
     return tail
 
 
-def estimator(name: str) -> Estimator:
+def estimator_named(name: str) -> Estimator:
     """The declaration of estimator ``name``; a ValueError lists the known ones."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown KL estimator {name!r}; expected one of {', '.join(ESTIMATORS)}")
     return ESTIMATORS[name]
-
-
-_declared = estimator  # the same function, for token_kl, whose argument ``estimator`` hides this name
 
 
 def clamp_binds(name: str, policy_logp_tok: Tensor, anchor_logp_tok: Tensor, samp_logp_tok: Tensor | None,
@@ -311,7 +308,7 @@ def clamp_binds(name: str, policy_logp_tok: Tensor, anchor_logp_tok: Tensor, sam
     out = None
     if is_clip is not None and samp_logp_tok is not None:
         out = torch.exp(policy_logp_tok - samp_logp_tok) > is_clip
-    binds = _declared(name).binds
+    binds = estimator_named(name).binds
     if binds is not None:
         bound = binds(policy_logp_tok, anchor_logp_tok)
         out = bound if out is None else out | bound
@@ -396,7 +393,7 @@ def kl_from_logprobs(
     Returns:
         [...] the estimate, differentiable w.r.t. the policy's log-probs.
     """
-    est = estimator(name)
+    est = estimator_named(name)
     s = importance_weight(policy_logp_tok, samp_logp_tok, is_clip)
     if est.topk:
         if policy_logp_q is None or policy_logp_q.shape[-1] == 0:  # k = 0: no head, every token is tail
@@ -416,7 +413,7 @@ def kl_from_logprobs(
 def head_ids(name: str, k: int, samp_logits: Tensor, anchor_logits: Tensor) -> Tensor:
     """The head ids q from full logits: top-k of pi_samp or of the anchor, as the estimator declares
     (every id for the exact ones). Returns [..., k] long."""
-    est = estimator(name)
+    est = estimator_named(name)
     if est.topk:
         return choose_head(est.default_head, k, samp_logits, anchor_logits)[0]
     k = samp_logits.shape[-1] if est.head == "all" else min(k, samp_logits.shape[-1])
@@ -470,7 +467,7 @@ def token_kl(
     The head and its masses are written over the whole vocabulary with a 0/1 mask (no gather), so they
     are an independent computation from :func:`kl_from_logprobs`, which tests compare it with.
     """
-    est = _declared(estimator)
+    est = estimator_named(estimator)
     logp = torch.log_softmax(policy_logits, -1)
     loga = torch.log_softmax(anchor_logits.detach(), -1)
     if head is not None and not est.topk:

@@ -56,7 +56,7 @@ def exact_kl(policy_logits: Tensor, anchor_logits: Tensor, direction: str) -> tu
 def head_ids(name: str, k: int, policy_logits: Tensor, anchor_logits: Tensor, head: str | None = None) -> Tensor:
     """The estimator's head ids at this position: pi_samp's (= pi's) top-k, the anchor's, or both (a
     union's repeats removed); every id for the exact estimators."""
-    est = kl.estimator(name)
+    est = kl.estimator_named(name)
     if not est.topk:
         return kl.head_ids(name, k, policy_logits, anchor_logits)
     ids, mask = kl.choose_head(head or est.default_head, k, policy_logits, anchor_logits)
@@ -67,7 +67,7 @@ def moments(name: str, policy_logits: Tensor, anchor_logits: Tensor, *, k: int =
             head: str | None = None) -> Moments:
     """Exact moments of estimator ``name`` (in ``form``, with ``head`` for a top-k one) over p ~ pi at one
     position (logits [V])."""
-    est = kl.estimator(name)
+    est = kl.estimator_named(name)
     if (error := est.form_error(form)) is not None:
         raise ValueError(error)
     lp0 = torch.log_softmax(policy_logits.detach().double(), -1)

@@ -224,7 +224,7 @@ def _checked(kl: str, k: int, form: str, head: str, eta: float, ema_every: int, 
                      names={TRL_KEYWORDS[key]: key for key in given})
     except ConfigError as e:
         raise ConfigError(f"EMAPGTrainer: {e}") from None
-    est = klmod.estimator(kl)
+    est = klmod.estimator_named(kl)
     if (error := est.form_error(form)) is not None:
         raise ConfigError(f"EMAPGTrainer: form={error}")
     return est
