@@ -619,3 +619,41 @@ def test_a_studys_summary_is_strict_json(tmp_path):
 
     for path in (ROOT / "studies").glob("*/summary.json"):
         json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_plan_of_a_billion_layers_is_one_line_and_a_deep_model_is_counted_whole(tmp_path, capsys):
+    """num_hidden_layers 10^9 took minutes in transformers' config (a type per layer) and died: one line at once.
+    Past any real depth the shape is built with two layers and the rest counted as their copies, the same count as
+    the model built whole."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from emapg.cli import main
+    from emapg.models.plan import MAX_BUILT_LAYERS, shape_of
+
+    config = json.loads((ROOT / "tests" / "fixtures" / "model_configs" / "deepseek-r1-distill-qwen-7b" /
+                         "config.json").read_text())
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
+    assert main(["plan", "--config", "smoke", f"model={tmp_path / 'm'}", "--device", "cpu"]) == 2
+    assert "gives num_hidden_layers 1,000,000,000; emapg plans at most 100,000 layers" in capsys.readouterr().err
+    deep = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=64, num_hidden_layers=MAX_BUILT_LAYERS + 37)
+    with torch.device("meta"):
+        whole = AutoModelForCausalLM.from_config(deep)
+    shape = shape_of(deep)
+    assert shape.layers == MAX_BUILT_LAYERS + 37
+    assert shape.params == sum(p.numel() for p in whole.parameters())
+
+
+def test_a_study_whose_report_would_write_over_its_own_base_config_is_refused_before_any_run(tmp_path, capsys):
+    """A base config named results.md inside --out was trained from and then overwritten by the report."""
+    from emapg.cli import main
+
+    base = tmp_path / "results.md"
+    base.write_text(f"extends: {ROOT / 'recipes' / 'smoke.yaml'}\nsteps: 1\n")
+    (tmp_path / "s.yaml").write_text(f"base: {base}\nseeds: [0]\nconfigs: {{a: []}}\n")
+    for extra in ([], ["--report-only"]):
+        assert main(["compare", "--spec", str(tmp_path / "s.yaml"), "--out", str(tmp_path), *extra]) == 2
+        assert "which is" in capsys.readouterr().err and base.read_text().endswith("steps: 1\n")
+    assert not (tmp_path / "a").exists()

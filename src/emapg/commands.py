@@ -31,6 +31,7 @@ from emapg.config import (
     reference,
 )
 from emapg.errors import ConfigError, regular_file
+from emapg.lab.report import check_report_files
 from emapg.lab.report import report as study_report
 from emapg.lab.study import load_spec, run_all
 from emapg.models import distributed, plan
@@ -420,6 +421,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, quick=args.quick, only=args.only, extra=args.overrides,
                      trust_plugins=args.trust_plugins)
     out = Path(args.out)
+    check_report_files(spec, out)  # before hours of runs, not after
     if not args.report_only:
         run_all(spec, out, log=lambda m: print(f"emapg compare: {m}", file=sys.stderr, flush=True), jobs=args.jobs)
     print(study_report(spec, out))

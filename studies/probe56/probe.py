@@ -3469,6 +3469,474 @@ def rs_eval_no_server(c):
 
 
 # =========================================================================================================
+# Roots 11-17: issue 70's families (the third probe's 22 failures, each family tried more ways than it failed)
+
+def _foreign_config(c, where="run"):
+    """A finished run (copied) whose config.yaml names a plugin that leaves a marker when imported."""
+    run, marker = _evil_run(c)
+    if where != "run":
+        c.sh(f"mv run {where}")
+    return marker
+
+
+def _refused_untrusted(c, r, marker) -> tuple[str, str]:
+    if marker.exists():
+        return WRONG, "a plugin named by a config inside a run folder ran without --trust-plugins"
+    return refused(r, ["--trust-plugins"])
+
+
+@case("11", "`plan --config RUN/config.yaml` whose config names a plugin (no --trust-plugins)")
+def x11_plan_run_config(c):
+    marker = _foreign_config(c)
+    return _refused_untrusted(c, c.cli(["plan", "--config", "run/config.yaml", "--device", "cpu"]), marker)
+
+
+@case("11", "`train --config RUN/config.yaml --out NEW` whose config names a plugin (no --trust-plugins)")
+def x11_train_run_config(c):
+    marker = _foreign_config(c)
+    r = c.cli(["train", "--config", "run/config.yaml", "--out", "new", "steps=1"])
+    v = _refused_untrusted(c, r, marker)
+    if v[0] == HELD and (c.dir / "new").exists() and any((c.dir / "new").iterdir()):
+        return WRONG, "refused, but the new run folder was written: " + err_line(r)
+    return v
+
+
+@case("11", "a compare spec whose `base:` is a run folder's config.yaml naming a plugin (no --trust-plugins)")
+def x11_compare_base_run_config(c):
+    marker = _foreign_config(c)
+    _spec(c, "base: run/config.yaml\n" + SPEC_OK)
+    return _refused_untrusted(c, c.cli(["compare", "--spec", "spec.yaml", "--out", "out"]), marker)
+
+
+@case("11", "`plan --config mine.yaml` where mine.yaml `extends:` a run folder's config that names a plugin")
+def x11_extends_run_config(c):
+    marker = _foreign_config(c)
+    c.write("mine.yaml", "extends: run/config.yaml\nsteps: 1\n")
+    return _refused_untrusted(c, c.cli(["plan", "--config", "mine.yaml", "--device", "cpu"]), marker)
+
+
+@case("11", "`plan --config OTHER/notes.yaml`: any file inside a folder emapg wrote a run into, naming a plugin")
+def x11_file_in_run_folder(c):
+    run = c.copy_run()
+    marker = c.dir / "PWNED"
+    c.write("evil.py", EVIL.format(marker=str(marker)))
+    c.write("run/notes.yaml", f"extends: smoke\nplugins: [{c.dir / 'evil.py'}]\n")
+    assert (run / ".emapg-run").exists()
+    return _refused_untrusted(c, c.cli(["plan", "--config", "run/notes.yaml", "--device", "cpu"]), marker)
+
+
+@case("11", "`plan --config RUN/config.yaml --trust-plugins`: the user's word imports the plugin, and it plans")
+def x11_trusted_runs(c):
+    marker = _foreign_config(c)
+    r = c.cli(["plan", "--config", "run/config.yaml", "--device", "cpu", "--trust-plugins"])
+    bad = succeeded(r)
+    if bad:
+        return bad
+    return (HELD, "planned; the trusted plugin was imported") if marker.exists() else \
+        (WRONG, "--trust-plugins given, yet the plugin was not imported")
+
+
+@case("11", "`plan --config mine.yaml` naming a plugin the user wrote beside it: imported without a flag")
+def x11_own_plugin_runs(c):
+    marker = c.dir / "PWNED"
+    c.write("mine.py", EVIL.format(marker=str(marker)))
+    c.write("mine.yaml", f"extends: smoke\nplugins: [{c.dir / 'mine.py'}]\n")
+    r = c.cli(["plan", "--config", "mine.yaml", "--device", "cpu"])
+    bad = succeeded(r)
+    if bad:
+        return bad
+    return (HELD, "planned with the user's own plugin") if marker.exists() else \
+        (WRONG, "the user's own plugin was not imported")
+
+
+def _huge_math_rows(c, megabytes: float, name="train.jsonl"):
+    text = "1 + 1 = ? " * int(megabytes * 100_000)
+    c.write(name, json.dumps({"problem": text, "answer": "2"}) + "\n" + jsonl(MATH_ROWS), show=False)
+    c.note(f"{name}: row 1 a problem of {len(text):,} characters, then 3 small rows")
+    c.write("eval.jsonl", jsonl(MATH_ROWS))
+
+
+def _bounded(r, limit_s: float, must=()) -> tuple[str, str]:
+    v = refused(r, must)
+    if v[0] == HELD and r.seconds > limit_s:
+        return HANG, f"refused, but after {r.seconds:.0f} s (more than {limit_s:g} s): {err_line(r)}"
+    return v
+
+
+@case("12", "train on a math file whose first problem is 50 MB: refused from its size, within seconds")
+def x12_train_50mb(c):
+    _huge_math_rows(c, 50)
+    math_cfg(c)
+    return _bounded(c.cli(["train", "--config", "math.yaml", "--out", "r"], timeout=120), 60, ["train.jsonl",
+                                                                                             "line 1"])
+
+
+@case("12", "train on a math file whose first problem is 1 MB (it took 14 s to refuse)")
+def x12_train_1mb(c):
+    _huge_math_rows(c, 1)
+    math_cfg(c)
+    return _bounded(c.cli(["train", "--config", "math.yaml", "--out", "r"], timeout=120), 30, ["line 1"])
+
+
+@case("12", "train with `long_prompts: truncate` on a 20 MB first problem: the row is cut, the run trains")
+def x12_train_truncate(c):
+    _huge_math_rows(c, 20)
+    cfg = math_cfg(c)
+    c.sh(f"echo 'long_prompts: truncate' >> {cfg}")
+    r = c.cli(["train", "--config", cfg, "--out", "r"], timeout=180)
+    bad = succeeded(r)
+    if bad:
+        return bad
+    return (HELD, f"trained in {r.seconds:.0f} s with the row cut") if r.seconds < 150 else \
+        (HANG, f"trained, but took {r.seconds:.0f} s")
+
+
+@case("12", "`eval` of a math file whose first problem is 50 MB")
+def x12_eval_50mb(c):
+    _huge_math_rows(c, 50, "set.jsonl")
+    return _bounded(eval_math(c, "set.jsonl", timeout=120), 60, ["set.jsonl", "line 1"])
+
+
+@case("12", "the retrieval server given one 5 MB query")
+def x12_server_huge_query(c):
+    body = json.dumps({"queries": ["paris " * 900_000], "topk": 2}).encode()
+    return _http_case(c, post(body), {400, 413}, must="queries", show=b"POST /retrieve (a 5.4 MB query)")
+
+
+@case("13", "`train --resume B` whose checkpoints/ is a symlink to run A's: refused, A untouched")
+def x13_checkpoints_linked(c):
+    a = c.copy_run("a")
+    c.copy_run("b")
+    c.sh("rm -rf b/checkpoints && ln -s ../a/checkpoints b/checkpoints")
+    before = digest(a)
+    r = c.cli(["train", "--resume", "b", "steps=4"])
+    lost = changed(before, digest(a))
+    if lost:
+        return LOST, f"run a changed through b's link: {lost[:5]}"
+    return refused(r, ["out of the run folder"])
+
+
+@case("13", "`train --resume B` whose step_2 is a symlink to run A's step_2: not resumed from, not pruned")
+def x13_step_linked(c):
+    a = c.copy_run("a")
+    c.copy_run("b")
+    c.sh("rm -rf b/checkpoints/step_000002 && ln -s ../../a/checkpoints/step_000002 b/checkpoints/step_000002")
+    before = digest(a)
+    r = c.cli(["train", "--resume", "b", "steps=3", "keep_checkpoints=1"])
+    lost = changed(before, digest(a))
+    if lost:
+        return LOST, f"run a changed through b's link: {lost[:5]}"
+    bad = succeeded(r)
+    if bad:
+        return bad
+    if "out of the run folder" not in r.text:
+        return WRONG, "resumed beside another run's linked checkpoint without a word"
+    return HELD, "resumed from its own step 1, the link named: " + err_line(r)
+
+
+@case("13", "checkpoints/latest repointed (by hand) to another run's step folder")
+def x13_latest_elsewhere(c):
+    a = c.copy_run("a")
+    c.copy_run("b")
+    c.sh("""printf '{"checkpoint": "../../a/checkpoints/step_000002", "step": 2}' > b/checkpoints/latest""")
+    before = digest(a)
+    r = c.cli(["train", "--resume", "b", "steps=3", "keep_checkpoints=1"])
+    lost = changed(before, digest(a))
+    if lost:
+        return LOST, f"run a changed: {lost[:5]}"
+    if r.rc == 0 and not has_tb(r):
+        return (HELD, "resumed from its own checkpoints: " + err_line(r)) if "latest" in r.text.lower() else \
+            (WRONG, "resumed without saying that latest pointed elsewhere")
+    return refused(r, ["latest"])
+
+
+@case("13", "`export RUN --out RUN/checkpoints/step_2/mine`: an export the next prune would delete")
+def x13_export_into_checkpoints(c):
+    c.copy_run()
+    r = c.cli(["export", "run", "--out", "run/checkpoints/step_000002/mine"])
+    return refused(r, ["checkpoints"])
+
+
+@case("13", "checkpoints/latest is a folder")
+def x13_latest_folder(c):
+    return _damaged_resume(c, "checkpoints/latest", "DIR", name="latest")
+
+
+@case("14", "state.json's optimizer has empty param_groups: the older checkpoint resumes, said")
+def x14_empty_param_groups(c):
+    run = c.copy_run()
+    state = run / "checkpoints/step_000002/state.json"
+    data = json.loads(state.read_text())
+    data["optimizer"]["param_groups"] = []
+    c.write("run/checkpoints/step_000002/state.json", json.dumps(data), show=False)
+    c.note("run/checkpoints/step_000002/state.json: optimizer.param_groups = []")
+    r = c.cli(["train", "--resume", "run", "steps=3"])
+    bad = succeeded(r)
+    if bad:
+        return bad
+    return (HELD, err_line(r)) if "state.json" in r.text and "step 1" in r.text else \
+        (WRONG, "resumed without naming the damaged state.json: " + err_line(r))
+
+
+@case("14", "metrics.jsonl with a stray 0xff byte: named on resume, not rewritten")
+def x14_metrics_stray_byte(c):
+    run = c.copy_run()
+    raw = (run / "metrics.jsonl").read_bytes()
+    lines = raw.split(b"\n")
+    lines[0] = lines[0][:-1] + b', "x": "\xff"}'
+    c.write("run/metrics.jsonl", b"\n".join(lines))
+    before = (run / "metrics.jsonl").read_bytes()
+    r = c.cli(["train", "--resume", "run", "steps=3"])
+    after = (run / "metrics.jsonl").read_bytes()
+    if b"\xef\xbf\xbd" in after or (b"\xff" not in after):
+        return WRONG, "metrics.jsonl was rewritten, its stray byte replaced"
+    if r.rc == 0 and after != before and not has_tb(r):
+        return WRONG, "resumed and appended to a damaged metrics.jsonl without a word"
+    return refused(r, ["metrics.jsonl", "line 1"])
+
+
+@case("14", "`plan` of a model folder whose config.json is `null`")
+def x14_plan_config_null(c):
+    c.write("m/config.json", "null")
+    return refused(c.cli(["plan", "--config", "smoke", f"model={c.dir / 'm'}", "--device", "cpu"]),
+                   ["config.json"])
+
+
+@case("14", "`plan` of a model folder whose config.json is a list, then a string")
+def x14_plan_config_list(c):
+    c.write("m/config.json", "[1, 2]")
+    v = refused(c.cli(["plan", "--config", "smoke", f"model={c.dir / 'm'}", "--device", "cpu"]), ["config.json"])
+    if v[0] != HELD:
+        return v
+    c.write("m/config.json", '"llama"')
+    return refused(c.cli(["plan", "--config", "smoke", f"model={c.dir / 'm'}", "--device", "cpu"]),
+                   ["config.json"])
+
+
+def _plan_shape(c, **over) -> Result:
+    base = json.loads((SRC.parent / "tests/fixtures/model_configs/deepseek-r1-distill-qwen-7b/config.json")
+                      .read_text())
+    c.write("m/config.json", json.dumps({**base, **over}))
+    return c.cli(["plan", "--config", "smoke", f"model={c.dir / 'm'}", "--device", "cpu"], timeout=180)
+
+
+@case("15", "`plan` of a config.json with hidden_size 10^6 (terabytes a layer)")
+def x15_plan_wide(c):
+    r = _plan_shape(c, hidden_size=28 * 36_000, intermediate_size=10**6)  # heads divide it: the width is the test
+    if r.rc == 0 and not has_tb(r):
+        return HELD, "planned (measured at a bounded width): " + r.out.strip().splitlines()[-1][:200]
+    return _bounded(r, 120)
+
+
+@case("15", "`plan` of a config.json with 10^9 layers")
+def x15_plan_deep(c):
+    r = _plan_shape(c, num_hidden_layers=10**9)
+    if r.rc == 0 and not has_tb(r):
+        return HELD, "planned: " + r.out.strip().splitlines()[-1][:200]
+    return _bounded(r, 120)
+
+
+@case("15", "`plan` of a config.json with hidden_size 0, then -5")
+def x15_plan_nonpositive(c):
+    v = refused(_plan_shape(c, hidden_size=0), ["hidden_size"])
+    if v[0] != HELD:
+        return v
+    return refused(_plan_shape(c, hidden_size=-5), ["hidden_size"])
+
+
+@case("16", "a config giving `lr` twice at the top level")
+def x16_duplicate_top_key(c):
+    c.write("c.yaml", "extends: smoke\nlr: 1.0e-3\nsteps: 2\nlr: 5.0e-5\n")
+    return refused(c.cli(["train", "--config", "c.yaml", "--out", "r"]), ["lr", "line 2", "line 4"])
+
+
+@case("16", "a config giving `algo.eta` twice inside a nested block")
+def x16_duplicate_nested_key(c):
+    c.write("c.yaml", "extends: smoke\nalgo:\n  eta: 0.9\n  beta: 0.05\n  eta: 0.5\n")
+    return refused(c.cli(["train", "--config", "c.yaml", "--out", "r"]), ["eta", "line 3", "line 5"])
+
+
+@case("16", "two `index build --out SAME` at once: one builds, the other is refused")
+def x16_index_two_writers(c):
+    c.write("corpus.jsonl", jsonl([{"id": str(i), "title": f"t{i}", "text": f"word{i} " * 2000}
+                                   for i in range(3000)]), show=False)
+    c.note("corpus.jsonl: 3000 passages of 2000 words (a build that takes a few seconds)")
+    p1 = c.popen(["index", "build", "--corpus", "corpus.jsonl", "--out", "ix"])
+    time.sleep(1.5)
+    r2 = c.cli(["index", "build", "--corpus", "corpus.jsonl", "--out", "ix"])
+    out1, err1 = p1.communicate(timeout=300)
+    c.outputs.append(f"[first build exit {p1.returncode}] {err1.decode()[-400:]}")
+    if p1.returncode == 0 and r2.rc == 0:
+        return WRONG, "both builds said they succeeded (the last rename won)"
+    if p1.returncode != 0 and r2.rc != 0:
+        return UNCLEAR, "neither build succeeded: " + err_line(r2)
+    loser = r2 if r2.rc != 0 else None
+    if loser is None:
+        return HELD, "the second started after the first finished (the first was refused?)"
+    return refused(loser, ["PID"])
+
+
+@case("16", "the default (lenient) grader: an identical boxed answer and gold of 4,500 digits")
+def x16_grader_huge_gold(c):
+    r = c.py("""
+        from emapg.rewards.math import math_reward
+        gold = "7" * 4500
+        print(math_reward("so \\\\boxed{" + gold + "}", gold), math_reward("so \\\\boxed{" + gold + "8}", gold))
+    """, timeout=60)
+    if has_tb(r) or r.timed_out:
+        return refused(r)
+    return (HELD, r.out.strip()) if r.out.split() == ["1.0", "0.0"] else (WRONG, f"scores {r.out.strip()}")
+
+
+@case("16", "the retrieval server given a query holding a lone surrogate (JSON \\ud800)")
+def x16_server_surrogate(c):
+    return _http_case(c, post(b'{"queries": ["paris \\ud800"], "topk": 2}'), {400}, must="surrogate")
+
+
+@case("16", "a bad value set in a parent config, trained through the child that extends it")
+def x16_blame_parent(c):
+    c.write("parent.yaml", "extends: smoke\nlr: -1\n")
+    c.write("child.yaml", "extends: parent\nsteps: 2\n")
+    r = c.cli(["train", "--config", "child.yaml", "--out", "r"])
+    v = refused(r, ["parent.yaml", "lr"])
+    if v[0] == HELD and "child.yaml: lr" in r.text:
+        return UNCLEAR, "blamed on the child: " + err_line(r)
+    return v
+
+
+@case("16", "a compare spec with `configs: {}`, then one with `seeds: []`")
+def x16_spec_runs_nothing(c):
+    _spec(c, f"base: {SMOKE}\nseeds: [0]\nconfigs: {{}}\n")
+    v = refused(c.cli(["compare", "--spec", "spec.yaml", "--out", "out"]), ["configs"])
+    if v[0] != HELD:
+        return v
+    _spec(c, f"base: {SMOKE}\nseeds: []\nconfigs: {{a: []}}\n")
+    return refused(c.cli(["compare", "--spec", "spec.yaml", "--out", "out2"]), ["seeds"])
+
+
+@case("16", "`compare --report-only` on an empty --out")
+def x16_report_empty_out(c):
+    _spec(c, f"base: {SMOKE}\n" + SPEC_OK)
+    c.sh("mkdir out")
+    r = c.cli(["compare", "--spec", "spec.yaml", "--out", "out", "--report-only"])
+    if r.rc == 0 and not has_tb(r):
+        return HELD, "reported that no run has finished: " + (r.out.strip().splitlines() or [""])[-1][:200]
+    return refused(r, ["out"])
+
+
+@case("16", "a config file named results.md (the name of a report file) given to `compare` as its base")
+def x16_config_named_like_report(c):
+    c.write("results.md", f"extends: {SMOKE}\nsteps: 1\neval: {{size: 2}}\nexport: false\n")
+    _spec(c, "base: results.md\nseeds: [0]\noverrides: [steps=1]\nconfigs: {a: []}\n")
+    r = c.cli(["compare", "--spec", "spec.yaml", "--out", "."], timeout=300)
+    if r.rc == 0 and not has_tb(r):
+        return (HELD, "ran; the config kept") if "steps: 1" in (c.dir / "results.md").read_text() else \
+            (LOST, "the report overwrote the config file results.md")
+    return refused(r, ["results.md"])
+
+
+@case("16", "`eval --size 1` of a file whose second row is too long: the first row is evaluated")
+def x16_eval_unread_long_row(c):
+    c.write("set.jsonl", jsonl([MATH_ROWS[0], {"problem": "long " * 3000, "answer": "3"}]), show=False)
+    r = eval_math(c, "set.jsonl", "--size", "1")
+    if "long_prompts" in r.text:
+        return UNCLEAR, "advises long_prompts, which eval does not have: " + err_line(r)
+    return succeeded(r) or (HELD, "evaluated the first row")
+
+
+@case("16", "`eval --size 2` of that file: refused naming line 2, advising what eval can do")
+def x16_eval_long_row_advice(c):
+    c.write("set.jsonl", jsonl([MATH_ROWS[0], {"problem": "long " * 3000, "answer": "3"}]), show=False)
+    r = eval_math(c, "set.jsonl", "--size", "2")
+    if "long_prompts" in r.text:
+        return UNCLEAR, "advises long_prompts, which eval does not have: " + err_line(r)
+    return refused(r, ["line 2"])
+
+
+@case("16", "a search eval row whose `answers` is null")
+def x16_qa_answers_null(c):
+    c.write("qa.jsonl", jsonl([{"question": "who?", "answers": None}, QA_ROWS[0]]))
+    r = eval_qa(c, "qa.jsonl")
+    v = refused(r, ["answers", "null"])
+    return (UNCLEAR, "calls a null answer missing: " + err_line(r)) if v[0] == UNCLEAR and "missing" in r.text \
+        else v
+
+
+_BAD_TASKS = '''
+from emapg.tasks import Task, register_task
+
+
+class Undefined(Task):
+    def __init__(self, size: "NoSuchType" = 2):
+        self.size = size
+
+
+class Stringy(Task):
+    def __init__(self):
+        pass
+
+    def train_examples(self, rng, n):
+        return "not a list"
+
+    def eval_examples(self, n):
+        return []
+
+    def reward(self, completion, example):
+        return 0.0
+
+
+register_task("undefined", Undefined)
+register_task("stringy", Stringy)
+'''
+
+
+@case("16", "a plugin task whose __init__ annotations name an undefined type")
+def x16_plugin_bad_annotation(c):
+    c.write("bad_tasks.py", _BAD_TASKS)
+    c.write("c.yaml", f"extends: smoke\nplugins: [{c.dir / 'bad_tasks.py'}]\ntask: undefined\n")
+    return refused(c.cli(["train", "--config", "c.yaml", "--out", "r"]), ["undefined", "bad_tasks.py"])
+
+
+@case("16", "a plugin task whose train_examples returns a string")
+def x16_plugin_train_examples_string(c):
+    c.write("bad_tasks.py", _BAD_TASKS)
+    c.write("c.yaml", f"extends: smoke\nplugins: [{c.dir / 'bad_tasks.py'}]\ntask: stringy\neval: {{size: 0}}\n")
+    return refused(c.cli(["train", "--config", "c.yaml", "--out", "r"]), ["stringy", "train_examples"])
+
+
+@case("17", "`train --nproc 2` whose torchrun launcher is killed by SIGKILL: said, with how to resume")
+def x17_launcher_sigkill(c):
+    p = c.popen(["train", "--nproc", "2", "--config", "smoke", "--out", "run", "steps=200", "eval.size=0",
+                 "threads=1", "save_every=1", "export=false"])
+    end = time.monotonic() + 180
+    while not (c.dir / "run/checkpoints/latest").exists():
+        if p.poll() is not None or time.monotonic() > end:
+            _killpg(p.pid)
+            return UNCLEAR, "the run never saved a checkpoint (the probe could not set the case up)"
+        time.sleep(0.2)
+    (launcher,) = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+    workers = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    c.note(f"kill -9 {launcher}   # the torchrun launcher, child of emapg train")
+    os.kill(int(launcher), signal.SIGKILL)
+    try:
+        _, err = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        _killpg(p.pid)
+        return HANG, "emapg train did not exit within 90 s of its launcher's death"
+    err = err.decode("utf-8", "replace")
+    c.outputs.append(f"[exit {p.returncode}] {err[-600:]}")
+    time.sleep(2)
+    left = [w for w in workers if Path(f"/proc/{w}").exists()]
+    if left:
+        for w in left:
+            _killpg(int(w))
+        return UNCLEAR, f"workers {left} outlived their launcher"
+    if "SIGKILL" not in err or "--resume" not in err:
+        return UNCLEAR, f"exit {p.returncode}, saying: {err.strip().splitlines()[-1:] if err.strip() else 'nothing'}"
+    return HELD, f"exit {p.returncode}: " + [ln for ln in err.splitlines() if "SIGKILL" in ln][-1][:300]
+
+
+# =========================================================================================================
 # runner and report
 
 ROOT_NAMES = {
@@ -3477,6 +3945,10 @@ ROOT_NAMES = {
     "6": "unbounded work on model output", "7": "grading edge cases", "8": "plan vs train",
     "9": "messages: what and where", "10": "special files (FIFO, devices, dirs, loops, stdin)",
     "S": "retrieval server and client under raw HTTP",
+    "11": "plugins named by a run folder's config, on every path", "12": "unbounded reads before a bound",
+    "13": "symlinks out of a run folder", "14": "files read back, checked by what they hold",
+    "15": "the plan allocating what it describes", "16": "silent wrong and unclear messages",
+    "17": "the torchrun launcher killed",
 }
 
 

@@ -452,8 +452,22 @@ def plot_claims(judged: list[Judged], path: Path) -> Path:
     return path
 
 
+def check_report_files(spec: Spec, out: Path) -> None:
+    """Refuse, before any run starts, an ``--out`` where a file the report writes (summary.json, results.md,
+    claims.png, a group's figure) is a file the study reads (its spec, its base config): the report would
+    write over it (a base config named results.md in --out was lost)."""
+    written = ["summary.json", "results.md", "claims.png", *(f"{g}.png" for g in (spec.groups or {"compare": 0}))]
+    inputs = {Path(f).resolve(): f for f in (spec.source, spec.base) if f is not None}
+    for name in written:
+        hit = inputs.get((out / name).resolve())
+        if hit is not None:
+            raise EmapgError(f"--out {out}: the report writes {out / name}, which is {hit}, a file this study reads; "
+                             "pick another --out or move the file (nothing was written)")
+
+
 def report(spec: Spec, out: Path) -> str:
     """Write summary.json, results.md and one figure per group (or compare.png); return the markdown."""
+    check_report_files(spec, out)
     summary = summarize(spec, out)
     (out / "summary.json").write_text(json.dumps(_finite(summary), indent=1, allow_nan=False))  # strict JSON
     md = markdown(spec, summary) + per_problem_section(spec, out, summary)

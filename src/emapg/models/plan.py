@@ -97,6 +97,11 @@ def model_config(name: str, trust_remote_code: bool = False, field: str = "model
             raise ConfigError(f"{field}: {raw} is not JSON ({e})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{field}: {raw} holds {json.dumps(data)[:40]}, not a JSON object of the model's sizes")
+        depth = (data.get("text_config") if isinstance(data.get("text_config"), dict) else data).get(
+            "num_hidden_layers")
+        if isinstance(depth, int) and depth > MAX_LAYERS:  # transformers lists each layer's type: 10^9 took minutes
+            raise ConfigError(f"{field}: {raw} gives num_hidden_layers {depth:,}; emapg plans at most "
+                              f"{MAX_LAYERS:,} layers (the deepest published models have a few hundred)")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         if raw.is_file():  # a missing size takes the class's default, which fits no checkpoint of this model
@@ -116,6 +121,12 @@ def model_config(name: str, trust_remote_code: bool = False, field: str = "model
         why = str(e).strip().splitlines()[0]
         raise ConfigError(f"{field}: {name!r} is neither a built-in name ({', '.join(models.BUILTIN)}) nor a model "
                           f"folder with a config.json, nor a Hub name this machine has ({why})") from None
+
+
+MAX_LAYERS = 100_000
+"""The deepest model a plan takes from a config.json."""
+MAX_BUILT_LAYERS = 512
+"""Deeper than any real model: :func:`shape_of` builds two layers and counts the rest as their copies."""
 
 
 def shape_of(config) -> ModelShape:
@@ -138,20 +149,25 @@ def shape_of(config) -> ModelShape:
     if getattr(text, "head_dim", None) is None and text.hidden_size % heads:
         raise ConfigError(f"model: its config.json's hidden_size ({text.hidden_size}) does not split into "
                           f"num_attention_heads ({heads}) and it gives no head_dim")
+    layers = text.num_hidden_layers
+    # past any real model's depth, built with two layers and counted for all (building 10^9 took minutes and died)
+    few = 2 if layers > MAX_BUILT_LAYERS and text is config else layers
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config if few == layers else config.__class__.from_dict(
+                {**config.to_dict(), "num_hidden_layers": few, "layer_types": None}))
     except (RuntimeError, ValueError, TypeError, OverflowError) as e:  # sizes no model can have
         raise ConfigError(f"model: its config.json describes no model transformers can build "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
     decoder, head = decoder_and_head(model)
     layer = decoder.layers[0]
+    layer_params = sum(p.numel() for p in layer.parameters())
     heads = text.num_attention_heads
     return ModelShape(
-        params=sum(p.numel() for p in model.parameters()), layer_params=sum(p.numel() for p in layer.parameters()),
+        params=sum(p.numel() for p in model.parameters()) + (layers - few) * layer_params, layer_params=layer_params,
         largest_param=max(p.numel() for p in model.parameters()),
-        vocab=head.weight.shape[0], hidden=text.hidden_size, layers=len(decoder.layers),
+        vocab=head.weight.shape[0], hidden=text.hidden_size, layers=layers,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, config=config)
 
