@@ -657,3 +657,129 @@ def test_a_study_whose_report_would_write_over_its_own_base_config_is_refused_be
         assert main(["compare", "--spec", str(tmp_path / "s.yaml"), "--out", str(tmp_path), *extra]) == 2
         assert "which is" in capsys.readouterr().err and base.read_text().endswith("steps: 1\n")
     assert not (tmp_path / "a").exists()
+
+
+def _smoke_run(main, out: Path, *extra: str) -> Path:
+    assert main(["train", "--config", "smoke", "eval.size=0", "export=false", "save_every=1", "--out", str(out),
+                 "steps=2", *extra]) == 0
+    return out
+
+
+def test_no_link_leads_a_run_or_its_export_out_of_its_folder(tmp_path, capsys):
+    """The independent re-probe of issue 70: a resume through an export/, outcomes/ or tensorboard/ linked to
+    another run's replaced that run's models or appended to its rows; an export into another run's folder (its
+    checkpoints, which it prunes, or its export) was written; `export --step` through a linked step or checkpoints
+    exported another run's weights. Each is refused in one line and the other run is untouched."""
+    from emapg.cli import main
+
+    a, b = _smoke_run(main, tmp_path / "a", "export=true"), _smoke_run(main, tmp_path / "b")
+    theirs = {p: p.read_bytes() for p in sorted(a.rglob("*")) if p.is_file() and p.name != ".emapg.lock"}
+    for name in ("export", "outcomes", "tensorboard"):
+        target = b / name
+        if target.exists():
+            shutil.rmtree(target)
+        target.symlink_to(a / name)
+        assert main(["train", "--resume", str(b), "steps=3"]) == 2
+        assert f"{target} leads out of the run folder" in capsys.readouterr().err
+        target.unlink()
+    for out in (a / "checkpoints" / "step_000002" / "x", a / "export", a / "mine"):
+        assert main(["export", str(b), "--out", str(out)]) == 2
+        assert "inside another run's folder" in capsys.readouterr().err
+    shutil.rmtree(b / "checkpoints" / "step_000002")
+    (b / "checkpoints" / "step_000002").symlink_to(a / "checkpoints" / "step_000002")
+    assert main(["export", str(b), "--step", "2", "--out", str(tmp_path / "e")]) == 2
+    assert "leads out of the run folder" in capsys.readouterr().err and not (tmp_path / "e").exists()
+    assert {p: p.read_bytes() for p in sorted(a.rglob("*")) if p.is_file() and p.name != ".emapg.lock"} == theirs
+
+
+def test_a_run_config_names_no_plugin_without_trust_even_without_its_marker(tmp_path, capsys):
+    """A run folder copied without its hidden marker (`cp -a run/* copy/`): --resume, eval --run and export read
+    its config.yaml, a run's, and import none of its plugins without --trust-plugins."""
+    from emapg.cli import main
+
+    marker = tmp_path / "PWNED"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    run = _smoke_run(main, tmp_path / "run", f"plugins=[{tmp_path / 'evil.py'}]")
+    marker.unlink()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in run.iterdir():
+        if not p.name.startswith("."):
+            (shutil.copytree if p.is_dir() else shutil.copy2)(p, copy / p.name)
+    for argv in (["train", "--resume", str(copy), "steps=3"], ["export", str(copy), "--out", str(tmp_path / "e")],
+                 ["eval", "--run", str(copy), "--size", "2", "--max-new-tokens", "2"]):
+        assert main(argv) == 2, argv
+        assert "--trust-plugins" in capsys.readouterr().err and not marker.exists(), argv
+
+
+def test_compare_resumes_or_reports_only_the_runs_its_spec_gives(tmp_path, capsys):
+    """Another run copied into --out (other settings, or plugins the user never named) was reported as the spec's,
+    or resumed with --trust-plugins compare added itself; a spec inside a run folder brought plugins unasked."""
+    from emapg.cli import main
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"base: {ROOT / 'recipes' / 'smoke.yaml'}\nseeds: [0]\noverrides: [steps=2, eval.size=0, "
+                    "export=false, save_every=1]\nconfigs: {a: [algo.eta=0.5]}\n")
+    _smoke_run(main, tmp_path / "out" / "a" / "seed0", "algo.eta=0.9")
+    assert main(["compare", "--spec", str(spec), "--out", str(tmp_path / "out")]) == 2
+    assert "holds a run that is not the spec's (algo.eta 0.9 (the spec: 0.5)" in capsys.readouterr().err
+    marker = tmp_path / "PWNED"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    run = _smoke_run(main, tmp_path / "r", f"plugins=[{tmp_path / 'evil.py'}]")
+    marker.unlink()
+    (run / "s.yaml").write_text(f"base: {ROOT / 'recipes' / 'smoke.yaml'}\nseeds: [0]\n"
+                                f"configs: {{a: ['plugins=[{tmp_path / 'evil.py'}]']}}\n")
+    assert main(["compare", "--spec", str(run / "s.yaml"), "--out", str(tmp_path / "o2")]) == 2
+    assert "--trust-plugins" in capsys.readouterr().err and not marker.exists()
+
+
+def test_outcomes_and_keys_read_back_are_named_not_a_traceback(tmp_path, capsys):
+    """outcomes.jsonl with a stray byte or a row whose step is not a number gave a traceback on resume; a config
+    key that is not text (`1: a`) a TypeError far from the file."""
+    from emapg.cli import main
+
+    run = _smoke_run(main, tmp_path / "run", "eval.size=2", "eval.every=1")
+    outcomes = run / "outcomes" / "outcomes.jsonl"
+    good = outcomes.read_bytes()
+    for bad, said in ((b'{"step": 1, "x": "\xff"}\n', "not UTF-8 text"), (b'{"step": "x"}\n', "step 'x'"),
+                      (b"[1]\n", "a JSON list")):
+        outcomes.write_bytes(bad + good)
+        assert main(["train", "--resume", str(run), "steps=3"]) == 2
+        err = capsys.readouterr().err
+        assert f"{outcomes}, line 1" in err and said in err and "Traceback" not in err, err
+        assert outcomes.read_bytes() == bad + good
+    (tmp_path / "c.yaml").write_text("extends: smoke\n1: a\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "r")]) == 2
+    assert "key 1 on line 2 is not a name" in capsys.readouterr().err
+
+
+def test_an_index_has_one_writer_by_whatever_name(tmp_path, capsys):
+    """A build through a link to the folder another build is writing: refused (the lock was keyed by the name)."""
+    import fcntl
+
+    from emapg.cli import main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "title": f"t{i}", "text": f"w{i}"}) + "\n" for i in range(3)))
+    (tmp_path / "ix").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "ix")
+    with open(tmp_path / ".ix.emapg-lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        assert main(["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "link")]) == 2
+        assert "another emapg (PID 4242) is writing it" in capsys.readouterr().err
+    assert (tmp_path / "link").is_symlink()
+
+
+def test_a_plugin_task_whose_eval_examples_is_not_a_list_is_named(tmp_path, capsys):
+    from emapg.cli import main
+
+    (tmp_path / "none_eval.py").write_text(
+        "from emapg.tasks import register_task\nfrom emapg.tasks.arithmetic import ArithmeticTask\n\n\n"
+        "class NoneEval(ArithmeticTask):\n    def eval_examples(self, size):\n        return None\n\n\n"
+        "register_task('none_eval', NoneEval)\n")
+    assert main(["train", "--config", "smoke", "--out", str(tmp_path / "r"), f"plugins=[{tmp_path / 'none_eval.py'}]",
+                 "task=none_eval", "eval.size=2", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "task NoneEval in none_eval.py: eval_examples returned NoneType, expected a list of at most" in err, err

@@ -148,7 +148,8 @@ def one_writer(target: Path, option: str = "--out") -> Iterator[None]:
     they succeeded while the last rename won)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock = target.parent / f".{target.name}.emapg-lock"
+    real = target.resolve()  # the folder itself, however it is named: a link to it is the same folder
+    lock = real.parent / f".{real.name}.emapg-lock"
     with open(lock, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

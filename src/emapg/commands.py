@@ -122,7 +122,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg_file = run_dir / "config.yaml"
         if not cfg_file.exists():
             raise ConfigError(f"--resume {run_dir}: {cfg_file} does not exist (is this a run folder?)")
-        cfg = load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins, task_check=task_args_problems)
+        cfg = load_config(cfg_file, args.overrides, trust_plugins=args.trust_plugins, task_check=task_args_problems,
+                          of_run=True)
     else:
         cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
                           trust_plugins=args.trust_plugins, task_check=task_args_problems)
@@ -319,7 +320,8 @@ def eval_subject(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     run = Path(args.run)
     if not (run / "config.yaml").exists():
         raise ConfigError(f"--run {run}: no config.yaml there (is this a run folder?)")
-    cfg = load_config(run / "config.yaml", trust_plugins=args.trust_plugins, task_check=task_args_problems)
+    cfg = load_config(run / "config.yaml", trust_plugins=args.trust_plugins, task_check=task_args_problems,
+                      of_run=True)
     if args.task and args.task != cfg.task:
         raise ConfigError(f"--task {args.task}: the run {run} trained on {cfg.task}")
     models = args.model or [str(run / "export" / m) for m in ("policy", "anchor", "ema")

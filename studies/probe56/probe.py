@@ -3819,9 +3819,8 @@ def x16_report_empty_out(c):
     _spec(c, f"base: {SMOKE}\n" + SPEC_OK)
     c.sh("mkdir out")
     r = c.cli(["compare", "--spec", "spec.yaml", "--out", "out", "--report-only"])
-    if r.rc == 0 and not has_tb(r):
-        return HELD, "reported that no run has finished: " + (r.out.strip().splitlines() or [""])[-1][:200]
-    return refused(r, ["out"])
+    v = refused(r, ["finished"])
+    return (WRONG, "exit 0, reporting nothing") if v[0] == WRONG else v
 
 
 @case("16", "a config file named results.md (the name of a report file) given to `compare` as its base")
@@ -3902,6 +3901,110 @@ def x16_plugin_train_examples_string(c):
     c.write("bad_tasks.py", _BAD_TASKS)
     c.write("c.yaml", f"extends: smoke\nplugins: [{c.dir / 'bad_tasks.py'}]\ntask: stringy\neval: {{size: 0}}\n")
     return refused(c.cli(["train", "--config", "c.yaml", "--out", "r"]), ["stringy", "train_examples"])
+
+
+@case("11", "`train --resume COPY` of a run copied without its hidden marker, whose config names a plugin")
+def x11_resume_copy_without_marker(c):
+    _foreign_config(c)
+    c.sh("mkdir copy && cp -r run/* copy/")
+    marker = c.dir / "PWNED"
+    return _refused_untrusted(c, c.cli(["train", "--resume", "copy", "steps=3"]), marker)
+
+
+@case("11", "a compare spec inside a run folder whose overrides name a plugin (no --trust-plugins)")
+def x11_spec_in_run_folder(c):
+    run = c.copy_run()
+    marker = c.dir / "PWNED"
+    c.write("evil.py", EVIL.format(marker=str(marker)))
+    c.write("run/spec.yaml", f"base: {SMOKE}\nseeds: [0]\nconfigs: {{a: ['plugins=[{c.dir / 'evil.py'}]']}}\n")
+    assert (run / ".emapg-run").exists()
+    return _refused_untrusted(c, c.cli(["compare", "--spec", "run/spec.yaml", "--out", "out"]), marker)
+
+
+@case("11", "another run (naming a plugin) copied into a compare's --out as one of its runs, unfinished")
+def x11_compare_foreign_run_in_out(c):
+    _foreign_config(c)
+    c.sh("mkdir -p out/a && cp -r run out/a/seed0 && rm -f out/a/seed0/eval.json out/a/seed0/finished.json")
+    marker = c.dir / "PWNED"
+    _spec(c, f"base: {SMOKE}\n" + SPEC_OK)
+    r = c.cli(["compare", "--spec", "spec.yaml", "--out", "out"], timeout=300)
+    if marker.exists():
+        return WRONG, "compare resumed another run with its plugin (it added --trust-plugins itself)"
+    return refused(r, ["not the spec's"])
+
+
+@case("16", "a finished run with other settings copied into a compare's --out: reported as the spec's?")
+def x16_compare_stale_run(c):
+    c.copy_run("keep")
+    c.sh("mkdir -p out/a && cp -r keep out/a/seed0")
+    _spec(c, f"base: {SMOKE}\nseeds: [0]\noverrides: [steps=2]\nconfigs: {{a: [algo.eta=0.5, lr=0.25]}}\n")
+    return refused(c.cli(["compare", "--spec", "spec.yaml", "--out", "out"]), ["not the spec's", "lr"])
+
+
+@case("13", "`train --resume B` whose export/, outcomes/ or tensorboard/ is a link to run A's")
+def x13_run_entries_linked(c):
+    a = c.copy_run("a")
+    c.copy_run("b")
+    before = digest(a)
+    for name in ("export", "outcomes", "tensorboard"):
+        c.sh(f"rm -rf b/{name} && ln -s ../a/{name} b/{name}")
+        r = c.cli(["train", "--resume", "b", "steps=3"])
+        lost = changed(before, digest(a))
+        if lost:
+            return LOST, f"run a changed through b's {name} link: {lost[:5]}"
+        v = refused(r, [name, "out of the run folder"])
+        if v[0] != HELD:
+            return v
+        c.sh(f"rm b/{name}")
+    return HELD, "each link refused, run a untouched"
+
+
+@case("13", "`export B --out A/export` and `--out A/checkpoints/step_2/x`: into another run's folder")
+def x13_export_into_other_run(c):
+    a = c.copy_run("a")
+    c.copy_run("b")
+    before = digest(a)
+    for out in ("a/export", "a/checkpoints/step_000002/x"):
+        r = c.cli(["export", "b", "--out", out])
+        lost = changed(before, digest(a))
+        if lost:
+            return LOST, f"run a changed: {lost[:5]}"
+        v = refused(r, ["another run"])
+        if v[0] != HELD:
+            return v
+    return HELD, "both refused, run a untouched"
+
+
+@case("13", "`export B --step 2` whose step_2 is a link to run A's")
+def x13_export_step_linked(c):
+    c.copy_run("a")
+    c.copy_run("b")
+    c.sh("rm -rf b/checkpoints/step_000002 && ln -s ../../a/checkpoints/step_000002 b/checkpoints/step_000002")
+    r = c.cli(["export", "b", "--step", "2", "--out", "e"])
+    if r.rc == 0:
+        return WRONG, "exported run a's weights as b's"
+    return refused(r, ["out of the run folder"])
+
+
+@case("14", "outcomes/outcomes.jsonl with a stray byte, then a row whose step is 'x': resume names them")
+def x14_outcomes_damaged(c):
+    run = c.copy_run()
+    path = run / "outcomes/outcomes.jsonl"
+    good = path.read_bytes()
+    for bad in (b'{"step": 1, "x": "\xff"}\n', b'{"step": "x"}\n'):
+        c.write("run/outcomes/outcomes.jsonl", bad + good)
+        v = refused(c.cli(["train", "--resume", "run", "steps=3"]), ["outcomes.jsonl", "line 1"])
+        if v[0] != HELD:
+            return v
+        if path.read_bytes() != bad + good:
+            return WRONG, "outcomes.jsonl was rewritten"
+    return HELD, "both named, the file unchanged"
+
+
+@case("16", "a config with a number as a key (`1: a`)")
+def x16_numeric_key(c):
+    c.write("c.yaml", "extends: smoke\n1: a\n")
+    return refused(c.cli(["train", "--config", "c.yaml", "--out", "r"]), ["line 2"])
 
 
 @case("17", "`train --nproc 2` whose torchrun launcher is killed by SIGKILL: said, with how to resume")

@@ -122,7 +122,8 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 
 class _UniqueKeys(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping that gives a key twice (YAML keeps the last silently)."""
+    """PyYAML's safe loader, refusing a mapping that gives a key twice (YAML keeps the last silently) or a key
+    that is not text (a number, a list)."""
 
 
 def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False):
@@ -130,6 +131,9 @@ def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = Fa
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
+        if not isinstance(key, str):  # a config's or spec's keys are names (1: a gave a TypeError far away)
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} on line {line} is not a name (keys "
+                                                    "are text: quote it if you meant it)", key_node.start_mark)
         if isinstance(key, str | int | float | bool) and key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice, on line {seen[key]} and "
                                                     f"line {line} (YAML would keep the last silently)",
@@ -161,7 +165,7 @@ def run_folder_of(path: str | Path) -> Path | None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                trust_plugins: bool = False, task_check: TaskCheck | None = None) -> TrainConfig:
+                trust_plugins: bool = False, task_check: TaskCheck | None = None, of_run: bool = False) -> TrainConfig:
     """Read a YAML config (or the defaults), apply overrides, validate, and return it. ``task_check``
     (:func:`emapg.tasks.task_args_problems`, which every command passes) checks ``task_args`` with the other
     fields, in the same one message, before any model loads; without it they are checked when the task is built.
@@ -170,7 +174,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     config (train, resume, plan, eval, export, compare): plugins named by a file the user wrote are; plugins named
     by a config inside a run folder (its own config.yaml, or any file in a folder emapg wrote a run into, which
     another person or job may have written), or by a file extending one, are not unless the user passes
-    ``--trust-plugins`` on this command line (``trust_plugins``): refused, naming them and the folder."""
+    ``--trust-plugins`` on this command line (``trust_plugins``): refused, naming them and the folder. ``of_run``:
+    ``path`` is a run's own config.yaml (a resume, ``eval --run``, an export), under that rule whether or not its
+    folder still holds emapg's marker (a copy without its hidden files)."""
     data: dict[str, Any] = {}
     source = "defaults"
     read: list[Path] = []  # the files read: this one and the ones it extends
@@ -199,10 +205,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _migrated(_extended(data, Path(path), seen=(Path(path).resolve(),), read=read, origins=origins))
     unapplied = apply_overrides(data, overrides or [])
     foreign = next((f for f in (*map(Path, [path] if path is not None else []), *read) if run_folder_of(f)), None)
+    if of_run and path is not None:  # a run's own config.yaml (--resume, eval --run, export), marker or not
+        foreign = foreign or Path(path)
     if not trust_plugins and data.get("plugins") and foreign is not None:
         named = data["plugins"] if isinstance(data["plugins"], list) else [data["plugins"]]
         raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, named))}), which are code "
-                          f"run on import, from {foreign}, inside the run folder {run_folder_of(foreign)}: a config "
+                          f"run on import, from {foreign}, inside the run folder "
+                          f"{run_folder_of(foreign) or Path(foreign).parent}: a config "
                           f"from a run folder imports none unless you pass {TRUST_FLAG} (read them first)")
     try:
         import_plugins(data.get("plugins") or [])

@@ -469,6 +469,10 @@ def report(spec: Spec, out: Path) -> str:
     """Write summary.json, results.md and one figure per group (or compare.png); return the markdown."""
     check_report_files(spec, out)
     summary = summarize(spec, out)
+    if not summary:  # an empty or mistyped --out: say so, not an empty report that exits 0
+        raise EmapgError(f"--out {out}: no run of this spec has finished there (looked for "
+                         f"{out / next(iter(spec.configs))}/seed{spec.seeds[0]}/eval.json and the like): nothing to "
+                         "report (nothing was written)")
     (out / "summary.json").write_text(json.dumps(_finite(summary), indent=1, allow_nan=False))  # strict JSON
     md = markdown(spec, summary) + per_problem_section(spec, out, summary)
     if spec.source is not None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from emapg.config import ConfigError, load_config
+from emapg.config import TRUST_FLAG, ConfigError, load_config, run_folder_of
 from emapg.errors import EmapgError
 from emapg.lab.spec import read_spec_file
 from emapg.models import distributed
@@ -35,6 +35,7 @@ from emapg.run.folder import (
     check_not_busy,
     claim_run_folder,
     die_with_parent,
+    run_differs,
     stop_child,
     unlock_run,
 )
@@ -79,6 +80,13 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
         base = (path.parent / base).resolve()
     if not base.exists():
         raise ConfigError(f"{path}: base: {base} does not exist")
+    home = run_folder_of(path)
+    named = [o for o in [*overrides, *(o for over in configs.values() for o in over if o not in (extra or []))]
+             if o.split("=", 1)[0].strip() == "plugins"]
+    if home is not None and named and not trust_plugins:  # a spec is a config's source: the same trust rule
+        raise ConfigError(f"{path}: it names plugins ({', '.join(named)}), which are code run on import, from "
+                          f"inside the run folder {home}: a spec from a run folder imports none unless you pass "
+                          f"{TRUST_FLAG} (read them first)")
     for name, over in configs.items():  # every config is checked before the first run starts
         try:
             load_config(base, [*overrides, *over], trust_plugins=trust_plugins, task_check=task_args_problems)
@@ -131,6 +139,8 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
         for name, over in spec.configs.items():
             done += 1
             run = out / name / f"seed{seed}"
+            if (run / "eval.json").exists() or has_checkpoint(run):  # the spec's run, or another's left here?
+                _check_same_run(spec, run, [*spec.overrides, *over, f"seed={seed}"])
             if (run / "eval.json").exists():
                 log(f"[{done}/{total}] {name} seed {seed}: done already")
                 continue
@@ -138,7 +148,7 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
                    *spec.overrides, *over, f"seed={seed}", *([f"threads={threads}"] if jobs > 1 else []),
                    *(["--trust-plugins"] if spec.trust_plugins else [])]
             if has_checkpoint(run):
-                # its config.yaml came from the user's spec: its plugins are the user's own
+                # its config.yaml is the one the user's spec gives (checked above): its plugins are the user's own
                 cmd = [sys.executable, "-m", "emapg", "train", "--resume", str(run), "--trust-plugins"]
             elif run.exists():  # stopped before its first checkpoint: start it again, its leftovers set aside
                 check_not_busy(run)  # (unless a live writer holds it); the last failure's log stays in .stale
@@ -179,6 +189,17 @@ def _run_locked(spec: Spec, out: Path, log, jobs: int) -> None:
             stop_child(proc)  # ended before its folder's lock is let go
             err.close()
             unlock_run(run)
+
+
+def _check_same_run(spec: Spec, run: Path, overrides: list[str]) -> None:
+    """A run found in --out (finished, or to resume) must be the one the spec gives: another run copied or left
+    there would be reported as this config's, or resumed with plugins the user never named."""
+    want = load_config(spec.base, overrides, trust_plugins=spec.trust_plugins, task_check=task_args_problems)
+    differs = run_differs(run / "config.yaml", want)
+    if differs:
+        shown = ", ".join(f"{k} {a!r} (the spec: {b!r})" for k, (a, b) in list(differs.items())[:4])
+        raise EmapgError(f"{run}: holds a run that is not the spec's ({shown}{', ...' if len(differs) > 4 else ''}): "
+                         "move it away or pick another --out (nothing was started)")
 
 
 def _finish(run: Path, proc: subprocess.Popen, t0: float, err) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -127,11 +128,28 @@ def _step_of(path: Path) -> int:
     return int(STEP_DIR.fullmatch(path.name).group(1))
 
 
+def check_no_link_out(run_dir: Path) -> None:
+    """Refuse (one line, nothing changed) a run folder holding a link that leads out of it (an ``export/``,
+    ``outcomes/``, ``tensorboard/`` or a file linked to another run's): a resume would write into, replace or
+    append to that run's files. ``checkpoints/`` has its own rule (:func:`checkpoints_of`: a linked ``step_N`` is
+    passed over, said)."""
+    real = run_dir.resolve()
+    for root, dirs, files in os.walk(run_dir):  # not following links: a linked folder is seen, not entered
+        if Path(root) == run_dir:
+            dirs[:] = [d for d in dirs if d != "checkpoints"]
+        for name in [*dirs, *files]:
+            path = Path(root) / name
+            if path.is_symlink() and not path.resolve().is_relative_to(real):
+                raise CheckpointError(f"{path} leads out of the run folder, to {path.resolve()}: a run writes only "
+                                      "inside its own folder (remove the link; nothing was changed)")
+
+
 def checkpoints_of(run_dir: Path) -> Path:
     """``RUN/checkpoints``, checked before a resume reads it or a save writes and prunes it: refused (one line,
     nothing changed) when it leads out of the run's real folder (a symlink to another run's: a resume would
     prune that run's checkpoints and repoint its ``latest``), or when its ``latest`` is not a file."""
     ckpt_dir = Path(run_dir) / "checkpoints"
+    check_no_link_out(Path(run_dir))
     if ckpt_dir.is_symlink() or ckpt_dir.exists():
         real, run = ckpt_dir.resolve(), Path(run_dir).resolve()
         if not real.is_relative_to(run):

@@ -30,6 +30,7 @@ from emapg.rollout.prompts import context_length, fit_prompts
 from emapg.rollout.sampling import SamplingSpec
 from emapg.run.evaluate import RANK_SEED_STRIDE, combine_evals, evaluate
 from emapg.tasks import make_task
+from emapg.tasks.base import held_out_examples
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def sets_of(task, name: str, size: int) -> list[tuple[str, list]]:
     """The task's held-out examples as sets: one, or one per ``data_source`` when its rows name several."""
-    examples = task.eval_examples(size)
+    examples = held_out_examples(task, size)
     sources = [ex.meta.get("data_source") for ex in examples]
     if len(set(sources)) <= 1 or any(s is None for s in sources):
         return [(name, examples)]

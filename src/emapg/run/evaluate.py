@@ -17,9 +17,10 @@ from emapg.errors import ConfigError
 from emapg.models import distributed
 from emapg.rollout import rollout_for_task
 from emapg.rollout.sampling import SamplingSpec
+from emapg.run.metrics import metrics_lines
 from emapg.run.teacher_kl import TeacherKL
 from emapg.tasks import make_task
-from emapg.tasks.base import Example, Task, score_completions
+from emapg.tasks.base import Example, Task, held_out_examples, score_completions
 
 RANK_SEED_STRIDE = 7919  # rank r samples with seed + r * stride; rank 0 (and a single process) with seed
 
@@ -147,7 +148,7 @@ def evaluate(model: nn.Module, tokenizer, task: Task, examples: list[Example], s
 def validation_examples(task: Task, size: int, validation: int) -> list[Example]:
     """The ``validation`` held-out problems after the first ``size`` (the test set): disjoint from it and from
     training. Refused, naming what to change, when the task's held-out set has fewer than ``size + validation``."""
-    every = task.eval_examples(size + validation)
+    every = held_out_examples(task, size + validation)
     if len(every) < size + validation:
         raise ConfigError(f"eval.validation_size: {validation} after eval.size {size} needs {size + validation} "
                           f"held-out problems; the task has {len(every)} (a generated task: raise its "
@@ -174,14 +175,14 @@ class RunEvaluator:
         self.progress = progress and self.main
         self.sets: dict[str, tuple[Task, list[Example]]] = {}
         if cfg.eval.size:
-            self.sets["heldout"] = (task, task.eval_examples(cfg.eval.size))
+            self.sets["heldout"] = (task, held_out_examples(task, cfg.eval.size))
         if cfg.eval.size and cfg.eval.validation_size:
             self.sets["validation"] = (task, validation_examples(task, cfg.eval.size, cfg.eval.validation_size))
         if cfg.eval.size and cfg.eval.transfer:
             other = make_task(cfg.task, **{**cfg.task_args, **cfg.eval.transfer})
             if fit is not None:
                 fit(other)
-            self.sets["transfer"] = (other, other.eval_examples(cfg.eval.transfer_size or cfg.eval.size))
+            self.sets["transfer"] = (other, held_out_examples(other, cfg.eval.transfer_size or cfg.eval.size))
         self.teacher_kl = None  # a distillation run's TeacherKL (use_teacher)
         self.folder = Path(run_dir) / "outcomes"
         if self.main and self.sets:
@@ -205,7 +206,8 @@ class RunEvaluator:
         """A resumed run replays the steps after ``step``: their outcome lines are dropped."""
         path = self.folder / "outcomes.jsonl"
         if self.main and path.exists():
-            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            # read as metrics.jsonl is: a stray byte or a row without a whole step named, never rewritten
+            keep = [line for line, row in metrics_lines(path) if row["step"] <= step]
             write_text_atomic(path, "".join(line + "\n" for line in keep))
 
     def run(self, model: nn.Module, which: str, step: int,

@@ -13,10 +13,17 @@ from torch import nn
 
 from emapg.anchor import EMAAnchor
 from emapg.atomic import folder_atomic
-from emapg.config import load_config
+from emapg.config import load_config, run_folder_of
 from emapg.models import distributed
 from emapg.models.zoo import policy_model, save_hf_folder
-from emapg.run.checkpoint import WEIGHT_EMA, CheckpointError, load_checkpoint, load_policy, resume_candidates
+from emapg.run.checkpoint import (
+    WEIGHT_EMA,
+    CheckpointError,
+    checkpoints_of,
+    load_checkpoint,
+    load_policy,
+    resume_candidates,
+)
 
 
 def export_models(out: Path, model: nn.Module, anchor, tokenizer, sharded: bool, main: bool, plain_model,
@@ -54,7 +61,7 @@ def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None =
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{run_dir}: {cfg_file} does not exist (is this a run folder?)")
-    cfg = load_config(cfg_file, trust_plugins=trust_plugins)
+    cfg = load_config(cfg_file, trust_plugins=trust_plugins, of_run=True)
     path = _checkpoint_folder(run_dir, step)
     ckpt = load_checkpoint(path)
     step = ckpt["state"]["step"]
@@ -72,6 +79,10 @@ def export_checkpoint(run_dir: Path, out: Path | None = None, step: int | None =
     if out.resolve().is_relative_to((run_dir / "checkpoints").resolve()):  # the run's next prune would delete it
         raise CheckpointError(f"--out {out}: inside the run's checkpoints ({run_dir / 'checkpoints'}), which its "
                               "next save prunes; pick a folder outside them (nothing was written)")
+    owner = run_folder_of(out / "policy")
+    if owner is not None and owner != run_dir.resolve():  # another run's export, or its checkpoints to prune
+        raise CheckpointError(f"--out {out}: inside another run's folder ({owner}), whose files its own run "
+                              "writes and prunes; pick a folder outside it (nothing was written)")
     for name in ("policy", *averaged):
         check_replaceable(out / name)
     for name in ("policy", *averaged):
@@ -106,7 +117,10 @@ def check_replaceable(folder: Path) -> None:
 def _checkpoint_folder(run_dir: Path, step: int | None) -> Path:
     """The checkpoint folder of ``step`` (its name in the error when absent), or the newest complete one."""
     if step is not None:
-        path = run_dir / "checkpoints" / f"step_{step:06d}"
+        path = checkpoints_of(run_dir) / f"step_{step:06d}"
+        if path.is_symlink() or (path.exists() and not path.resolve().is_relative_to(run_dir.resolve())):
+            raise CheckpointError(f"--step {step}: {path} leads out of the run folder, to {path.resolve()}: not "
+                                  "this run's checkpoint (nothing was written)")
         if not (path / "state.json").exists():
             have = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if (p / "state.json").exists())
             raise FileNotFoundError(f"--step {step}: {run_dir} has no complete checkpoint {path.name} "

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import yaml
+
 from emapg.atomic import append_line, write_json_atomic
 from emapg.backends import BACKENDS
 from emapg.config import RUN_MARKER, ConfigError, TrainConfig, load_config, replay_safe, save_config, to_dict
@@ -178,6 +180,18 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def run_differs(cfg_file: Path, cfg: TrainConfig) -> dict[str, list[Any]]:
+    """The fields, not a resume's to change (``replay_safe``), where a run's config.yaml differs from ``cfg``,
+    as ``{field: [the run's, cfg's]}``; read as plain YAML (its plugins not imported). A file that is not a
+    run's config differs in every field."""
+    try:
+        data = yaml.safe_load(Path(cfg_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = None
+    have, want = _flat(data if isinstance(data, dict) else {}), _flat(to_dict(cfg))
+    return {k: [have.get(k), v] for k, v in want.items() if have.get(k) != v and not replay_safe(k)}
 
 
 @dataclass

@@ -172,6 +172,18 @@ def draw_examples(task: Task, rng: random.Random, n: int) -> list[Example]:
     return drawn
 
 
+def held_out_examples(task: Task, size: int) -> list[Example]:
+    """``task.eval_examples(size)``, checked: a task (a plugin's) that returns anything but a list of at most
+    ``size`` Examples is named in one line."""
+    got = task.eval_examples(size)
+    if not (isinstance(got, list) and len(got) <= size and all(isinstance(e, Example) for e in got)):
+        what = (f"{len(got)} items of {', '.join(sorted({type(e).__name__ for e in got}))}"
+                if isinstance(got, list) and got else type(got).__name__)
+        raise EmapgError(f"task {defined_in(type(task))}: eval_examples returned {what}, expected a list of at most "
+                         f"{size} Example")
+    return got
+
+
 def training_prompts(task: Task, order: str, seed: int, step: int, n: int, step_seed: int) -> list[Example]:
     """The ``n`` training examples of step ``step``: drawn with ``random.Random(step_seed)``, or the step's batch
     of the shuffled epochs."""
