@@ -783,3 +783,22 @@ def test_a_plugin_task_whose_eval_examples_is_not_a_list_is_named(tmp_path, caps
                  "task=none_eval", "eval.size=2", "steps=1"]) == 2
     err = capsys.readouterr().err
     assert "task NoneEval in none_eval.py: eval_examples returned NoneType, expected a list of at most" in err, err
+
+
+def test_a_retrieved_passage_of_megabytes_is_cut_before_it_is_tokenized():
+    """The re-probe's search eval over a 50 MB passage tokenized it whole (38 s, then an 800 MB allocation died):
+    the information block is cut to what its token budget could hold first, and its tokens are the whole text's."""
+    from emapg.models.zoo import load_model
+    from emapg.retrieval import Passage
+    from emapg.rollout.agent import _add_information, _Episode
+    from emapg.tags import format_information
+    from emapg.tasks.base import AgentConfig
+
+    tok = _CountingTokenizer(load_model("tiny-qwen2", "float32")[1])
+    cfg = AgentConfig(max_info_tokens=64, max_total_tokens=200)
+    passages = [Passage(id="0", title="Big", text="word " * 1_000_000)]
+    e = _Episode(prompt=[], tokens=[], mask=[], logp=[], entropy=[], cut=[], topk=[])
+    _add_information(e, passages, tok, cfg, k=0)
+    assert tok.longest < 200_000  # never the 5 MB text
+    whole = tok.inner(format_information(passages), add_special_tokens=False).input_ids[:64]
+    assert e.tokens == whole and e.mask == [0] * 64
