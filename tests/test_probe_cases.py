@@ -748,6 +748,9 @@ def test_outcomes_and_keys_read_back_are_named_not_a_traceback(tmp_path, capsys)
         err = capsys.readouterr().err
         assert f"{outcomes}, line 1" in err and said in err and "Traceback" not in err, err
         assert outcomes.read_bytes() == bad + good
+    (run / "config.yaml").write_text("null\n")
+    assert main(["train", "--resume", str(run), "steps=3"]) == 2
+    assert "the run's config is empty" in capsys.readouterr().err
     (tmp_path / "c.yaml").write_text("extends: smoke\n1: a\n")
     assert main(["train", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "r")]) == 2
     assert "key 1 on line 2 is not a name" in capsys.readouterr().err

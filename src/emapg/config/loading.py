@@ -196,6 +196,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             mark = getattr(e, "problem_mark", None)
             line = f", line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"config file {path}{line}: invalid YAML: {getattr(e, 'problem', e)}") from e
+        if data is None and of_run:  # a run's config.yaml emptied: --config advice would not apply
+            raise ConfigError(f"config file {path}: the run's config is empty (it holds no settings); restore it "
+                              "from a copy of the run, or start a new run (nothing was changed)")
         if data is None:
             raise ConfigError(f"config file {path}: the file is empty (give at least one key, e.g. model: ..., "
                               "or leave --config out for the defaults)")
