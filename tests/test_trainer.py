@@ -315,9 +315,12 @@ def test_config_validation_messages(override, message):
 
 def test_an_unknown_key_and_bad_task_args_are_reported_with_every_other_problem():
     """One message for all: an unknown override key no longer hides the other problems, and task_args are
-    checked by the task's own rules with the config (not after the model loads)."""
+    checked by the task's own rules with the config (not after the model loads), as every command passes them."""
+    from emapg.tasks import task_args_problems
+
     with pytest.raises(Exception) as info:
-        cfg("nosuch=1", "algo.eta=7", "task_args={digits: 0}")
+        load_config(SMOKE, ["export=false", "nosuch=1", "algo.eta=7", "task_args={digits: 0}"],
+                    task_check=task_args_problems)
     text = str(info.value)
     assert "override 'nosuch': unknown key 'nosuch'" in text and "algo.eta: must be in (0, 1], got 7.0" in text
     assert "task_args.digits: must be >= 1, got 0" in text
