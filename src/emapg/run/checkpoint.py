@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import sys
@@ -129,16 +128,20 @@ def _step_of(path: Path) -> int:
 
 
 def check_no_link_out(run_dir: Path) -> None:
-    """Refuse (one line, nothing changed) a run folder holding a link that leads out of it (an ``export/``,
-    ``outcomes/``, ``tensorboard/`` or a file linked to another run's): a resume would write into, replace or
-    append to that run's files. ``checkpoints/`` has its own rule (:func:`checkpoints_of`: a linked ``step_N`` is
-    passed over, said)."""
+    """Refuse (one line, nothing changed) a run folder holding a link that leads out of it: at its top, or inside
+    the folders emapg writes (``export*/``, ``outcomes/``, ``tensorboard/``; an export, outcomes or a file linked
+    to another run's): a resume would write into, replace or append to that run's files. ``checkpoints/`` has
+    its own rule (:func:`checkpoints_of`: a linked ``step_N`` is passed over, said); the folders of other tools
+    (``wandb/`` links its logs to its cache) are theirs."""
+    if not run_dir.is_dir():
+        return
     real = run_dir.resolve()
-    for root, dirs, files in os.walk(run_dir):  # not following links: a linked folder is seen, not entered
-        if Path(root) == run_dir:
-            dirs[:] = [d for d in dirs if d != "checkpoints"]
-        for name in [*dirs, *files]:
-            path = Path(root) / name
+    for top in run_dir.iterdir():
+        if top.name == "checkpoints":
+            continue
+        ours = top.is_dir() and not top.is_symlink() and (top.name in ("outcomes", "tensorboard")
+                                                          or top.name.startswith("export"))
+        for path in [top, *(top.rglob("*") if ours else [])]:  # rglob does not enter linked folders
             if path.is_symlink() and not path.resolve().is_relative_to(real):
                 raise CheckpointError(f"{path} leads out of the run folder, to {path.resolve()}: a run writes only "
                                       "inside its own folder (remove the link; nothing was changed)")
