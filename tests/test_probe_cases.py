@@ -637,6 +637,9 @@ def test_a_plan_of_a_billion_layers_is_one_line_and_a_deep_model_is_counted_whol
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
     assert main(["plan", "--config", "smoke", f"model={tmp_path / 'm'}", "--device", "cpu"]) == 2
     assert "gives num_hidden_layers 1,000,000,000; emapg plans at most 100,000 layers" in capsys.readouterr().err
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    assert main(["plan", "--config", "smoke", f"model={tmp_path / 'm'}", "--device", "cpu"]) == 2
+    assert "config.json's num_attention_heads is 0, expected a whole number >= 1" in capsys.readouterr().err
     deep = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
                        vocab_size=64, num_hidden_layers=MAX_BUILT_LAYERS + 37)
     with torch.device("meta"):

@@ -97,8 +97,13 @@ def model_config(name: str, trust_remote_code: bool = False, field: str = "model
             raise ConfigError(f"{field}: {raw} is not JSON ({e})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{field}: {raw} holds {json.dumps(data)[:40]}, not a JSON object of the model's sizes")
-        depth = (data.get("text_config") if isinstance(data.get("text_config"), dict) else data).get(
-            "num_hidden_layers")
+        text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "vocab_size", "intermediate_size"):  # before transformers divides by them (heads 0: a crash)
+            value = text.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise ConfigError(f"{field}: its config.json's {name} is {value!r}, expected a whole number >= 1")
+        depth = text.get("num_hidden_layers")
         if isinstance(depth, int) and depth > MAX_LAYERS:  # transformers lists each layer's type: 10^9 took minutes
             raise ConfigError(f"{field}: {raw} gives num_hidden_layers {depth:,}; emapg plans at most "
                               f"{MAX_LAYERS:,} layers (the deepest published models have a few hundred)")
