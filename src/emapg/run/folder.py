@@ -185,13 +185,16 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def run_differs(cfg_file: Path, cfg: TrainConfig) -> dict[str, list[Any]]:
     """The fields, not a resume's to change (``replay_safe``), where a run's config.yaml differs from ``cfg``,
     as ``{field: [the run's, cfg's]}``; read as plain YAML (its plugins not imported). A file that is not a
-    run's config differs in every field."""
+    run's config differs as a whole (``config.yaml``)."""
     try:
         data = yaml.safe_load(Path(cfg_file).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         data = None
-    have, want = _flat(data if isinstance(data, dict) else {}), _flat(to_dict(cfg))
-    return {k: [have.get(k), v] for k, v in want.items() if have.get(k) != v and not replay_safe(k)}
+    if not isinstance(data, dict):
+        return {"config.yaml": [data, "a run's settings"]}
+    have, want = _flat(data), _flat(to_dict(cfg))
+    # a field the run's file does not name came after the emapg that wrote it: its default is what the run ran
+    return {k: [have[k], v] for k, v in want.items() if k in have and have[k] != v and not replay_safe(k)}
 
 
 @dataclass
