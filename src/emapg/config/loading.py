@@ -127,19 +127,18 @@ class _UniqueKeys(yaml.SafeLoader):
 
 
 def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False):
-    seen: dict[Any, int] = {}
+    seen: dict[str, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
         if not isinstance(key, str):  # a config's or spec's keys are names (1: a gave a TypeError far away)
             raise yaml.constructor.ConstructorError(None, None, f"key {key!r} on line {line} is not a name (keys "
                                                     "are text: quote it if you meant it)", key_node.start_mark)
-        if isinstance(key, str | int | float | bool) and key in seen:
+        if key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice, on line {seen[key]} and "
                                                     f"line {line} (YAML would keep the last silently)",
                                                     key_node.start_mark)
-        if isinstance(key, str | int | float | bool):
-            seen[key] = line
+        seen[key] = line
     return loader.construct_mapping(node, deep=deep)
 
 

@@ -466,8 +466,8 @@ def check_report_files(spec: Spec, out: Path) -> None:
 
 
 def report(spec: Spec, out: Path) -> str:
-    """Write summary.json, results.md and one figure per group (or compare.png); return the markdown."""
-    check_report_files(spec, out)
+    """Write summary.json, results.md and one figure per group (or compare.png); return the markdown.
+    (:func:`check_report_files` first: ``emapg compare`` runs it before any run starts.)"""
     summary = summarize(spec, out)
     if not summary:  # an empty or mistyped --out: say so, not an empty report that exits 0
         raise EmapgError(f"--out {out}: no run of this spec has finished there (looked for "

@@ -98,11 +98,8 @@ def model_config(name: str, trust_remote_code: bool = False, field: str = "model
         if not isinstance(data, dict):
             raise ConfigError(f"{field}: {raw} holds {json.dumps(data)[:40]}, not a JSON object of the model's sizes")
         text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "vocab_size", "intermediate_size"):  # before transformers divides by them (heads 0: a crash)
-            value = text.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-                raise ConfigError(f"{field}: its config.json's {name} is {value!r}, expected a whole number >= 1")
+        # before transformers divides by them (heads 0: a crash); a size of another type is transformers' to name
+        check_sizes({k: v for k, v in text.items() if isinstance(v, int) and not isinstance(v, bool)}, field)
         depth = text.get("num_hidden_layers")
         if isinstance(depth, int) and depth > MAX_LAYERS:  # transformers lists each layer's type: 10^9 took minutes
             raise ConfigError(f"{field}: {raw} gives num_hidden_layers {depth:,}; emapg plans at most "
@@ -128,6 +125,22 @@ def model_config(name: str, trust_remote_code: bool = False, field: str = "model
                           f"folder with a config.json, nor a Hub name this machine has ({why})") from None
 
 
+SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+         "num_key_value_heads", "head_dim")
+"""The sizes of a config.json that must be whole numbers >= 1 where given."""
+
+
+def check_sizes(sizes: dict[str, Any], field: str = "model", required: tuple[str, ...] = ()) -> None:
+    """A ConfigError naming the first of :data:`SIZES` given in ``sizes`` that is not a whole number >= 1, or
+    missing where ``required``."""
+    for name in SIZES:
+        value = sizes.get(name)
+        if value is None and name in required:
+            raise ConfigError(f"{field}: its config.json has no {name}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{field}: its config.json's {name} is {value!r}, expected a whole number >= 1")
+
+
 MAX_LAYERS = 100_000
 """The deepest model a plan takes from a config.json."""
 MAX_BUILT_LAYERS = 512
@@ -138,15 +151,8 @@ def shape_of(config) -> ModelShape:
     """The counts of a config: the model built on the meta device (no memory, no weights). A config whose sizes
     are not whole numbers >= 1 is a ConfigError naming the field."""
 
-
     text = getattr(config, "text_config", None) or config
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
-                 "num_key_value_heads", "head_dim"):
-        value = getattr(text, name, None)
-        if value is None and name == "vocab_size":
-            raise ConfigError("model: its config.json has no vocab_size")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"model: its config.json's {name} is {value!r}, expected a whole number >= 1")
+    check_sizes({name: getattr(text, name, None) for name in SIZES}, required=("vocab_size",))
     heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None)
     if kv is not None and heads % kv:
         raise ConfigError(f"model: its config.json's num_attention_heads ({heads}) is not a multiple of "

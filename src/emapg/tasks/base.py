@@ -163,24 +163,24 @@ def defined_in(cls: type) -> str:
 def draw_examples(task: Task, rng: random.Random, n: int) -> list[Example]:
     """``task.train_examples(rng, n)``, checked: a task (a plugin's) that returns anything but a list of ``n``
     Examples is named in one line."""
-    drawn = task.train_examples(rng, n)
-    if not (isinstance(drawn, list) and len(drawn) == n and all(isinstance(e, Example) for e in drawn)):
-        got = (f"{len(drawn)} items of {', '.join(sorted({type(e).__name__ for e in drawn}))}"
-               if isinstance(drawn, list) and drawn else type(drawn).__name__)
-        raise EmapgError(f"task {defined_in(type(task))}: train_examples returned {got}, expected a list of {n} "
-                         "Example")
-    return drawn
+    return _checked_examples(task, "train_examples", task.train_examples(rng, n), n, exact=True)
 
 
 def held_out_examples(task: Task, size: int) -> list[Example]:
     """``task.eval_examples(size)``, checked: a task (a plugin's) that returns anything but a list of at most
     ``size`` Examples is named in one line."""
-    got = task.eval_examples(size)
-    if not (isinstance(got, list) and len(got) <= size and all(isinstance(e, Example) for e in got)):
+    return _checked_examples(task, "eval_examples", task.eval_examples(size), size, exact=False)
+
+
+def _checked_examples(task: Task, method: str, got: Any, n: int, exact: bool) -> list[Example]:
+    """``got``, what ``task.method`` returned, when it is a list of ``n`` Examples (``exact``) or at most ``n``;
+    else an EmapgError naming the task's class, its file and what it returned."""
+    if not (isinstance(got, list) and (len(got) == n if exact else len(got) <= n)
+            and all(isinstance(e, Example) for e in got)):
         what = (f"{len(got)} items of {', '.join(sorted({type(e).__name__ for e in got}))}"
                 if isinstance(got, list) and got else type(got).__name__)
-        raise EmapgError(f"task {defined_in(type(task))}: eval_examples returned {what}, expected a list of at most "
-                         f"{size} Example")
+        raise EmapgError(f"task {defined_in(type(task))}: {method} returned {what}, expected a list of "
+                         f"{'' if exact else 'at most '}{n} Example")
     return got
 
 
