@@ -63,6 +63,20 @@ def test_the_builtin_embedder_ships_in_its_package(embedder):
     assert embedder.prefixes.query == embedder.prefixes.passage == ""  # MiniLM was trained without prefixes
 
 
+def test_a_passage_of_megabytes_is_cut_before_it_is_tokenized(embedder, monkeypatch):
+    """The model reads a passage's first max_seq_length tokens: a 50 MB passage was tokenized whole (gigabytes,
+    then the allocator's abort). Cut by characters first, its vector is the whole passage's first tokens'."""
+    text = "the castle stands on a hill above the river. " * 120_000  # 5.4 MB
+    seen = []
+    encode = embedder.model.encode  # what sentence-transformers is given to tokenize
+    monkeypatch.setattr(embedder.model, "encode", lambda texts, **kw: seen.append(max(map(len, texts)))
+                        or encode(texts, **kw))
+    whole = embedder.encode([text], query=False)
+    assert max(seen) < 100_000
+    head = embedder.encode([text[:5_000]], query=False)  # already past the model's 256 tokens
+    np.testing.assert_allclose(whole, head, atol=1e-6)
+
+
 def test_prefixes_follow_the_model():
     e5 = default_prefixes("intfloat/e5-base-v2", {})
     assert e5 == Prefixes("query: ", "passage: ") != default_prefixes("minilm", {})

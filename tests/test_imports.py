@@ -102,7 +102,7 @@ LAYERS = [
     ("run assembly", ["emapg.run.assembly"]),
     ("orchestration", ["emapg.run.trainer", "emapg.lab.study", "emapg.lab.report", "emapg.lab.verdicts",
                        "emapg.run.evalsuite", "emapg.integrations.trl"]),
-    ("command line", ["emapg.cli", "emapg.commands", "emapg.__main__"]),
+    ("command line", ["emapg.cli", "emapg.commands", "emapg.launcher", "emapg.__main__"]),
 ]
 
 

@@ -367,11 +367,13 @@ register_task("stringy", Stringy)
 
 
 @pytest.mark.parametrize(("task", "message"), [
-    ("undefined", "task undefined (Undefined in bad_tasks.py): its __init__'s annotations do not resolve"),
+    ("undefined", "override task=undefined (over {SMOKE}): task: undefined (Undefined in bad_tasks.py): its "
+                  "__init__'s annotations do not resolve"),
     ("stringy", "task Stringy in bad_tasks.py: train_examples returned str, expected a list of 64 Example"),
 ])
 def test_a_plugin_task_that_breaks_its_protocol_is_named_in_one_line(tmp_path, task, message):
     (tmp_path / "bad_tasks.py").write_text(BAD_TASKS)
     res = run("train", "--config", str(SMOKE), "--out", "run", "plugins=[bad_tasks.py]", f"task={task}", "steps=1",
               cwd=tmp_path)
+    message = message.format(SMOKE=SMOKE)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]

@@ -11,6 +11,8 @@ import os
 import random
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -395,8 +397,9 @@ class _CountingTokenizer:
 def test_a_prompt_of_megabytes_is_bounded_by_its_size_before_it_is_tokenized(tmp_path, capsys, mode):
     """A data file whose first problem is 3 MB: refused (or cut, with long_prompts: truncate) from its size in bytes,
     a lower bound on its tokens, without tokenizing the text whole (it took 14 s a MB)."""
+    from emapg.models.lm import longest_token_bytes
     from emapg.models.zoo import load_model
-    from emapg.rollout.prompts import fit_prompts, longest_token_bytes
+    from emapg.rollout.prompts import fit_prompts
     from emapg.tasks import make_task
 
     data = tmp_path / "train.jsonl"
@@ -457,9 +460,9 @@ def test_symlinks_never_lead_a_run_out_of_its_folder(tmp_path, capsys):
 
 
 def test_files_read_back_are_checked_by_what_they_must_hold(tmp_path, capsys):
-    """An optimizer state with no param_groups is a damaged checkpoint (the older one resumes, not a torch size
-    error at the first step); a metrics.jsonl with a stray byte is named, not rewritten with U+FFFD; a config.json
-    of null is one line from `emapg plan`, not a TypeError."""
+    """An optimizer state with no param_groups, or naming a parameter the model has not, is a damaged checkpoint
+    (the older one resumes, not a torch size error at the first step); a metrics.jsonl with a stray byte is named,
+    not rewritten with U+FFFD; a config.json of null is one line from `emapg plan`, not a TypeError."""
     from emapg.cli import main
 
     fast = ["--config", "smoke", "eval.size=0", "export=false", "save_every=1", "keep_checkpoints=3"]
@@ -472,10 +475,17 @@ def test_files_read_back_are_checked_by_what_they_must_hold(tmp_path, capsys):
     assert main(["train", "--resume", str(run), "steps=3"]) == 0
     err = capsys.readouterr().err
     assert "state.json is damaged: its optimizer" in err and "resuming from" in err and "step 1" in err
+    state = run / "checkpoints" / "step_000003" / "state.json"
+    data = json.loads(state.read_text())
+    data["optimizer"]["param_groups"][0]["params"][0] = "no.such.param"  # was Adam's size error at the next step
+    state.write_text(json.dumps(data))
+    assert main(["train", "--resume", str(run), "steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert "its optimizer names 'no.such.param', which this run's model has not" in err and "(step 2)" in err
     metrics = run / "metrics.jsonl"
     before = metrics.read_bytes()
     metrics.write_bytes(before.replace(b'"step": 2', b'"step": 2, "x": "\xff"', 1))
-    assert main(["train", "--resume", str(run), "steps=4"]) == 2
+    assert main(["train", "--resume", str(run), "steps=5"]) == 2
     assert "metrics.jsonl, line 2: not UTF-8 text (byte 0xff)" in capsys.readouterr().err
     assert metrics.read_bytes().count(b"\xff") == 1  # as it was: nothing rewritten
     (tmp_path / "m").mkdir()
@@ -494,6 +504,9 @@ def test_a_config_or_spec_giving_a_key_twice_is_refused_naming_both_lines(tmp_pa
     (tmp_path / "s.yaml").write_text("base: c.yaml\nseeds: [0]\nconfigs: {a: []}\nseeds: [1]\n")
     assert main(["compare", "--spec", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "o")]) == 2
     assert "key 'seeds' is given twice, on line 2 and line 4" in capsys.readouterr().err
+    (tmp_path / "m.yaml").write_text("steps: 3\nb: &b {eta: 0.9}\nalgo: {<<: *b, beta: 0.5}\n")
+    assert main(["train", "--config", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "r")]) == 2
+    assert "line 3: invalid YAML: a YAML merge key (<<) is not supported here" in capsys.readouterr().err
 
 
 def test_the_lenient_grader_takes_the_gold_written_out_whatever_its_size():
@@ -501,6 +514,11 @@ def test_the_lenient_grader_takes_the_gold_written_out_whatever_its_size():
 
     gold = "7" * 4_500  # past Python's int digits limit, which sympy's parse meets
     assert math_reward(f"so \\boxed{{{gold}}}", gold) == 1.0 and math_reward(f"so \\boxed{{{gold}8}}", gold) == 0.0
+    gold = "12345678" * 600  # 4,800 digits, written otherwise than the gold: read whole, not cut at Python's 4,300
+    assert math_reward(f"So the answer is {gold}", gold) == 1.0
+    assert math_reward(f"\\boxed{{{gold}}}", gold + ".0") == 1.0
+    assert math_reward(f"\\boxed{{\\frac{{{gold}}}{{1}}}}", gold) == 1.0
+    assert math_reward(f"So the answer is {gold[:-1]}9", gold) == 0.0
 
 
 def test_an_index_has_one_writer(tmp_path, capsys):
@@ -562,6 +580,29 @@ def test_the_plan_never_allocates_a_shape_it_cannot_measure(tmp_path, capsys):
                                                             "intermediate_size": 10**6}))
     assert main(["plan", "--config", "smoke", f"model={tmp_path / 'm'}", "--device", "cpu"]) == 2
     assert "too wide to measure its activations within 8 GiB" in capsys.readouterr().err
+
+
+def test_a_plan_that_cannot_allocate_its_measurement_says_so_in_one_line(tmp_path):
+    """A layer 10^6 wide with 4 heads of 16 shares too few divisors to be measured narrower and is measured whole
+    (6.5 GiB of weights): on a machine that cannot give that (here a 4 GB address-space limit) it was torch's
+    allocator traceback; it is one line naming the shape."""
+    import resource
+
+    from emapg.models.zoo import tiny_model
+
+    config = {**tiny_model().config.to_dict(), "hidden_size": 10**6, "head_dim": 16}
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 10**9, 4 * 10**9))
+
+    done = subprocess.run([sys.executable, "-m", "emapg", "plan", "--config", "smoke", f"model={tmp_path / 'm'}",
+                           "--device", "cpu"], capture_output=True, text=True, preexec_fn=cap, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "(hidden_size 1000000, intermediate_size 128, 4 heads) is measured in " \
+        "copies holding 6.5 GiB of weights, more than this machine could allocate (can't allocate memory" in done.stderr
 
 
 def test_a_search_row_whose_answers_are_null_is_said_null_not_missing(tmp_path):
@@ -717,7 +758,8 @@ def test_a_run_config_names_no_plugin_without_trust_even_without_its_marker(tmp_
 
 def test_compare_resumes_or_reports_only_the_runs_its_spec_gives(tmp_path, capsys):
     """Another run copied into --out (other settings, or plugins the user never named) was reported as the spec's,
-    or resumed with --trust-plugins compare added itself; a spec inside a run folder brought plugins unasked."""
+    or resumed with --trust-plugins compare added itself; a spec inside a run folder, or a config at the top of a
+    compare's --out, brought plugins unasked."""
     from emapg.cli import main
 
     spec = tmp_path / "s.yaml"
@@ -734,6 +776,13 @@ def test_compare_resumes_or_reports_only_the_runs_its_spec_gives(tmp_path, capsy
                                 f"configs: {{a: ['plugins=[{tmp_path / 'evil.py'}]']}}\n")
     assert main(["compare", "--spec", str(run / "s.yaml"), "--out", str(tmp_path / "o2")]) == 2
     assert "--trust-plugins" in capsys.readouterr().err and not marker.exists()
+    # a config at the top of a compare's --out (a folder emapg wrote runs into, a job may write there): the same
+    out = tmp_path / "out"
+    shutil.copy(run / "config.yaml", out / "theirs.yaml")
+    assert (out / ".compare.lock").exists()
+    assert main(["plan", "--config", str(out / "theirs.yaml"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"inside the run folder {out}: a config from a run folder imports none" in err and not marker.exists()
 
 
 def test_outcomes_and_keys_read_back_are_named_not_a_traceback(tmp_path, capsys):

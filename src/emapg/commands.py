@@ -15,7 +15,6 @@ from pathlib import Path
 
 import yaml
 
-import emapg.tasks  # noqa: F401 (registers the task_args check a config's loading runs)
 from emapg.atomic import one_writer, write_text_atomic
 from emapg.config import (
     EVAL_OPTIONS,
@@ -48,6 +47,7 @@ from emapg.run.folder import (
     LAUNCHER_ENV,
     LOCK_ENV,
     MARKER,
+    RESUME_ENV,
     check_resume,
     claim_run_folder,
     die_with_parent,
@@ -81,7 +81,7 @@ def recipe_path(name_or_path: str) -> Path:
 
 def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     """Re-run this command under torchrun with ``args.nproc`` processes on this machine."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+    cmd = [sys.executable, "-m", "emapg.launcher", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "emapg", "train"]
     cmd += ["--resume", str(run_dir)] if args.resume else ["--out", str(run_dir)]
     cmd += ["--force"] if args.force else []
@@ -89,7 +89,8 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     if args.config is not None:
         cmd += ["--config", str(recipe_path(args.config))]
     # this process holds the folder's lock for them; its PID lets a worker see that it outlived it
-    env = {**os.environ, LOCK_ENV: str(run_dir.resolve()), LAUNCHER_ENV: str(os.getpid())}
+    env = {**os.environ, LOCK_ENV: str(run_dir.resolve()), LAUNCHER_ENV: str(os.getpid()),
+           RESUME_ENV: f"emapg train --resume {run_dir} --nproc {args.nproc}"}
     proc = subprocess.Popen(cmd + list(args.overrides), env=env, preexec_fn=die_with_parent)  # noqa: PLW1509
     try:
         rc = proc.wait()
@@ -181,7 +182,8 @@ def _train_locked(args: argparse.Namespace, cfg, run_dir: Path, launched: bool, 
         table = trainer.train()
     except BaseException as e:
         if trainer.run.main:
-            how = (f"resume with: emapg train --resume {run_dir}" if has_checkpoint(run_dir) else
+            nproc = f" --nproc {trainer.run.dist.world}" if trainer.run.dist.world > 1 else ""
+            how = (f"resume with: emapg train --resume {run_dir}{nproc}" if has_checkpoint(run_dir) else
                    f"no checkpoint yet: run the same command again to start over in {run_dir}")
             what = "stopped" if isinstance(e, KeyboardInterrupt) else "failed"
             print(f"emapg: the run {what} at step {trainer.run.progress.step}; {how}", file=sys.stderr)

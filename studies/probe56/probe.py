@@ -4039,6 +4039,138 @@ def x17_launcher_sigkill(c):
     return HELD, f"exit {p.returncode}: " + [ln for ln in err.splitlines() if "SIGKILL" in ln][-1][:300]
 
 
+# Issue 70's independent re-probe (studies/probe56/reprobe70): the 10 cases it found not held after the fixes
+# above, each added here as it was tried there.
+
+@case("11", "a config at the top of a compare's --out (a folder emapg wrote runs into) naming a plugin: `plan`")
+def x11_config_in_compare_out(c):
+    marker = _foreign_config(c)
+    _spec(c, f"base: {SMOKE}\n" + SPEC_OK)
+    bad = succeeded(c.cli(["compare", "--spec", "spec.yaml", "--out", "out"], timeout=300))
+    if bad:
+        return UNCLEAR, "the probe could not set the case up: " + bad[1]
+    c.sh("cp run/config.yaml out/theirs.yaml")
+    return _refused_untrusted(c, c.cli(["plan", "--config", "out/theirs.yaml", "--device", "cpu"]), marker)
+
+
+@case("16", "the lenient grader on a 4,800-digit answer written otherwise than its gold (unboxed, N.0, N/1)")
+def x16_grader_huge_forms(c):
+    r = c.py("""
+        from emapg.rewards.math import math_reward
+        gold = "12345678" * 600
+        print(math_reward("So the answer is " + gold, gold), math_reward("\\\\boxed{" + gold + "}", gold + ".0"),
+              math_reward("\\\\boxed{\\\\frac{" + gold + "}{1}}", gold),
+              math_reward("So it is " + gold[:-1] + "9", gold))
+    """, timeout=120)
+    if has_tb(r) or r.timed_out:
+        return refused(r)
+    return ((HELD, r.out.strip()) if r.out.split() == ["1.0", "1.0", "1.0", "0.0"] else
+            (WRONG, f"scores {r.out.strip()}"))
+
+
+@case("12", "`index dense` over a corpus holding one 50 MB passage: encoded from its head, not tokenized whole")
+def x12_index_dense_50mb(c):
+    rows = [{"id": str(i), "title": f"t{i}", "text": f"passage {i} about rivers"} for i in range(5)]
+    rows.append({"id": "big", "title": "big", "text": "the castle stands on a hill above the river. " * 1_100_000})
+    c.write("corpus.jsonl", jsonl(rows), show=False)
+    c.note("corpus.jsonl: 5 small passages and one of 50 MB")
+    bad = succeeded(c.cli(["index", "build", "--corpus", "corpus.jsonl", "--out", "idx"], timeout=180))
+    if bad:
+        return UNCLEAR, "the probe could not set the case up: " + bad[1]
+    r = c.cli(["index", "dense", "--index", "idx", "--device", "cpu"], timeout=300)
+    return succeeded(r) or (HELD, f"encoded in {r.seconds:.0f} s: {err_line(r)}")
+
+
+@case("14", "state.json's optimizer names a parameter the model has not: the older checkpoint resumes, said")
+def x14_optimizer_foreign_param(c):
+    run = c.copy_run()
+    state = run / "checkpoints/step_000002/state.json"
+    data = json.loads(state.read_text())
+    data["optimizer"]["param_groups"][0]["params"][0] = "no.such.param"
+    c.write("run/checkpoints/step_000002/state.json", json.dumps(data), show=False)
+    c.note("run/checkpoints/step_000002/state.json: optimizer.param_groups[0].params[0] = 'no.such.param'")
+    r = c.cli(["train", "--resume", "run", "steps=3"])
+    bad = succeeded(r)
+    if bad:
+        return bad
+    return (HELD, err_line(r)) if "no.such.param" in r.text and "step 1" in r.text else \
+        (WRONG, "resumed without naming the damaged state.json: " + err_line(r))
+
+
+@case("15", "`plan` of a tiny llama's config.json with hidden_size 10^6 and head_dim 16 (measured whole)")
+def x15_plan_wide_head_dim(c):
+    r = c.py("""
+        import json
+        from emapg.models.zoo import tiny_model
+        print(json.dumps({**tiny_model().config.to_dict(), "hidden_size": 10**6, "head_dim": 16}))
+    """, log=False)
+    c.write("m/config.json", r.out)
+    r = c.cli(["plan", "--config", "smoke", f"model={c.dir / 'm'}", "--device", "cpu"], timeout=300)
+    if r.rc == 0 and not has_tb(r):
+        return HELD, "planned: " + r.out.strip().splitlines()[-1][:200]
+    return refused(r, ["hidden_size 1000000"])
+
+
+@case("16", "a config using a YAML merge key (`algo: {<<: *b, beta: 0.5}`)")
+def x16_yaml_merge_key(c):
+    c.write("c.yaml", "extends: smoke\nb: &b {eta: 0.9}\nalgo: {<<: *b, beta: 0.5}\n")
+    return refused(c.cli(["train", "--config", "c.yaml", "--out", "r"]), ["merge key", "line 3"])
+
+
+@case("16", "a plugin task with an unresolvable annotation chosen by the override task=undefined: blamed on it")
+def x16_plugin_annotation_override(c):
+    c.write("bad_tasks.py", _BAD_TASKS)
+    r = c.cli(["train", "--config", "smoke", "--out", "r", f"plugins=[{c.dir / 'bad_tasks.py'}]", "task=undefined"])
+    return refused(r, ["override task=undefined", "bad_tasks.py"])
+
+
+def _kill_during_nproc(c, target: str):
+    """`train --nproc 2` killed (SIGKILL) once it saved a checkpoint: ``target`` "rank 0" (a worker, as the
+    out-of-memory killer would) or "emapg" (the user's own emapg train)."""
+    p = c.popen(["train", "--nproc", "2", "--config", "smoke", "--out", "run", "steps=200", "eval.size=0",
+                 "threads=1", "save_every=1", "export=false"])
+    end = time.monotonic() + 180
+    while not (c.dir / "run/checkpoints/latest").exists():
+        if p.poll() is not None or time.monotonic() > end:
+            _killpg(p.pid)
+            return UNCLEAR, "the run never saved a checkpoint (the probe could not set the case up)"
+        time.sleep(0.2)
+    (launcher,) = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+    workers = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    rank0 = next(w for w in workers if b"\0RANK=0\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes())
+    victim = int(rank0) if target == "rank 0" else p.pid
+    c.note(f"kill -9 {victim}   # {'the rank-0 worker' if target == 'rank 0' else 'emapg train itself'}")
+    os.kill(victim, signal.SIGKILL)
+    try:
+        _, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        _killpg(p.pid)
+        return HANG, "the workers or the launcher did not end within 120 s"
+    err = err.decode("utf-8", "replace")
+    c.outputs.append(f"[exit {p.returncode}] {err[-800:]}")
+    time.sleep(2)
+    left = [w for w in [*workers, launcher] if Path(f"/proc/{w}").exists()]
+    if left:
+        for w in left:
+            _killpg(int(w))
+        return UNCLEAR, f"processes {left} outlived the kill"
+    if "Traceback (most recent call last)" in err:
+        return UNCLEAR, "a traceback is what is said last: " + err.strip().splitlines()[-1][:200]
+    if "--resume run --nproc 2" not in err:
+        return UNCLEAR, "no resume line with --nproc 2: " + (err.strip().splitlines() or ["nothing"])[-1][:200]
+    return HELD, [ln for ln in err.splitlines() if ln.startswith("emapg: ") and "--nproc 2" in ln][-1][:300]
+
+
+@case("17", "`train --nproc 2` whose rank-0 worker is killed by SIGKILL: said, with how to resume")
+def x17_worker_sigkill(c):
+    return _kill_during_nproc(c, "rank 0")
+
+
+@case("17", "`train --nproc 2` whose own emapg train process is killed by SIGKILL: said, with how to resume")
+def x17_emapg_sigkill(c):
+    return _kill_during_nproc(c, "emapg")
+
+
 # =========================================================================================================
 # runner and report
 

@@ -5,6 +5,7 @@ and a mapping read into the dataclasses is :mod:`emapg.settings` (below the conf
 task's arguments use it too). Everything is importable from here: ``from emapg.config import load_config``."""
 
 from emapg.config.loading import (
+    COMPARE_MARKER,
     MOVED,
     RUN_MARKER,
     SHIPPED_RECIPES,
@@ -45,7 +46,7 @@ from emapg.settings import Rule, above, across_rules, at_least, one_of, rule_pro
 
 __all__ = [
     "AlgoConfig", "CONSISTENCY", "ConfigError", "DTYPE_NAMES", "EVAL_OPTIONS", "EvalConfig", "LoraConfig", "MOVED",
-    "RULES", "RUN_MARKER", "RolloutConfig", "Rule", "SHIPPED_RECIPES", "TRL_KEYWORDS",
+    "COMPARE_MARKER", "RULES", "RUN_MARKER", "RolloutConfig", "Rule", "SHIPPED_RECIPES", "TRL_KEYWORDS",
     "TRUST_FLAG", "TrainConfig", "above", "across_rules", "apply_override", "apply_overrides", "at_least",
     "check_fields", "check_options", "check_world", "import_plugins", "load_config", "merged_task_args",
     "mini_batch_prompts", "run_folder_of", "one_of", "recomputes_old", "replay_safe", "rule_problems", "save_config",

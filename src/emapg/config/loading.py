@@ -129,8 +129,12 @@ class _UniqueKeys(yaml.SafeLoader):
 def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False):
     seen: dict[str, int] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
+        if key_node.tag == "tag:yaml.org,2002:merge":  # PyYAML's own message named only a tag
+            raise yaml.constructor.ConstructorError(None, None, "a YAML merge key (<<) is not "
+                                                    "supported here: write the keys out, or use extends: for a "
+                                                    "config that builds on another", key_node.start_mark)
+        key = loader.construct_object(key_node, deep=deep)
         if not isinstance(key, str):  # a config's or spec's keys are names (1: a gave a TypeError far away)
             raise yaml.constructor.ConstructorError(None, None, f"key {key!r} on line {line} is not a name (keys "
                                                     "are text: quote it if you meant it)", key_node.start_mark)
@@ -155,10 +159,15 @@ RUN_MARKER = ".emapg-run"
 """The file emapg writes at the top of every run folder (:mod:`emapg.run.folder`)."""
 
 
-def run_folder_of(path: str | Path) -> Path | None:
-    """The run folder that holds ``path`` (the nearest folder above it with :data:`RUN_MARKER`), or None."""
+COMPARE_MARKER = ".compare.lock"
+"""The file ``emapg compare`` writes at the top of its ``--out``, the folder it writes runs into."""
+
+
+def run_folder_of(path: str | Path, *, or_compare: bool = False) -> Path | None:
+    """The run folder that holds ``path`` (the nearest folder above it with :data:`RUN_MARKER`), or None;
+    ``or_compare``: a compare's ``--out`` (:data:`COMPARE_MARKER`) counts too."""
     for folder in Path(path).resolve().parents:
-        if (folder / RUN_MARKER).exists():
+        if (folder / RUN_MARKER).exists() or (or_compare and (folder / COMPARE_MARKER).exists()):
             return folder
     return None
 
@@ -171,8 +180,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     A config's ``plugins`` are code, and one rule decides whether they are imported, on every path that reads a
     config (train, resume, plan, eval, export, compare): plugins named by a file the user wrote are; plugins named
-    by a config inside a run folder (its own config.yaml, or any file in a folder emapg wrote a run into, which
-    another person or job may have written), or by a file extending one, are not unless the user passes
+    by a config inside a run folder (its own config.yaml, or any file in a folder emapg wrote a run into, a
+    compare's ``--out`` included, which another person or job may have written), or by a file extending one, are
+    not unless the user passes
     ``--trust-plugins`` on this command line (``trust_plugins``): refused, naming them and the folder. ``of_run``:
     ``path`` is a run's own config.yaml (a resume, ``eval --run``, an export), under that rule whether or not its
     folder still holds emapg's marker (a copy without its hidden files)."""
@@ -206,14 +216,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _origins({k: v for k, v in data.items() if k != "extends"}, Path(path), origins)
         data = _migrated(_extended(data, Path(path), seen=(Path(path).resolve(),), read=read, origins=origins))
     unapplied = apply_overrides(data, overrides or [])
-    foreign = next((f for f in (*map(Path, [path] if path is not None else []), *read) if run_folder_of(f)), None)
+    foreign = next((f for f in (*map(Path, [path] if path is not None else []), *read)
+                    if run_folder_of(f, or_compare=True)), None)
     if of_run and path is not None:  # a run's own config.yaml (--resume, eval --run, export), marker or not
         foreign = foreign or Path(path)
     if not trust_plugins and data.get("plugins") and foreign is not None:
         named = data["plugins"] if isinstance(data["plugins"], list) else [data["plugins"]]
         raise ConfigError(f"config file {source}: it names plugins ({', '.join(map(str, named))}), which are code "
                           f"run on import, from {foreign}, inside the run folder "
-                          f"{run_folder_of(foreign) or Path(foreign).parent}: a config "
+                          f"{run_folder_of(foreign, or_compare=True) or Path(foreign).parent}: a config "
                           f"from a run folder imports none unless you pass {TRUST_FLAG} (read them first)")
     try:
         import_plugins(data.get("plugins") or [])

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from emapg.config import TRUST_FLAG, ConfigError, load_config, run_folder_of
+from emapg.config import COMPARE_MARKER, TRUST_FLAG, ConfigError, load_config, run_folder_of
 from emapg.errors import EmapgError
 from emapg.lab.spec import read_spec_file
 from emapg.models import distributed
@@ -80,7 +80,7 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
         base = (path.parent / base).resolve()
     if not base.exists():
         raise ConfigError(f"{path}: base: {base} does not exist")
-    home = run_folder_of(path)
+    home = run_folder_of(path, or_compare=True)
     named = [o for o in [*overrides, *(o for over in configs.values() for o in over if o not in (extra or []))]
              if o.split("=", 1)[0].strip() == "plugins"]
     if home is not None and named and not trust_plugins:  # a spec is a config's source: the same trust rule
@@ -115,7 +115,7 @@ def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
         raise ConfigError(f"--out {out}: is the folder of a training run (emapg train wrote it); a comparison needs "
                           "a folder of its own (nothing was changed)")
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".compare.lock", "w") as lock:  # a second compare would restart this one's live runs
+    with open(out / COMPARE_MARKER, "w") as lock:  # a second compare would restart this one's live runs
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

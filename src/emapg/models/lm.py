@@ -1,5 +1,6 @@
 """What emapg needs to know of a Hugging Face causal LM besides its forward: its transformer body and
-output projection, and the name its forward gives the key/value cache."""
+output projection, the name its forward gives the key/value cache, and how many characters its tokenizer's
+tokens can stand for (so that no text of megabytes is tokenized whole)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,26 @@ def check_lean_head(model: nn.Module, name: str) -> None:
             f"log-prob path does not reproduce (log-probs differ by {err:.3g}; the config fields it knows are "
             f"{KNOWN_TRANSFORMS}; this config is {getattr(cfg, 'model_type', '?')}): refused, since the ratio and "
             "the KL would refer to another distribution than the one sampled")
+
+
+_TOKEN_BYTES: dict[int, int] = {}
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token of ``tokenizer`` stands for (its added tokens' text included): a text of B
+    bytes makes at least B / this many tokens, whatever it holds. Measured once per tokenizer."""
+    key = id(tokenizer)
+    if key not in _TOKEN_BYTES:
+        vocab = tokenizer.get_vocab()
+        raw = max((len(t.encode("utf-8")) for t in vocab), default=1)  # a token's symbol: at least its bytes
+        decoded = max((len(tokenizer.convert_tokens_to_string([t]).encode("utf-8")) for t in vocab), default=1)
+        _TOKEN_BYTES[key] = max(1, raw, decoded)
+    return _TOKEN_BYTES[key]
+
+
+def first_tokens_text(text: str, tokens: int, tokenizer) -> str:
+    """``text``, cut by characters to what its first ``tokens`` tokens can stand for (with a margin that keeps
+    those tokens the whole text's for any text without a 1,000-character word), before it is tokenized: a passage
+    of 50 MB took seconds and gigabytes to tokenize for the few hundred tokens kept."""
+    most = tokens * longest_token_bytes(tokenizer) + 1024
+    return text if len(text) <= most else text[:most]

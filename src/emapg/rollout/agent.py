@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from emapg.models.lm import first_tokens_text
 from emapg.rollout.batch import RolloutBatch, concat
 from emapg.rollout.hf import HFSampler
-from emapg.rollout.prompts import longest_token_bytes
 from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left
 from emapg.tags import SEARCH_RE, STOPS, answers_in, format_information
 from emapg.tasks.base import AgentConfig, Example
@@ -145,11 +145,7 @@ def _add_information(e: _Episode, passages, tokenizer, cfg: AgentConfig, k: int)
     """Append the retrieved passages (and the text opening the next turn) to episode ``e``: context,
     mask 0, zero statistics."""
     room = max(0, min(cfg.max_info_tokens, cfg.max_total_tokens - len(e.tokens)))
-    text = format_information(passages)
-    if len(text) > 4096 + 16 * room:  # room tokens stand for at most room x (a token's most bytes) characters:
-        # a passage of megabytes is cut before it is tokenized (50 MB took 38 s and died), with a margin that
-        # keeps the first room tokens those of the whole text (any passage without a 1,000-character word)
-        text = text[: room * longest_token_bytes(tokenizer) + 1024]
+    text = first_tokens_text(format_information(passages), room, tokenizer)  # 50 MB took 38 s and died
     info = tokenizer(text, add_special_tokens=False).input_ids[:room]
     e.searches += 1
     e.found.update(p.title for p in passages)

@@ -10,6 +10,7 @@ import random
 import sys
 
 from emapg.errors import ConfigError
+from emapg.models.lm import longest_token_bytes
 from emapg.rollout.sampling import format_prompt
 from emapg.tasks.base import Example, Task, draw_examples
 
@@ -40,21 +41,6 @@ def _truncated(tokenizer, ex: Example, room: int) -> Example | None:
     if len(format_prompt(tokenizer, messages)) > room:
         return None
     return dataclasses.replace(ex, messages=messages)
-
-
-_TOKEN_BYTES: dict[int, int] = {}
-
-
-def longest_token_bytes(tokenizer) -> int:
-    """The most UTF-8 bytes one token of ``tokenizer`` stands for (its added tokens' text included): a text of B
-    bytes makes at least B / this many tokens, whatever it holds. Measured once per tokenizer."""
-    key = id(tokenizer)
-    if key not in _TOKEN_BYTES:
-        vocab = tokenizer.get_vocab()
-        raw = max((len(t.encode("utf-8")) for t in vocab), default=1)  # a token's symbol: at least its bytes
-        decoded = max((len(tokenizer.convert_tokens_to_string([t]).encode("utf-8")) for t in vocab), default=1)
-        _TOKEN_BYTES[key] = max(1, raw, decoded)
-    return _TOKEN_BYTES[key]
 
 
 def _bounded(ex: Example, room: int, per_token: int) -> tuple[Example, bool]:

@@ -375,6 +375,18 @@ def _other_model(ckpt: dict[str, Any], names: Mapping[str, list[int]] | set[str]
     return None
 
 
+def _optimizer_problem(ckpt: dict[str, Any], known: set[str]) -> str | None:
+    """What is wrong with the names a checkpoint's optimizer state gives its parameters (one the model has not,
+    or one twice: Adam then met a tensor of another size at the first step), or None."""
+    listed = [p for group in ckpt["optimizer"][1]["param_groups"] for p in group["params"]]
+    strange = [p for p in listed if not isinstance(p, str) or p not in known]
+    if strange:
+        return f"its optimizer names {strange[0]!r}, which this run's model has not"
+    if len(set(listed)) < len(listed):
+        return "its optimizer names a parameter twice"
+    return None
+
+
 def intact_checkpoint(run_dir: Path, names: Mapping[str, list[int]] | set[str], warn: bool = True,
                       what: str = "--resume", known: set[str] | None = None) -> dict[str, Any]:
     """The contents of the newest checkpoint of the run folder that reads whole and holds every policy
@@ -399,7 +411,7 @@ def intact_checkpoint(run_dir: Path, names: Mapping[str, list[int]] | set[str], 
             missing = sorted(set(names) - set(ckpt["policy"]))
             if missing:
                 raise CheckpointError(f"{path / 'policy.safetensors'} is damaged: no {', '.join(missing[:3])}")
-            problem = run_state_problem(ckpt["state"])
+            problem = run_state_problem(ckpt["state"]) or _optimizer_problem(ckpt, known or set(names))
             if problem:
                 raise CheckpointError(f"{path / 'state.json'} is damaged: {problem}")
         except CheckpointError as e:

@@ -34,6 +34,7 @@ MARKER = RUN_MARKER  # what makes a folder a run folder (a config inside one bri
 LOCK = ".emapg.lock"  # the one writer's OS lock (and its PID, for the message a second writer gets)
 LOCK_ENV = "EMAPG_RUN_LOCK"  # set by a launcher holding the lock for the processes it starts (--nproc)
 LAUNCHER_ENV = "EMAPG_LAUNCHER_PID"  # that launcher's PID: its workers' grandparent (torchrun in between)
+RESUME_ENV = "EMAPG_RESUME_WITH"  # the command that continues the run, for torchrun's wrapper to say (--nproc)
 _HELD: dict[Path, IO] = {}
 # What a run writes into its folder (removed when a run that never checkpointed starts again;
 # anything else there, such as emapg compare's log of the run, stays); a rollout engine's files are in a

@@ -46,7 +46,7 @@ def task_args_problems(name: str, kwargs: dict[str, Any]) -> list[str]:
     try:
         hints = typing.get_type_hints(cls.__init__)
     except Exception as e:  # a plugin's annotation naming a type its module does not define
-        raise ConfigError(f"task {name} ({defined_in(cls)}): its __init__'s annotations do not "
+        raise ConfigError(f"task: {name} ({defined_in(cls)}): its __init__'s annotations do not "
                           f"resolve ({type(e).__name__}: {e})") from None
     problems, typed = [], {}
     for key, value in kwargs.items():
