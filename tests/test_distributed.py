@@ -299,9 +299,12 @@ def test_when_rank_0_refuses_a_data_file_the_other_ranks_say_one_line_not_a_trac
     assert "[rank1]: Traceback" not in proc.stderr and "terminate called" not in proc.stderr
 
 
-def test_a_killed_torchrun_launcher_is_said_with_how_to_resume(tmp_path):
-    """`emapg train --nproc 2` whose torchrun is killed by SIGKILL (which prints nothing): one line says so and how
-    to continue, exit 137 (it was 247 and silent); the workers end with it."""
+@pytest.mark.parametrize("kill", ["torchrun", "rank 0", "emapg train"])
+def test_a_killed_launcher_worker_or_emapg_train_is_said_in_one_line_with_how_to_resume(tmp_path, kill):
+    """`emapg train --nproc 2` where SIGKILL ends torchrun (which prints nothing: it exited 247, silent), the rank-0
+    worker (as the out-of-memory killer would: torch's error report and traceback only) or the user's emapg train
+    itself (torchrun's traceback last, a resume line without --nproc): each is one line from emapg saying what
+    ended and the resume command with --nproc 2; every process ends."""
     import signal
     import time
 
@@ -316,38 +319,14 @@ def test_a_killed_torchrun_launcher_is_said_with_how_to_resume(tmp_path):
         time.sleep(0.2)
     (launcher,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     workers = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    os.kill(int(launcher), signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 137, err[-2000:]
-    assert f"the torchrun launcher (PID {launcher}) was killed by SIGKILL" in err and f"--resume {out}" in err
-    time.sleep(2)
-    assert workers and not [w for w in workers if Path(f"/proc/{w}").exists()]
-
-
-@pytest.mark.parametrize("kill", ["rank 0", "emapg train"])
-def test_a_killed_worker_or_emapg_train_is_said_in_one_line_with_how_to_resume(tmp_path, kill):
-    """SIGKILL of the rank-0 worker (as the out-of-memory killer sends it) gave only torch's error report and
-    traceback; SIGKILL of the user's `emapg train --nproc 2` left torchrun's traceback last and a resume line
-    without --nproc. Each is one line from emapg saying what ended and the resume command with --nproc 2."""
-    import signal
-    import time
-
-    out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "emapg", "train", "--nproc", "2", "--config",
-                             str(ROOT / "recipes" / "smoke.yaml"), "--out", str(out), "steps=200", "eval.size=0",
-                             "threads=1", "save_every=1", "export=false"],
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    end = time.monotonic() + 120
-    while not (out / "checkpoints" / "latest").exists():
-        assert proc.poll() is None and time.monotonic() < end, "the run never saved a checkpoint"
-        time.sleep(0.2)
-    (launcher,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    workers = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    rank0 = next(w for w in workers if b"RANK=0\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes())
-    os.kill(int(rank0) if kill == "rank 0" else proc.pid, signal.SIGKILL)
+    rank0 = next(w for w in workers if b"\0RANK=0\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes())
+    os.kill(int({"torchrun": launcher, "rank 0": rank0}.get(kill, proc.pid)), signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     resume = f"Continue from the last checkpoint: emapg train --resume {out} --nproc 2"
-    if kill == "rank 0":
+    if kill == "torchrun":
+        assert proc.returncode == 137, err[-2000:]
+        said = f"the torchrun launcher (PID {launcher}) was killed by SIGKILL; its workers stop with it."
+    elif kill == "rank 0":
         assert proc.returncode == 137, err[-2000:]
         said = f"emapg: worker rank 0 (PID {rank0}) was killed by SIGKILL (the kernel's out-of-memory killer"
     else:
@@ -355,4 +334,4 @@ def test_a_killed_worker_or_emapg_train_is_said_in_one_line_with_how_to_resume(t
                 f"PID {proc.pid}, ended); its workers were stopped.")
     assert said in err and resume in err and "Traceback" not in err, err[-3000:]
     time.sleep(2)
-    assert not [w for w in workers if Path(f"/proc/{w}").exists()]
+    assert workers and not [w for w in [*workers, launcher] if Path(f"/proc/{w}").exists()]

@@ -3662,20 +3662,26 @@ def x13_latest_folder(c):
     return _damaged_resume(c, "checkpoints/latest", "DIR", name="latest")
 
 
-@case("14", "state.json's optimizer has empty param_groups: the older checkpoint resumes, said")
-def x14_empty_param_groups(c):
+def _damaged_optimizer(c, damage, said: str, must: str) -> Result:
+    """Resume a copied run whose step-2 state.json's optimizer ``damage`` changed (``said``: how): the older
+    checkpoint resumes, naming the damaged file (and ``must``)."""
     run = c.copy_run()
     state = run / "checkpoints/step_000002/state.json"
     data = json.loads(state.read_text())
-    data["optimizer"]["param_groups"] = []
+    damage(data["optimizer"])
     c.write("run/checkpoints/step_000002/state.json", json.dumps(data), show=False)
-    c.note("run/checkpoints/step_000002/state.json: optimizer.param_groups = []")
+    c.note(f"run/checkpoints/step_000002/state.json: {said}")
     r = c.cli(["train", "--resume", "run", "steps=3"])
     bad = succeeded(r)
     if bad:
         return bad
-    return (HELD, err_line(r)) if "state.json" in r.text and "step 1" in r.text else \
+    return (HELD, err_line(r)) if must in r.text and "step 1" in r.text else \
         (WRONG, "resumed without naming the damaged state.json: " + err_line(r))
+
+
+@case("14", "state.json's optimizer has empty param_groups: the older checkpoint resumes, said")
+def x14_empty_param_groups(c):
+    return _damaged_optimizer(c, lambda o: o.update(param_groups=[]), "optimizer.param_groups = []", "state.json")
 
 
 @case("14", "metrics.jsonl with a stray 0xff byte: named on resume, not rewritten")
@@ -4007,38 +4013,6 @@ def x16_numeric_key(c):
     return refused(c.cli(["train", "--config", "c.yaml", "--out", "r"]), ["line 2"])
 
 
-@case("17", "`train --nproc 2` whose torchrun launcher is killed by SIGKILL: said, with how to resume")
-def x17_launcher_sigkill(c):
-    p = c.popen(["train", "--nproc", "2", "--config", "smoke", "--out", "run", "steps=200", "eval.size=0",
-                 "threads=1", "save_every=1", "export=false"])
-    end = time.monotonic() + 180
-    while not (c.dir / "run/checkpoints/latest").exists():
-        if p.poll() is not None or time.monotonic() > end:
-            _killpg(p.pid)
-            return UNCLEAR, "the run never saved a checkpoint (the probe could not set the case up)"
-        time.sleep(0.2)
-    (launcher,) = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
-    workers = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    c.note(f"kill -9 {launcher}   # the torchrun launcher, child of emapg train")
-    os.kill(int(launcher), signal.SIGKILL)
-    try:
-        _, err = p.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        _killpg(p.pid)
-        return HANG, "emapg train did not exit within 90 s of its launcher's death"
-    err = err.decode("utf-8", "replace")
-    c.outputs.append(f"[exit {p.returncode}] {err[-600:]}")
-    time.sleep(2)
-    left = [w for w in workers if Path(f"/proc/{w}").exists()]
-    if left:
-        for w in left:
-            _killpg(int(w))
-        return UNCLEAR, f"workers {left} outlived their launcher"
-    if "SIGKILL" not in err or "--resume" not in err:
-        return UNCLEAR, f"exit {p.returncode}, saying: {err.strip().splitlines()[-1:] if err.strip() else 'nothing'}"
-    return HELD, f"exit {p.returncode}: " + [ln for ln in err.splitlines() if "SIGKILL" in ln][-1][:300]
-
-
 # Issue 70's independent re-probe (studies/probe56/reprobe70): the 10 cases it found not held after the fixes
 # above, each added here as it was tried there.
 
@@ -4083,18 +4057,8 @@ def x12_index_dense_50mb(c):
 
 @case("14", "state.json's optimizer names a parameter the model has not: the older checkpoint resumes, said")
 def x14_optimizer_foreign_param(c):
-    run = c.copy_run()
-    state = run / "checkpoints/step_000002/state.json"
-    data = json.loads(state.read_text())
-    data["optimizer"]["param_groups"][0]["params"][0] = "no.such.param"
-    c.write("run/checkpoints/step_000002/state.json", json.dumps(data), show=False)
-    c.note("run/checkpoints/step_000002/state.json: optimizer.param_groups[0].params[0] = 'no.such.param'")
-    r = c.cli(["train", "--resume", "run", "steps=3"])
-    bad = succeeded(r)
-    if bad:
-        return bad
-    return (HELD, err_line(r)) if "no.such.param" in r.text and "step 1" in r.text else \
-        (WRONG, "resumed without naming the damaged state.json: " + err_line(r))
+    return _damaged_optimizer(c, lambda o: o["param_groups"][0]["params"].__setitem__(0, "no.such.param"),
+                              "optimizer.param_groups[0].params[0] = 'no.such.param'", "no.such.param")
 
 
 @case("15", "`plan` of a tiny llama's config.json with hidden_size 10^6 and head_dim 16 (measured whole)")
@@ -4125,8 +4089,8 @@ def x16_plugin_annotation_override(c):
 
 
 def _kill_during_nproc(c, target: str):
-    """`train --nproc 2` killed (SIGKILL) once it saved a checkpoint: ``target`` "rank 0" (a worker, as the
-    out-of-memory killer would) or "emapg" (the user's own emapg train)."""
+    """`train --nproc 2` killed (SIGKILL) once it saved a checkpoint: ``target`` "torchrun" (the launcher, child
+    of emapg train), "rank 0" (a worker, as the out-of-memory killer would) or "emapg" (the user's emapg train)."""
     p = c.popen(["train", "--nproc", "2", "--config", "smoke", "--out", "run", "steps=200", "eval.size=0",
                  "threads=1", "save_every=1", "export=false"])
     end = time.monotonic() + 180
@@ -4138,8 +4102,8 @@ def _kill_during_nproc(c, target: str):
     (launcher,) = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
     workers = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
     rank0 = next(w for w in workers if b"\0RANK=0\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes())
-    victim = int(rank0) if target == "rank 0" else p.pid
-    c.note(f"kill -9 {victim}   # {'the rank-0 worker' if target == 'rank 0' else 'emapg train itself'}")
+    victim = int({"torchrun": launcher, "rank 0": rank0}.get(target, p.pid))
+    c.note(f"kill -9 {victim}   # {target}")
     os.kill(victim, signal.SIGKILL)
     try:
         _, err = p.communicate(timeout=120)
@@ -4159,6 +4123,11 @@ def _kill_during_nproc(c, target: str):
     if "--resume run --nproc 2" not in err:
         return UNCLEAR, "no resume line with --nproc 2: " + (err.strip().splitlines() or ["nothing"])[-1][:200]
     return HELD, [ln for ln in err.splitlines() if ln.startswith("emapg: ") and "--nproc 2" in ln][-1][:300]
+
+
+@case("17", "`train --nproc 2` whose torchrun launcher is killed by SIGKILL: said, with how to resume")
+def x17_launcher_sigkill(c):
+    return _kill_during_nproc(c, "torchrun")
 
 
 @case("17", "`train --nproc 2` whose rank-0 worker is killed by SIGKILL: said, with how to resume")
