@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         lines = [_failure_line(rank, f) for rank, f in sorted(e.failures.items())]
         killed = any(f.exitcode < 0 for f in e.failures.values())
-        print(f"emapg: {'; '.join(lines)}; the other workers were stopped." + (f" {go_on}" if killed and go_on
-                                                                                 else ""), file=sys.stderr)
+        workers = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else None
+        rest = "" if workers == len(e.failures) else "; the other workers were stopped"
+        print(f"emapg: {'; '.join(lines)}{rest}." + (f" {go_on}" if killed and go_on else ""), file=sys.stderr)
         codes = [f.exitcode for f in e.failures.values()]  # a worker killed is the cause of the others' ends
         return 128 - min(codes) if min(codes) < 0 else max(codes)
     except SignalException as e:
