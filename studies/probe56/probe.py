@@ -1228,8 +1228,8 @@ def r3_duplicate_ids(c):
     rows = [{"id": "x", "problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 4)]
     c.write("train.jsonl", jsonl(MATH_ROWS))
     c.write("eval.jsonl", jsonl(rows))
-    cfg = math_cfg(c, extra="eval: {every: 1, size: 3}\n")
-    r = c.cli(["train", "--config", cfg, "--out", "run"])
+    cfg = math_cfg(c)  # (its eval: block given twice is refused since YAML keys are checked: an override)
+    r = c.cli(["train", "--config", cfg, "--out", "run", "eval.size=3"])
     if r.rc != 0 or has_tb(r) or r.timed_out:
         return refused(r, ["eval.jsonl", "id"])
     md = (c.dir / "run/eval.md").read_text()
