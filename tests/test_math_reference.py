@@ -142,6 +142,8 @@ def test_a_gold_the_reference_cannot_match_is_kept_with_a_warning_not_the_file_r
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = make_task("math", eval_file=str(data), grader="reference")
     assert len(task.eval_examples(10)) == 3
-    assert "2 row(s) whose answer the reference grader can match with nothing" in capsys.readouterr().err
+    assert "2 row(s) whose answer the reference grader reads as nothing (no closed \\boxed, or a form that " \
+        "normalises to nothing)" in capsys.readouterr().err
+    assert reference_math_reward("</think>\\boxed{}", "\\boxed{}") == 1.0  # as the reference: said in the warning
     with pytest.raises(Exception, match="an empty answer|has nothing the lenient grader can match"):  # emapg's own
         make_task("math", eval_file=str(data))

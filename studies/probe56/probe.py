@@ -1757,7 +1757,9 @@ def r6_agent_cut(c):
 # Root 7: grading edge cases (a gold that normalises to nothing, empty gold lists, ...)
 
 def _gold_case(c, gold, grader: str, completions: list[str]):
-    """Load a one-row math file with this gold through `emapg eval` (accepted?), then score completions."""
+    """Load a one-row math file with this gold through `emapg eval` (accepted?), then score completions; with the
+    reference grader, the verdict itself: the reference keeps such a row and grades it by its rules (issue 69), so
+    emapg keeps it too, graded alike, and must say so."""
     c.write("d.jsonl", json.dumps({"problem": "What is it?", "answer": gold}) + "\n")
     r = eval_math(c, "d.jsonl", "--grader", grader)
     if r.timed_out or has_tb(r):
@@ -1770,47 +1772,31 @@ def _gold_case(c, gold, grader: str, completions: list[str]):
     if p.rc != 0:
         return PROBE_ERR, p.tail()
     scores = json.loads(p.out.strip().splitlines()[-1])
+    if grader == "reference":  # issue 69: the reference loads such a row and grades it by its rules; emapg too, said
+        warned = "warning" in r.err and "reads as nothing" in r.err and "d.jsonl" in r.err
+        return (HELD if warned else WRONG), (f"kept with a warning naming the row, graded as the reference: {scores}"
+                                             if warned else f"accepted without a word: {scores}")
     return None, scores
 
 
-@case("7", "reference grader: gold \"\\boxed{}\" (an empty box) is accepted, and an empty box scores")
+@case("7", "reference grader: gold \"\\boxed{}\" (an empty box): kept as the reference keeps it, said")
 def r7_ref_gold_empty_box(c):
-    v, scores = _gold_case(c, "\\boxed{}", "reference", ["\\boxed{}", "\\boxed{ }", "\\boxed{7}"])
-    if v:
-        return v, scores
-    if scores.get("\\boxed{}") == 1.0:
-        return WRONG, f"the row was accepted and an empty \\boxed{{}} is graded correct: {scores}"
-    return HELD, f"scores {scores}"
+    return _gold_case(c, "\\boxed{}", "reference", ["\\boxed{}", "\\boxed{ }", "\\boxed{7}"])
 
 
-@case("7", "reference grader: gold \"\\boxed{\" (unclosed): accepted, then no completion can score")
+@case("7", "reference grader: gold \"\\boxed{\" (unclosed): kept as the reference keeps it, said")
 def r7_ref_gold_unclosed(c):
-    v, scores = _gold_case(c, "\\boxed{", "reference", ["\\boxed{\\boxed{}", "\\boxed{}", "\\boxed{1}"])
-    if v:
-        return v, scores
-    if not any(scores.values()):
-        return WRONG, f"accepted (exit 0), yet its gold has no form any answer can match: {scores}"
-    return HELD, f"scores {scores}"
+    return _gold_case(c, "\\boxed{", "reference", ["\\boxed{\\boxed{}", "\\boxed{}", "\\boxed{1}"])
 
 
-@case("7", "reference grader: gold \"{}\"")
+@case("7", "reference grader: gold \"{}\": kept as the reference keeps it, said")
 def r7_ref_gold_braces(c):
-    v, scores = _gold_case(c, "{}", "reference", ["\\boxed{}", "\\boxed{{}}", "\\boxed{1}"])
-    if v:
-        return v, scores
-    if scores.get("\\boxed{}") == 1.0:
-        return WRONG, f"accepted; an empty box scores: {scores}"
-    return HELD, f"scores {scores}"
+    return _gold_case(c, "{}", "reference", ["\\boxed{}", "\\boxed{{}}", "\\boxed{1}"])
 
 
-@case("7", "reference grader: gold \"\\text{}\" (normalises to nothing)")
+@case("7", "reference grader: gold \"\\text{}\" (normalises to nothing): kept as the reference keeps it, said")
 def r7_ref_gold_text_empty(c):
-    v, scores = _gold_case(c, "\\text{}", "reference", ["\\boxed{}", "\\boxed{\\text{}}", "\\boxed{x}"])
-    if v:
-        return v, scores
-    if scores.get("\\boxed{}") == 1.0:
-        return WRONG, f"accepted; an empty box scores: {scores}"
-    return HELD, f"scores {scores}"
+    return _gold_case(c, "\\text{}", "reference", ["\\boxed{}", "\\boxed{\\text{}}", "\\boxed{x}"])
 
 
 @case("7", "lenient grader: gold \".\" (nothing math-verify can parse): accepted, no completion can score")

@@ -141,9 +141,11 @@ class MathTask(Task):
             raise DataError(f"{row['_source']}: the answer {row['answer']!r} has nothing the {grader} grader can "
                             "match (it normalises to nothing, or its \\boxed is not closed): fix or drop the row")
         if never:  # the reference loads such a row and grades it as it does every other: kept, and said
-            print(f"emapg: warning: {len(never)} row(s) whose answer the reference grader can match with nothing "
-                  f"(kept and graded by its rules, as the reference keeps them), e.g. {never[0]['_source']}: "
-                  f"{never[0]['answer']!r}", file=sys.stderr)
+            print(f"emapg: warning: {len(never)} row(s) whose answer the reference grader reads as nothing (no "
+                  "closed \\boxed, or a form that normalises to nothing): kept and graded by its rules, as the "
+                  "reference keeps them, so no answer scores on them but an empty one (such as \\boxed{}) on a "
+                  f"gold that normalises to nothing; e.g. {never[0]['_source']}: {never[0]['answer']!r}",
+                  file=sys.stderr)
         if not held:
             if train and len(train) <= eval_size:
                 raise ConfigError(f"task_args.train_file: {train_file} has {len(train)} rows, and without an eval_file "
