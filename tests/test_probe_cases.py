@@ -857,3 +857,30 @@ def test_a_retrieved_passage_of_megabytes_is_cut_before_it_is_tokenized():
     assert tok.longest < 200_000  # never the 5 MB text
     whole = tok.inner(format_information(passages), add_special_tokens=False).input_ids[:64]
     assert e.tokens == whole and e.mask == [0] * 64
+
+
+@pytest.mark.parametrize("value", ["012", "1:30"])
+def test_a_number_yaml_1_1_would_change_is_refused_not_read_as_octal_or_base_60(tmp_path, capsys, value):
+    """`seed: 012` was read as 10 and `seed: 1:30` as 90 (YAML 1.1's octal and base-60 ints), in a config file and
+    in an override alike: the value stays text, which the field's type refuses by name."""
+    (tmp_path / "c.yaml").write_text(f"extends: smoke\nseed: {value}\n")
+    assert main(["config", "--show", str(tmp_path / "c.yaml")]) == 2
+    assert f"seed: expected int, got '{value}'" in capsys.readouterr().err
+    assert main(["config", "--show", "smoke", f"seed={value}"]) == 2
+    assert f"override seed={value} (over" in capsys.readouterr().err
+    assert main(["config", "--show", "smoke", "algo.eta=["]) == 2
+    assert "override 'algo.eta=[': its value is not YAML" in capsys.readouterr().err
+    assert load_config(SMOKE, ["seed=12", "lr=1.0e-3", "algo.eta=.5"]).seed == 12
+
+
+def test_a_lock_file_linked_to_another_folders_is_refused_before_it_is_written(tmp_path, capsys):
+    """A run's .emapg.lock linked to another run's: the lock was opened through the link and that run's holder PID
+    overwritten (or its lock created) before the refusal; now it is refused first and the other file is as it was."""
+    run = _smoke_run(main, tmp_path / "run")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / ".emapg.lock").write_text("999\n")
+    (run / ".emapg.lock").unlink()
+    (run / ".emapg.lock").symlink_to(victim / ".emapg.lock")
+    assert main(["train", "--resume", str(run), "steps=3"]) == 2
+    assert "a link (to " in capsys.readouterr().err and (victim / ".emapg.lock").read_text() == "999\n"

@@ -140,6 +140,19 @@ def folder_atomic(target: Path) -> Iterator[Path]:
         raise
 
 
+def open_lock(path: Path):
+    """``path`` opened to hold an OS lock on it (created when missing), never through a link: a lock file linked to
+    another folder's would be written there (its holder's PID overwritten) before any check could refuse."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ConfigError(f"{path}: a link (to {os.readlink(path)}), not a lock file of its own: remove it "
+                          "(nothing was changed)") from None
+    return os.fdopen(fd, "a+")
+
+
 @contextlib.contextmanager
 def one_writer(target: Path, option: str = "--out") -> Iterator[None]:
     """This process as the one writer of ``target`` (a folder replaced whole at its end: an index) while the block
@@ -150,7 +163,7 @@ def one_writer(target: Path, option: str = "--out") -> Iterator[None]:
     target.parent.mkdir(parents=True, exist_ok=True)
     real = target.resolve()  # the folder itself, however it is named: a link to it is the same folder
     lock = real.parent / f".{real.name}.emapg-lock"
-    with open(lock, "a+") as f:
+    with open_lock(lock) as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import re
 import sys
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -96,7 +97,10 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. algo.eta=0.95")
     key, raw = item.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = load_yaml(raw) if raw.strip() else ""  # as a config file's values are read (012 stays text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: its value is not YAML ({str(e).splitlines()[0]})") from None
     parts = key.strip().split(".")
     cls, node = TrainConfig, data
     for i, part in enumerate(parts):
@@ -147,6 +151,16 @@ def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = Fa
 
 
 _UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+# YAML 1.1's numbers without its octal (012 read as 10) and base-60 (1:30 read as 90) forms: such a value stays
+# text, which the field's type then refuses by name, instead of a seed silently changed
+_NUMBERS = {"tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
+_UniqueKeys.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBERS]
+                                       for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_UniqueKeys.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(
+    r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+_UniqueKeys.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+    r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
 
 
 def load_yaml(text: str) -> Any:

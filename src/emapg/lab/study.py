@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from emapg.atomic import open_lock
 from emapg.config import COMPARE_MARKER, TRUST_FLAG, ConfigError, load_config, run_folder_of
 from emapg.errors import EmapgError
 from emapg.lab.spec import read_spec_file
@@ -115,7 +116,7 @@ def run_all(spec: Spec, out: Path, log=print, jobs: int = 1) -> None:
         raise ConfigError(f"--out {out}: is the folder of a training run (emapg train wrote it); a comparison needs "
                           "a folder of its own (nothing was changed)")
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / COMPARE_MARKER, "w") as lock:  # a second compare would restart this one's live runs
+    with open_lock(out / COMPARE_MARKER) as lock:  # a second compare would restart this one's live runs
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from emapg.atomic import folder_atomic, write_error, write_json_atomic
+from emapg.atomic import folder_atomic, open_lock, write_error, write_json_atomic
 from emapg.data import DataError
 from emapg.errors import ConfigError, MissingPackage
 from emapg.retrieval import Passage, RetrieverError
@@ -170,7 +170,7 @@ def build_dense(index: str | Path, embedder: str | Embedder = "minilm", *, batch
         if (value is not None or name != "train_size") and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-    with open(index / ".dense.lock", "w") as lock:
+    with open_lock(index / ".dense.lock") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import yaml
 
-from emapg.atomic import append_line, write_json_atomic
+from emapg.atomic import append_line, open_lock, write_json_atomic
 from emapg.backends import BACKENDS
 from emapg.config import RUN_MARKER, ConfigError, TrainConfig, load_config, replay_safe, save_config, to_dict
 from emapg.run.metrics import PLOTS
@@ -59,7 +59,7 @@ def lock_run(run_dir: Path) -> None:
     if _held_here(key):
         return
     key.mkdir(parents=True, exist_ok=True)
-    f = open(key / LOCK, "a+")  # noqa: SIM115 (held open for the process's life)
+    f = open_lock(key / LOCK)  # held open for the process's life
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from emapg.atomic import open_lock
 from emapg.data import DataError, check_text, load_rows
 from emapg.errors import ConfigError
 from emapg.models.zoo import cache_dir
@@ -124,7 +125,7 @@ def synthetic_index(options: dict[str, Any], retriever: str = "bm25") -> tuple[P
     if (index / "emapg_index.json").exists() and (retriever not in DENSE_KINDS or has_dense(index)):
         return index, kb  # built: no lock needed (a read-only cache works)
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".build.lock", "w") as lock:
+    with open_lock(folder / ".build.lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (index / "emapg_index.json").exists():  # another run may have built it meanwhile
             corpus = folder / "corpus.jsonl"
