@@ -361,8 +361,23 @@ class Stringy(Undefined):
         return "say a"
 
 
+class Empty(Stringy):
+    def train_examples(self, rng, n):
+        return []
+
+
+class Flat(Stringy):
+    def train_examples(self, rng, n):
+        return Undefined.train_examples(self, rng, n)
+
+    def eval_examples(self, size):
+        return [Example(id="q0", messages="say a", answer="a")]
+
+
 register_task("undefined", Undefined)
 register_task("stringy", Stringy)
+register_task("empty", Empty)
+register_task("flat", Flat)
 '''
 
 
@@ -370,6 +385,9 @@ register_task("stringy", Stringy)
     ("undefined", "override task=undefined (over {SMOKE}): task: undefined (Undefined in bad_tasks.py): its "
                   "__init__'s annotations do not resolve"),
     ("stringy", "task Stringy in bad_tasks.py: train_examples returned str, expected a list of 64 Example"),
+    ("empty", "task Empty in bad_tasks.py: train_examples returned an empty list, expected a list of 64 Example"),
+    ("flat", "task Flat in bad_tasks.py: eval_examples returned Example 'q0' whose messages are 'say a', expected a "
+             "list of {{role, content}} texts"),
 ])
 def test_a_plugin_task_that_breaks_its_protocol_is_named_in_one_line(tmp_path, task, message):
     (tmp_path / "bad_tasks.py").write_text(BAD_TASKS)

@@ -884,3 +884,12 @@ def test_a_lock_file_linked_to_another_folders_is_refused_before_it_is_written(t
     (run / ".emapg.lock").symlink_to(victim / ".emapg.lock")
     assert main(["train", "--resume", str(run), "steps=3"]) == 2
     assert "a link (to " in capsys.readouterr().err and (victim / ".emapg.lock").read_text() == "999\n"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_row_nested_past_the_parser_depth_is_named_not_a_recursion_error(tmp_path, suffix):
+    data = tmp_path / f"nested{suffix}"
+    row = '{"problem": ' + "[" * 200_000 + "]" * 200_000 + ', "answer": "1"}'
+    data.write_text(row + "\n" if suffix == ".jsonl" else f"[{row}]")
+    with pytest.raises(DataError, match="nested too deeply to read"):
+        load_rows(str(data))

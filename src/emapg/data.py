@@ -65,6 +65,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}, line {i}: malformed JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:  # JSON nested some 100,000 deep: Python's parser recurses once a level
+                raise DataError(f"{path}, line {i}: JSON nested too deeply to read (no row of a data set is)") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}, line {i}: expected a JSON object, got {type(row).__name__}")
             yield f"line {i}", row
@@ -114,6 +116,8 @@ def _read_json(path: Path) -> list[tuple[str, dict]]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}, line {e.lineno}: malformed JSON ({e.msg})") from None
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply to read (no data set is)") from None
     if isinstance(data, dict):  # {"data": [...]} or a column-oriented dict is not guessed at
         data = data.get("data", data.get("rows"))
     if not isinstance(data, list):

@@ -178,9 +178,15 @@ def _checked_examples(task: Task, method: str, got: Any, n: int, exact: bool) ->
     if not (isinstance(got, list) and (len(got) == n if exact else len(got) <= n)
             and all(isinstance(e, Example) for e in got)):
         what = (f"{len(got)} items of {', '.join(sorted({type(e).__name__ for e in got}))}"
-                if isinstance(got, list) and got else type(got).__name__)
+                if isinstance(got, list) and got else "an empty list" if isinstance(got, list) else type(got).__name__)
         raise EmapgError(f"task {defined_in(type(task))}: {method} returned {what}, expected a list of "
                          f"{'' if exact else 'at most '}{n} Example")
+    for e in got:  # a chat: the prompt's template and the sampler read each message's role and content
+        if not (isinstance(e.messages, list) and e.messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in e.messages)):
+            raise EmapgError(f"task {defined_in(type(task))}: {method} returned Example {e.id!r} whose messages are "
+                             f"{e.messages!r:.80}, expected a list of {{role, content}} texts")
     return got
 
 
