@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -893,3 +894,53 @@ def test_a_row_nested_past_the_parser_depth_is_named_not_a_recursion_error(tmp_p
     data.write_text(row + "\n" if suffix == ".jsonl" else f"[{row}]")
     with pytest.raises(DataError, match="nested too deeply to read"):
         load_rows(str(data))
+
+
+def _exported_tiny(folder: Path) -> Path:
+    from emapg.models.zoo import load_model, save_hf_folder
+
+    save_hf_folder(*load_model("tiny-llama"), folder)
+    return folder
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda f: (f / "config.json").write_text((f / "config.json").read_text()[:50]), "config.json cannot be read"),
+    (lambda f: _edit_json(f / "config.json", model_type="nosuchmodel"), "config.json cannot be read"),
+    (lambda f: _edit_json(f / "config.json", vocab_size=100), "model.safetensors do not fit its config.json"),
+    (lambda f: _edit_json(f / "config.json", num_hidden_layers=3), "its weights lack 9 tensor(s) its config.json"),
+])
+def test_a_model_folder_whose_config_and_weights_disagree_is_one_line(tmp_path, change, message):
+    """A cut config.json was blamed on the weights; an unknown model_type and a vocabulary the weights do not have
+    were transformers' tracebacks; a layer the weights lack was started at random with only transformers' report,
+    and evaluated."""
+    from emapg.models.zoo import load_model
+
+    folder = _exported_tiny(tmp_path / "m")
+    change(folder)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_model(str(folder))
+
+
+def _edit_json(file: Path, **changes) -> None:
+    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+
+
+def test_weights_that_are_not_finite_are_named_by_eval_and_resume(tmp_path, capsys):
+    """NaN weights: `emapg eval` printed 0.0% without a word, a resume crashed in sampling far away."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _exported_tiny(tmp_path / "m")
+    weights = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    weights[name][0, 0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    assert main(["eval", "--model", str(folder), "--task", "arithmetic", "--size", "2", "--max-new-tokens", "2"]) == 2
+    assert f"its weights are not finite ({name} holds NaN or infinity)" in capsys.readouterr().err
+    run = _smoke_run(main, tmp_path / "run")
+    policy = run / "checkpoints" / "step_000002" / "policy.safetensors"
+    tensors = load_file(policy)
+    tensors[name][0, 0] = float("inf")
+    save_file(tensors, policy)
+    assert main(["train", "--resume", str(run), "steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert "step_000002" in err and f"not finite ({name}" in err and "Traceback" not in err

@@ -119,3 +119,14 @@ def first_tokens_text(text: str, tokens: int, tokenizer) -> str:
     of 50 MB took seconds and gigabytes to tokenize for the few hundred tokens kept."""
     most = tokens * longest_token_bytes(tokenizer) + 1024
     return text if len(text) <= most else text[:most]
+
+
+def tied_names(model: nn.Module) -> set[str]:
+    """State-dict names that share storage with an earlier name (a tied LM head): not saved separately, and
+    absent from a model folder's weights without being missing."""
+    seen, tied = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t.data_ptr() in seen:
+            tied.add(name)
+        seen.setdefault(t.data_ptr(), name)
+    return tied

@@ -30,6 +30,7 @@ from emapg.backends import BACKENDS
 from emapg.config import ConfigError, TrainConfig, check_world, save_config
 from emapg.models import distributed, plan
 from emapg.models.forward import SHARD_METHODS
+from emapg.models.lm import tied_names
 from emapg.models.zoo import policy_model, teacher_model, training_policy, weights_digest
 from emapg.rollout import DecodeLoop, response_budget
 from emapg.rollout.prompts import context_length, fit_prompts
@@ -40,7 +41,6 @@ from emapg.run.checkpoint import (
     intact_checkpoint,
     restore_training,
     starting_checkpoint,
-    tied_names,
 )
 from emapg.run.evaluate import RunEvaluator
 from emapg.run.folder import check_teacher

@@ -36,6 +36,7 @@ from torch import nn
 from emapg.atomic import OLD, TMP, folder_atomic, fsync_dir, is_ours, write_json_atomic
 from emapg.errors import CheckpointError, ConfigError
 from emapg.models import distributed
+from emapg.models.lm import tied_names
 from emapg.run import shards
 
 LATEST = "latest"
@@ -347,16 +348,6 @@ def run_state_problem(state: dict[str, Any]) -> str | None:
     return None
 
 
-def tied_names(model: nn.Module) -> set[str]:
-    """State-dict names that share storage with an earlier name (a tied LM head): not saved separately."""
-    seen, tied = {}, set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if t.data_ptr() in seen:
-            tied.add(name)
-        seen.setdefault(t.data_ptr(), name)
-    return tied
-
-
 def _other_model(ckpt: dict[str, Any], names: Mapping[str, list[int]] | set[str], known: set[str]) -> str | None:
     """How a readable checkpoint's policy differs from the model's (``names``: the tensors it must hold, with
     their shapes when a mapping; ``known``: every name the model has, a tied head's too): another model's names
@@ -449,6 +440,14 @@ def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: 
     missing, unexpected = load_policy(model, ckpt["policy"])
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    odd = [n for n, p in model.named_parameters()  # this rank's rows: every rank votes, then all say it
+           if p.is_floating_point() and not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
+    if not distributed.all_agree(not odd):
+        named = next((o[0] for o in distributed.all_gather_objects(odd) if o), "a parameter")
+        step = ckpt["state"]["step"]
+        raise CheckpointError(f"the checkpoint at step {step} (step_{step:06d}) holds weights that are not finite "
+                              f"({named} holds NaN or infinity): the run diverged before it was saved, or the file "
+                              "is damaged; remove that checkpoint folder to resume from the one before it")
     anchor_file, layout = ckpt["anchor"], anchor.layout()
     anchor.load_state_dict(shards.Rows(anchor_file, lambda n: anchor_file.local(n, layout[n])), local=True)
     if weight_ema is not None and WEIGHT_EMA in ckpt:
