@@ -299,10 +299,11 @@ def test_when_rank_0_refuses_a_data_file_the_other_ranks_say_one_line_not_a_trac
     assert "[rank1]: Traceback" not in proc.stderr and "terminate called" not in proc.stderr
 
 
-@pytest.mark.parametrize("kill", ["torchrun", "rank 0", "emapg train"])
+@pytest.mark.parametrize("kill", ["torchrun", "rank 0", "rank 1", "emapg train"])
 def test_a_killed_launcher_worker_or_emapg_train_is_said_in_one_line_with_how_to_resume(tmp_path, kill):
     """`emapg train --nproc 2` where SIGKILL ends torchrun (which prints nothing: it exited 247, silent), the rank-0
-    worker (as the out-of-memory killer would: torch's error report and traceback only) or the user's emapg train
+    worker (as the out-of-memory killer would: torch's error report and traceback only), rank 1 (rank 0's gloo
+    traceback, 40 lines, before the launcher's line) or the user's emapg train
     itself (torchrun's traceback last, a resume line without --nproc): each is one line from emapg saying what
     ended and the resume command with --nproc 2; every process ends."""
     import signal
@@ -319,16 +320,18 @@ def test_a_killed_launcher_worker_or_emapg_train_is_said_in_one_line_with_how_to
         time.sleep(0.2)
     (launcher,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     workers = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    rank0 = next(w for w in workers if b"\0RANK=0\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes())
-    os.kill(int({"torchrun": launcher, "rank 0": rank0}.get(kill, proc.pid)), signal.SIGKILL)
+    rank = {r: next(w for w in workers if f"\0RANK={r}\0".encode() in b"\0" + Path(f"/proc/{w}/environ").read_bytes())
+            for r in (0, 1)}
+    os.kill(int({"torchrun": launcher, "rank 0": rank[0], "rank 1": rank[1]}.get(kill, proc.pid)), signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     resume = f"Continue from the last checkpoint: emapg train --resume {out} --nproc 2"
     if kill == "torchrun":
         assert proc.returncode == 137, err[-2000:]
         said = f"the torchrun launcher (PID {launcher}) was killed by SIGKILL; its workers stop with it."
-    elif kill == "rank 0":
+    elif kill.startswith("rank"):
         assert proc.returncode == 137, err[-2000:]
-        said = f"emapg: worker rank 0 (PID {rank0}) was killed by SIGKILL (the kernel's out-of-memory killer"
+        r = int(kill[-1])
+        said = f"worker rank {r} (PID {rank[r]}) was killed by SIGKILL (the kernel's out-of-memory killer"
     else:
         said = (f"emapg: torchrun (PID {launcher}) was told to stop by SIGTERM (the emapg train that started it, "
                 f"PID {proc.pid}, ended); its workers were stopped.")

@@ -296,15 +296,16 @@ def _leave(code: int) -> int:
 
 
 def _peer_gone(e: Exception) -> bool:
-    """A torchrun process's collective failed because a peer process exited (rank 0 after its own error): not a
-    defect of this process, which then says so in one line."""
-    if os.environ.get("RANK", "0") == "0" or "torch" not in sys.modules:
+    """A torchrun process's collective failed because a peer process exited (rank 0 after its own error, or any
+    rank killed): not a defect of this process, which then says so in one line. On rank 0 only the transport's
+    own words count (its other collective errors may be its own)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or "torch" not in sys.modules:
         return False
     import torch.distributed as tdist  # (torch only once a command loaded it: the CLI imports none)
 
     text = str(e)
-    return isinstance(e, getattr(tdist, "DistError", ())) or any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+    said = any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+    return said or (os.environ.get("RANK", "0") != "0" and isinstance(e, getattr(tdist, "DistError", ())))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _peer_gone(e):
             raise
         print(f"emapg: rank {os.environ.get('RANK')}: stopped: another process of this run stopped first (its "
-              "message above says why)", file=sys.stderr)
+              "own message, or the launcher's, says why)", file=sys.stderr)
         return _leave(1)
     finally:
         if before is not None:
