@@ -53,7 +53,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = "emapg:gsm8k_test"  # the GSM8K test set shipped with the package (row for row ../shared's gsm8k.jsonl)
+GSM8K = "emapg:gsm8k_test"  # the GSM8K test set shipped with the package (row for row GSM8K's test split)
 KS = (1, 4, 32, 128)
 SAMPLED = ("k1", "k2", "k3", "k3pp", "k4", "k5")
 

@@ -1,7 +1,10 @@
 """The math graders' bounds on model output, on and off, side by side in one run: seconds per completion and the
 grade, for answers as competition golds are written and for completions a runaway model writes.
 
-    python bench/grader_bounds.py [--data ../shared/data/math] [--out docs/results/grader_bounds.json]
+    python bench/grader_bounds.py --data DATA [--out docs/results/grader_bounds.json]
+
+DATA: your folder of the published sets (math500.jsonl, olympiadbench.jsonl, minerva_math.jsonl, aime24.jsonl,
+amc23.jsonl; docs/REPRODUCE.md says where each comes from).
 
 Bounds on (what emapg runs): numbers over 10,000 digits are never computed (emapg.rewards.magnitude), the lenient
 grader parses an answer within 1 s and compares a boxed answer longer than 500 characters and twice the gold's as
@@ -81,6 +84,9 @@ def timed(fn, completion: str, gold: str, reps: int) -> tuple[float, float]:
     return statistics.median(seconds), grade
 
 
+SETS = ("math500", "olympiadbench", "minerva_math", "aime24", "amc23")
+
+
 def published_pairs(folder: Path) -> list[tuple[str, list[str], str]]:
     """(set, its golds, a completion) for every row of the published sets there: its own first gold boxed, and the
     next row's; and for every tenth MATH-500 row, a long completion without a box (ten other rows' solutions, then
@@ -91,7 +97,7 @@ def published_pairs(folder: Path) -> list[tuple[str, list[str], str]]:
     from emapg.tasks.math import math_rows
 
     pairs = []
-    for name in ("math500", "olympiadbench", "minerva_math", "aime24", "amc23"):
+    for name in SETS:
         path = folder / f"{name}.jsonl"
         if not path.exists():
             continue
@@ -164,11 +170,15 @@ def summary(out: dict, gold_digits: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "math"))
+    parser.add_argument("--data", required=True, help="your folder of the published sets (math500.jsonl, ...)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "grader_bounds.json"))
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # math-verify's timeout warnings print whole completions
     pairs = published_pairs(Path(args.data))
+    missing = [f"{n}.jsonl" for n in SETS if not (Path(args.data) / f"{n}.jsonl").exists()]
+    if missing:  # a run without them measured 52 gradings, not 6,220, and would overwrite the record with that
+        parser.error(f"--data {args.data}: no {', '.join(missing)} (the measurement grades every published set's "
+                     "golds; docs/REPRODUCE.md says where each comes from)")
     out = measure(args.reps, pairs)
     record = {"machine": machine(), "commit": commit(), "reps": args.reps, "data": args.data,
               "summary": summary(out, largest_gold_digits(pairs)), "runaway": out["runaway"]}

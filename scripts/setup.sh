@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install emapg with its test and demo dependencies; then .venv-vllm, the same
 # project with vLLM's CPU build (rollout.backend=vllm on this CPU, and the real-engine tests).
-# On a CPU-only machine torch comes from torch==2.13.0 (the CPU wheel). On a GPU machine, set
+# On a CPU-only machine torch comes from torch==2.13.0: the CPU wheel where pip's index serves it (this
+# project's machines do); plain PyPI serves the CUDA build, which runs on a CPU too. On a GPU machine, set
 # EMAPG_TORCH_SPEC to your CUDA build (e.g. "torch==2.9.1") or "skip" to keep the torch your Python has
 # (the venv then sees that Python's packages: --system-site-packages). With an NVIDIA GPU visible the CPU
 # vLLM venv is not built (EMAPG_VLLM=cpu builds it anyway): install 'emapg[vllm]', the CUDA build, into

@@ -12,11 +12,11 @@ if [ "${EMAPG_VLLM:-}" = "cpu" ] && [ ! -x .venv-vllm/bin/python ]; then  # aske
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/ruff check src tests bench examples studies
-# the 15 slowest tests end the log: the default suite is kept under 10 minutes
+# the 15 slowest tests end the log (what to speed up: the default suite aims at 10 minutes; README, 'What they cost', says what it takes)
 .venv/bin/python -m pytest -q -rs --durations=15 "$@"   # -rs: every skipped test with its reason
 if [ $# -eq 0 ]; then  # the docs' slow blocks too (the README's main job, --nproc 2, compare, TRL, vLLM), scaled
-  .venv/bin/python -m pytest -q -m slow tests/test_docs.py -k test_every_documented_block_runs   # down: ~2 min
-  .venv/bin/python -m pytest -q -s -m mainjob tests/test_main_job.py   # the README's main job as written: 6-10 min
+  .venv/bin/python -m pytest -q -m slow tests/test_docs.py -k test_every_documented_block_runs   # down
+  .venv/bin/python -m pytest -q -s -m mainjob tests/test_main_job.py   # the README's main job as written
 fi
 if [ -x .venv-vllm/bin/python ] && [ "${EMAPG_VLLM:-cpu}" = "cpu" ]; then
   .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py

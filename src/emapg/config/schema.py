@@ -235,7 +235,9 @@ class TrainConfig:
     """One training run."""
 
     model: str = setting("smollm2-135m")
-    """A Hugging Face model folder, or a built-in name: smollm2-135m, tiny-llama, tiny-qwen2."""
+    """A Hugging Face model folder, or a built-in name: smollm2-135m; tiny-llama, tiny-qwen2, tiny-llama-h32 (tiny
+    random models, for tests and smoke runs); random-qwen2.5-0.5b, random-qwen2.5-1.5b, random-qwen2.5-r1-1.5b (random
+    weights at those models' shapes, for memory checks)."""
     dtype: str = setting("float32", rule=one_of(DTYPE_NAMES), option="--dtype")
     """Policy dtype: float32, bfloat16 or float16."""
     device: str = setting("auto", option="--device", rule=(
