@@ -944,3 +944,12 @@ def test_weights_that_are_not_finite_are_named_by_eval_and_resume(tmp_path, caps
     assert main(["train", "--resume", str(run), "steps=3"]) == 2
     err = capsys.readouterr().err
     assert "step_000002" in err and f"not finite ({name}" in err and "Traceback" not in err
+
+
+def test_eval_of_a_run_whose_config_is_a_fifo_is_refused_not_read_for_ever(tmp_path):
+    run = _smoke_run(main, tmp_path / "run")
+    (run / "config.yaml").unlink()
+    os.mkfifo(run / "config.yaml")
+    done = subprocess.run([sys.executable, "-m", "emapg", "eval", "--run", str(run), "--size", "2"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2 and "a FIFO (a named pipe), not a regular file" in done.stderr, done.stderr[-1000:]

@@ -285,6 +285,7 @@ def _eval_protocol(args: argparse.Namespace) -> None:
     if task is None and args.run:  # the run's task (its config.yaml read as data: no plugin imported here)
 
         try:
+            regular_file(Path(args.run) / "config.yaml", "--run")  # a FIFO would be read for ever
             task = (yaml.safe_load((Path(args.run) / "config.yaml").read_text()) or {}).get("task")
         except (OSError, yaml.YAMLError, AttributeError, UnicodeDecodeError):
             task = None  # (eval_subject names what is wrong with the folder)
