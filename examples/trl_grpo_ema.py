@@ -5,7 +5,7 @@ tokens, lr 2e-5, beta 0.001, an EMA reference (eta 0.9, every step) and the unbi
 KL (k = 32). Held-out accuracy (greedy, the same 200 problems as the demo, emapg's evaluation) of
 the initial model, the trained policy and its EMA reference is printed at the end.
 
-    python examples/trl_grpo_ema.py --steps 30          # trains 11.4 min on 2 cores, then evaluates (docs/BENCHMARKS.md)
+    python examples/trl_grpo_ema.py --steps 30          # trains 11.4 min on 2 cores, then evaluates (BENCHMARKS.md)
     python examples/trl_grpo_ema.py --steps 30 --lora   # LoRA adapters; the reference averages them
 """
 
