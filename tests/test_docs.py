@@ -280,7 +280,7 @@ def check(argv: list[str]) -> None:
 BLOCKS = blocks()
 
 
-NEEDS = {"gpu": "# needs: NVIDIA GPUs", "network": "# needs: the network", "slow": "# runs on a CPU, in minutes",
+NEEDS = {"gpu": "# needs: NVIDIA GPUs", "network": "# needs: the network", "slow": "# runs on a CPU",
          "own-files": "# needs: your own files", "hours": "# takes hours"}
 """What a marked block's first line says, where a reader sees it (renderers hide a fence's info string)."""
 
@@ -353,6 +353,8 @@ def _latest_step(run: Path) -> int:
 def scaled(args: list[str], cwd: Path) -> list[str]:
     """An emapg command as the runs take it (the module's docstring)."""
     args = [f"model={MODEL_CONFIGS[a[6:]]}" if a.startswith("model=") and a[6:] in MODEL_CONFIGS else a for a in args]
+    # a path in the repository, written from its root as a user runs it; the runs work in a folder of their own
+    args = [f"model={ROOT / a[6:]}" if a.startswith("model=tests/") and (ROOT / a[6:]).exists() else a for a in args]
     sub = args[0]
     if sub == "train":
         if "--resume" in args:
