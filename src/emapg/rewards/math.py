@@ -10,8 +10,8 @@ bounded per completion (measured in ``bench/grader_bounds.py``):
   compared as text only, not parsed;
 - a parsed form whose exact numbers would exceed :data:`emapg.rewards.magnitude.DIGITS_LIMIT` digits
   (``99999999!``, ``10^{10^{10}}``) is compared as text only, never computed;
-- below that bound a number is read whole: the grader raises Python's limit on the digits read into an int (4,300
-  by default, a process-wide setting) to :data:`~emapg.rewards.magnitude.DIGITS_LIMIT`;
+- below that bound a number is read whole: while it grades, the grader raises Python's limit on the digits read
+  into an int (4,300 by default, a process-wide setting) to :data:`~emapg.rewards.magnitude.DIGITS_LIMIT`;
 - math-verify bounds each comparison at ``timeout`` seconds.
 """
 
@@ -94,10 +94,16 @@ def math_reward(completion: str, answer: str, timeout: int = 5) -> float:
 
     if threading.current_thread() is not threading.main_thread():
         timeout = None
-    if 0 < sys.get_int_max_str_digits() < DIGITS_LIMIT:
+    limit = sys.get_int_max_str_digits()
+    if 0 < limit < DIGITS_LIMIT:
         # Python reads at most 4,300 digits into an int by default, so sympy's parse failed on a 4,400-digit
-        # answer written otherwise than its gold (unboxed, N.0): let it read as many digits as the grader's bound
+        # answer written otherwise than its gold (unboxed, N.0): as many digits as the grader's bound, while it
+        # grades (a process-wide setting: given back after, so a server beside it keeps Python's own limit)
         sys.set_int_max_str_digits(DIGITS_LIMIT)
+        try:
+            return math_reward(completion, answer, timeout)
+        finally:
+            sys.set_int_max_str_digits(limit)
     gold_text = _normalise_number_text(str(answer))
     boxed = last_boxed(completion)
     if boxed is not None and gold_text.strip() and _normalise_number_text(boxed).strip() == gold_text.strip():
