@@ -130,3 +130,10 @@ def tied_names(model: nn.Module) -> set[str]:
             tied.add(name)
         seen.setdefault(t.data_ptr(), name)
     return tied
+
+
+def non_finite(model: nn.Module) -> list[str]:
+    """The parameters of ``model`` holding a NaN or an infinity, in this process's rows (a sharded model's)."""
+    with torch.no_grad():
+        return [n for n, p in model.named_parameters()
+                if p.is_floating_point() and not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]

