@@ -58,7 +58,7 @@ def _scores_stats(out, prompt_len: int, eos: list[int]) -> int:
 
 
 def _generate(model, tok, ids, mask, *, shared: bool = False, static: bool = False, compiled: bool = False):
-    from emapg.rollout.decode import prefill
+    from emapg.rollout.hf import prefill
     from emapg.rollout.sampling import eos_ids
 
     kw = dict(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -88,7 +88,7 @@ def _generate(model, tok, ids, mask, *, shared: bool = False, static: bool = Fal
 
 
 def _loop(model, tok, ids, mask, *, multinomial: bool = False):
-    import emapg.rollout.decode as dec
+    import emapg.rollout.hf as dec
     from emapg.rollout.sampling import SamplingSpec, eos_ids, pad_left
 
     contexts = [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True) for _ in range(SAMPLES)]

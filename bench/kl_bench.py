@@ -32,7 +32,7 @@ def run_one(method: str, vocab: int, n: int, hidden: int, reps: int, chunk: int,
     import torch
 
     from emapg import kl
-    from emapg.logprobs import token_logprobs
+    from emapg.models.lm import token_logprobs
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)

@@ -30,7 +30,7 @@ def worker(reps: int) -> None:
     from emapg.models import distributed, forward
     from emapg.models.forward import SHARD_METHODS, model_logprobs
     from emapg.models.lm import set_pass_mode
-    from emapg.rollout.batch import RolloutBatch
+    from emapg.rollout.sampling import RolloutBatch
 
     info = distributed.init("cpu")
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ def one(rows: int, bound: int | None, tokens: int) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from emapg.rollout.pool import decode_pool
+    from emapg.rollout.hf import decode_pool
     from emapg.rollout.sampling import SamplingSpec
 
     torch.manual_seed(0)

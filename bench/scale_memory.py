@@ -53,7 +53,7 @@ def _old_token_logprobs(hidden, weight, tokens, *, ids=None, bias=None, temperat
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from emapg.logprobs import TokenLogprobs
+    from emapg.models.lm import TokenLogprobs
 
     def stats(h, t, i):
         logits = torch.nn.functional.linear(h, weight, bias).float() / temperature
@@ -92,7 +92,7 @@ def rollout(side: str, tokens: int, rows: int = 2) -> dict:
                 logp.topk(K, -1)
             n = resp.shape[1]
         else:
-            from emapg.rollout.decode import decode
+            from emapg.rollout.hf import decode
             from emapg.rollout.sampling import SamplingSpec
 
             out, _ = decode(model, ids, mask, None, SamplingSpec(k=K), max_new_tokens=tokens, eos=[], pad_id=0,
@@ -107,7 +107,7 @@ def train(side: str, tokens: int, chunk: int) -> dict:
     import torch
 
     import emapg.models.forward as fwd
-    from emapg.rollout.batch import RolloutBatch
+    from emapg.rollout.sampling import RolloutBatch
 
     if side == "before":
         fwd.token_logprobs = _old_token_logprobs

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from emapg.config import load_config
 from emapg.models import distributed
 from emapg.objective import group_advantages
-from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.sampling import RolloutBatch
 from emapg.rollout.vllm_backend import policy_weights
 from emapg.run.trainer import Trainer, rank_prompts
 

@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 
 from emapg import algo, kl
 from emapg.config import AlgoConfig, RolloutConfig
-from emapg.logprobs import TokenLogprobs
+from emapg.models.lm import TokenLogprobs
 from emapg.objective import AGGREGATIONS, aggregate, clipped_surrogate
-from emapg.rollout.batch import RolloutBatch
-from emapg.rollout.sampling import SamplingSpec
+from emapg.rollout.sampling import RolloutBatch, SamplingSpec
 
 B, L, V, K = 6, 5, 11, 3
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-import emapg.rollout.decode as decode_mod
+import emapg.rollout.hf as decode_mod
 from emapg.models.forward import response_logprobs
 from emapg.models.zoo import load_model
 from emapg.retrieval import Passage

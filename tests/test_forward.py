@@ -38,7 +38,7 @@ def test_prefix_sharing_equals_full_sequence_pass(kind):
 
 
 def test_response_mask_comes_from_each_rows_length_not_from_the_first_pad():
-    from emapg.rollout.batch import response_mask_from_lengths
+    from emapg.rollout.sampling import response_mask_from_lengths
 
     # pad = EOS = 1; row 3 stopped at its budget (length 2) and was padded: its pad is no EOS
     ids = torch.tensor([[5, 6, 1, 1, 1], [5, 1, 7, 1, 1], [5, 6, 7, 8, 9], [5, 6, 1, 1, 1]])

@@ -76,8 +76,8 @@ def test_a_run_is_one_type_the_assembly_builds_and_the_trainer_steps():
 
 
 def test_the_step_derives_nothing_its_plan_holds():
-    """How a step is cut and which passes it runs are settled once (run/step_plan.py, the head and the sampling
-    spec in the assembly): the step calls none of the functions that derive them, and reads no micro- or
+    """How a step is cut and which passes it runs are settled once (the step plan, the head and the sampling spec,
+    all in run/assembly.py): the step calls none of the functions that derive them, and reads no micro- or
     mini-batch setting from the config."""
     trainer = SRC / "run" / "trainer.py"
     assert called_names(trainer) & set(PLANNED) == set()

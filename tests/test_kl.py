@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from emapg import kl
-from emapg.logprobs import token_logprobs
+from emapg.models.lm import token_logprobs
 
 V = 12
 

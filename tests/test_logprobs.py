@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from emapg.logprobs import token_logprobs
+from emapg.models.lm import token_logprobs
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
@@ -122,7 +122,7 @@ def _tiny(kind, **extra):
 def test_the_lean_path_applies_what_the_models_forward_does_to_its_logits(kind, extra):
     from emapg.models.forward import response_logprobs
     from emapg.models.lm import check_lean_head
-    from emapg.rollout.batch import RolloutBatch
+    from emapg.rollout.sampling import RolloutBatch
 
     model = _tiny(kind, **extra)
     check_lean_head(model, kind)

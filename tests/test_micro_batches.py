@@ -12,10 +12,9 @@ import torch
 
 from emapg.models.forward import response_logprobs
 from emapg.models.zoo import load_model
-from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.hf import generate
-from emapg.rollout.sampling import SamplingSpec
-from emapg.run.step_plan import cut_into, greedy_cuts, row_tokens, step_micro_batches
+from emapg.rollout.sampling import RolloutBatch, SamplingSpec
+from emapg.run.trainer import cut_into, greedy_cuts, row_tokens, step_micro_batches
 from emapg.tasks import make_task
 
 

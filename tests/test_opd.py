@@ -13,9 +13,9 @@ from test_trainer import SMOKE, full_logits, strip_timing  # noqa: E402
 from emapg import algo
 from emapg.config import AlgoConfig, ConfigError, load_config
 from emapg.kl import token_kl
-from emapg.logprobs import TokenLogprobs
+from emapg.models.lm import TokenLogprobs
 from emapg.models.zoo import byte_tokenizer, load_model, save_hf_folder, tiny_model, weights_digest
-from emapg.rollout.batch import RolloutBatch
+from emapg.rollout.sampling import RolloutBatch
 from emapg.run.checkpoint import latest_checkpoint, load_checkpoint
 from emapg.run.metrics import read_metrics
 from emapg.run.trainer import Trainer

@@ -26,7 +26,7 @@ def test_the_shape_counts_equal_the_real_models(name):
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
     assert shape.largest_param == max(p.numel() for p in model.parameters())
-    from emapg.rollout.decode import prefill
+    from emapg.rollout.hf import prefill
 
     ids = torch.randint(3, 250, (3, 11))
     state = prefill(model, ids, torch.ones_like(ids))

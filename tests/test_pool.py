@@ -1,4 +1,4 @@
-"""Bounded rollouts (emapg.rollout.pool): at most max_rows rows decode at once and rows join as others
+"""Bounded rollouts (emapg.rollout.hf): at most max_rows rows decode at once and rows join as others
 finish. Every recorded statistic equals a forward pass over the finished sequence (a wrong join, a
 misplaced cache column or a wrong position would change it), greedy decoding gives the tokens of the
 unbounded loop, and every row keeps its own budget."""
@@ -10,8 +10,7 @@ import torch
 
 from emapg.models.forward import response_logprobs
 from emapg.models.zoo import load_model
-from emapg.rollout.hf import generate
-from emapg.rollout.pool import _right_aligned
+from emapg.rollout.hf import _right_aligned, generate
 from emapg.rollout.sampling import SamplingSpec
 from emapg.tasks import make_task
 
@@ -80,17 +79,17 @@ def test_a_bound_that_holds_every_row_changes_nothing():
 
 
 def test_models_whose_cache_forgets_columns_decode_in_whole_prompt_batches(monkeypatch):
-    from emapg.rollout import hf, pool
+    from emapg.rollout import hf
 
     model, tok = _model("tiny-qwen2", 4)
     calls = []
-    real = pool.decode
+    real = hf.decode
 
     def counting(model, ids, *args, **kwargs):
         calls.append(ids.shape[0])
         return real(model, ids, *args, **kwargs)
 
-    monkeypatch.setattr(pool, "decode", counting)
+    monkeypatch.setattr(hf, "decode", counting)
     monkeypatch.setattr(hf, "full_attention", lambda model: False)  # as for a sliding-window model
     spec = SamplingSpec(n=3, temperature=0.8, max_new_tokens=9, k=2)
     batch = generate(model, tok, _examples(5), spec, max_rows=6)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from emapg.config import ConfigError, TrainConfig, load_config
+from emapg.run.assembly import lr_factor
 from emapg.run.checkpoint import latest_checkpoint, load_checkpoint
 from emapg.run.metrics import read_metrics
-from emapg.run.step_plan import lr_factor
 from emapg.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -538,7 +538,7 @@ def _saved_bytes_and_grads(tr, mb):
 
 
 def test_gradient_checkpointing_saves_activation_memory_and_keeps_the_gradients(tmp_path):
-    from emapg.rollout.batch import RolloutBatch
+    from emapg.rollout.sampling import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     prompt, resp = torch.randint(3, 259, (4, 20), generator=g), torch.randint(3, 259, (4, 200), generator=g)

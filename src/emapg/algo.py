@@ -26,10 +26,9 @@ from torch import Tensor
 
 from emapg import kl
 from emapg.config import AlgoConfig, RolloutConfig
-from emapg.logprobs import TokenLogprobs
+from emapg.models.lm import TokenLogprobs
 from emapg.objective import aggregate, clipped_surrogate
-from emapg.rollout.batch import RolloutBatch
-from emapg.rollout.sampling import SamplingSpec
+from emapg.rollout.sampling import RolloutBatch, SamplingSpec
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Two forms of the same estimators live here:
 
 * the **reference form**, :func:`token_kl`, on full ``[..., V]`` logits: easy to read and to test;
 * the **lean form**, :func:`kl_from_logprobs`, on gathered log-probabilities (the sampled token's
-  and those of the ``k`` top-k ids) computed chunk by chunk by :mod:`emapg.logprobs`; it never needs
+  and those of the ``k`` top-k ids) computed chunk by chunk by :mod:`emapg.models.lm`; it never needs
   a ``[positions, V]`` tensor. Tests prove both give the same values and gradients.
 
 Each estimator is declared once in :data:`ESTIMATORS` (its direction, the ids of its exact head,

@@ -56,8 +56,7 @@ from emapg import kl as klmod
 from emapg.anchor import EMAAnchor
 from emapg.atomic import write_json_atomic
 from emapg.config import TRL_KEYWORDS, ConfigError, check_fields
-from emapg.logprobs import token_logprobs, transform_logits
-from emapg.models.lm import head_transform
+from emapg.models.lm import head_transform, token_logprobs, transform_logits
 from emapg.models.zoo import fit_teacher, load_teacher, save_hf_folder, weights_digest
 from emapg.tasks.base import Example
 

@@ -10,7 +10,7 @@ in value and gradient (a test checks it):
 * ``prefix_sharing=False``: the plain full-sequence forward, prompt repeated n times.
 
 Logits are never formed for prompt positions, nor for padding: hidden states of the response
-positions go to :func:`emapg.logprobs.token_logprobs`, which works chunk by chunk.
+positions go to :func:`emapg.models.lm.token_logprobs`, which works chunk by chunk.
 
 :func:`model_logprobs` is the pass the trainer calls: the same, through FSDP's hooks when the model
 is sharded (:data:`SHARD_METHODS` is what :func:`emapg.models.distributed.shard` registers for it).
@@ -29,10 +29,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from emapg.logprobs import TokenLogprobs, token_logprobs
 from emapg.models import distributed
-from emapg.models.lm import cache_kwarg, decoder_and_head, head_transform, positions
-from emapg.rollout.batch import RolloutBatch
+from emapg.models.lm import TokenLogprobs, cache_kwarg, decoder_and_head, head_transform, positions, token_logprobs
+from emapg.rollout.sampling import RolloutBatch
 
 
 class _PrefixLayer(DynamicLayer):

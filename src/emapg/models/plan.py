@@ -49,8 +49,8 @@ from emapg.models.distributed import native_bf16
 from emapg.models.forward import response_hidden
 from emapg.models.lm import decoder_and_head, set_pass_mode
 from emapg.rollout import response_budget
-from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.prompts import longest_prompt
+from emapg.rollout.sampling import RolloutBatch
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

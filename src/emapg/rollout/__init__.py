@@ -18,9 +18,8 @@ from torch import nn
 
 from emapg.models.distributed import gathered
 from emapg.rollout.agent import agent_rollout, rollout_model
-from emapg.rollout.batch import RolloutBatch
 from emapg.rollout.hf import generate
-from emapg.rollout.sampling import SamplingSpec
+from emapg.rollout.sampling import RolloutBatch, SamplingSpec
 from emapg.tags import STOPS
 from emapg.tasks.base import Example, Task
 

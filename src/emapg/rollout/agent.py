@@ -20,9 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from emapg.models.lm import first_tokens_text
-from emapg.rollout.batch import RolloutBatch, concat
 from emapg.rollout.hf import HFSampler
-from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left
+from emapg.rollout.sampling import RolloutBatch, Sampled, SamplingSpec, concat, eos_ids, format_prompt, pad_left
 from emapg.tags import SEARCH_RE, STOPS, answers_in, format_information
 from emapg.tasks.base import AgentConfig, Example
 

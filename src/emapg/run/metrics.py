@@ -9,14 +9,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from torch.utils.tensorboard import SummaryWriter
 
 from emapg.atomic import append_line, naming_failed_writes, write_json_atomic, write_text_atomic
 from emapg.errors import ConfigError, EmapgError, regular_file
-from emapg.models import distributed
 from emapg.run.outcomes import anchor_against_policy
 
 PLOTS = {
@@ -40,65 +38,6 @@ METRIC_UNITS = {"reward_mean": ("reward", 1.0), "eval/policy_accuracy": ("accura
 LABELS = {"reward_mean": "reward", "eval/policy_accuracy": "policy", "eval/anchor_accuracy": "EMA anchor",
           "eval/ema_accuracy": "weight EMA",
           "kl": "KL to the anchor", "kl_to_init": "KL to the initial policy", "entropy": "entropy"}
-
-
-def add_stats(total: dict[str, float], part: dict[str, float]) -> None:
-    """Add one micro-batch's statistics into the step's: sums, and the max of ``*_max`` keys."""
-    for key, v in part.items():
-        total[key] = max(total.get(key, v), v) if key.endswith("_max") else total.get(key, 0.0) + v
-
-
-def update_row(stats: dict[str, float], applied: int, grad_norms: list[float]) -> dict[str, Any]:
-    """The learning half's metrics from this rank's summed statistics (reduced over ranks here):
-    the loss terms per applied update, clip fractions and kl_to_init per token, the ratio's max,
-    the mean grad norm before clipping. Collective."""
-    summed = sorted(k for k in stats if not k.endswith("_max"))  # every rank holds the same keys
-    maxed = sorted(k for k in stats if k.endswith("_max"))
-    stats = {**dict(zip(summed, distributed.all_reduce([stats[k] for k in summed]), strict=True)),
-             **dict(zip(maxed, distributed.all_reduce([stats[k] for k in maxed], op="max"), strict=True))}
-    updates, tokens = max(applied, 1), max(stats.get("tokens", 0.0), 1.0)
-    row = {"kl": stats.get("kl", math.nan) / updates, "pg_loss": stats.get("pg_loss", math.nan) / updates,
-           "clip_frac": stats.get("clip_frac", 0.0) / tokens,
-           "dual_clip_frac": stats.get("dual_clip_frac", 0.0) / tokens,
-           "ratio_max": stats.get("ratio_max", math.nan),
-           "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan}
-    for key in ("kl_to_init", "tis_weight", "tis_capped_frac", "head_mass", "head_mass_anchor", "tail_token_frac",
-                "kl_clamp_frac"):
-        if key in stats:  # per token (both sides summed over the epochs)
-            row[key] = stats[key] / tokens
-    if "kl_tok_sq" in stats:  # the per-token KL estimate's variance over this step's tokens
-        mean = stats["kl_tok_sum"] / tokens
-        row["kl_tok_var"] = max(stats["kl_tok_sq"] / tokens - mean**2, 0.0)
-    return row
-
-
-def rollout_row(batch, group_size: int) -> dict[str, Any]:
-    """The rollout's metrics over every rank's share of the batch: reward, the fraction of groups
-    with no learning signal (every reward equal: all wrong or all right), entropy, response length,
-    truncation, the mass top-p cut, and the means of the rollout's own diagnostics. Collective."""
-    mask = batch.response_mask
-    local = {"rewards": batch.rewards.tolist(), "lengths": mask.sum(1).tolist(),
-             "stats": {k: v.tolist() for k, v in batch.stats.items()},
-             "truncated": batch.truncated.tolist(), "mask": float(mask.sum()),
-             "entropy": float((batch.entropy * mask).sum()),
-             "top_p_cut": None if batch.top_p_cut is None else float((batch.top_p_cut * mask).sum())}
-    parts = distributed.all_gather_objects(local)
-    rewards = torch.tensor([x for p in parts for x in p["rewards"]], dtype=torch.float32)
-    lengths = torch.tensor([x for p in parts for x in p["lengths"]], dtype=torch.float32)
-    truncated = torch.tensor([x for p in parts for x in p["truncated"]], dtype=torch.float32)
-    positions = max(sum(p["mask"] for p in parts), 1.0)
-    groups = rewards.view(-1, group_size)
-    row = {"reward_mean": float(rewards.mean()),
-           "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-           "no_signal_frac": float((groups.max(1).values == groups.min(1).values).float().mean()),
-           "entropy": sum(p["entropy"] for p in parts) / positions,
-           "response_length": float(lengths.mean()), "truncated_frac": float(truncated.mean())}
-    if all(p["top_p_cut"] is not None for p in parts):  # the vLLM backend does not measure it
-        row["top_p_cut"] = sum(p["top_p_cut"] for p in parts) / positions
-    for key in batch.stats:  # rollout diagnostics, e.g. searches per episode
-        values = [x for p in parts for x in p["stats"][key]]
-        row[f"{key}_mean"] = sum(values) / max(len(values), 1)
-    return row
 
 
 class MetricsWriter:
@@ -307,14 +246,3 @@ def final_table(run_dir: Path, initial_eval: dict[str, Any] | None) -> dict[str,
     notes = [n for n in (anchor_against_policy(run_dir), anchor_against_policy(run_dir, model="ema")) if n]
     write_eval_table(run_dir, table, "\n\n".join(notes) or None)
     return table
-
-
-def peak_memory_row(device: torch.device) -> dict[str, float]:
-    """On CUDA, this rank's memory high-water marks since the last call (GiB), then reset: what tensors held
-    (allocated) and what the allocator took from the GPU (reserved: what must fit); else nothing."""
-    if device.type != "cuda":
-        return {}
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
-    reserved = torch.cuda.max_memory_reserved(device) / 2**30
-    torch.cuda.reset_peak_memory_stats(device)
-    return {"peak_memory_gb": peak, "peak_reserved_gb": reserved}

@@ -18,13 +18,11 @@ import torch
 from torch import nn
 
 from emapg.kl import head_term
-from emapg.logprobs import head_logits
 from emapg.models import distributed
 from emapg.models.forward import response_hidden
-from emapg.models.lm import decoder_and_head, head_transform
+from emapg.models.lm import decoder_and_head, head_logits, head_transform
 from emapg.rollout import rollout_for_task
-from emapg.rollout.batch import RolloutBatch
-from emapg.rollout.sampling import SamplingSpec
+from emapg.rollout.sampling import RolloutBatch, SamplingSpec
 from emapg.tasks.base import Example, Task
 
 

@@ -1,7 +1,8 @@
 """The EMA-PG training loop and step (docs/METHOD.md section 4), the file to read first. It only
-orchestrates: every formula lives in kl.py, objective.py, logprobs.py and anchor.py; what the passes
+orchestrates: every formula lives in kl.py, objective.py, models/lm.py (the log-probs) and anchor.py; what the passes
 gather is algo.py's; what a run is made of is built once by run/assembly.py; checkpoints are
-run/checkpoint.py's and evaluation is run/evaluate.py's.
+run/checkpoint.py's and evaluation is run/evaluate.py's. How a step's batch is cut and the metrics row it
+writes are the functions at the end of this file.
 
 One step: prompts -> n responses -> rewards -> advantages -> anchor pass -> PPO epochs over
 mini-batches (micro-batches accumulate) -> optimizer steps -> EMA anchor update -> metrics ->
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +36,12 @@ from emapg.models.distributed import gathered
 from emapg.models.forward import model_logprobs
 from emapg.models.lm import set_pass_mode
 from emapg.objective import group_advantages
-from emapg.rollout.batch import RolloutBatch
-from emapg.rollout.sampling import stream_seed
+from emapg.rollout.sampling import RolloutBatch, stream_seed
 from emapg.run.assembly import Run, assemble
 from emapg.run.checkpoint import save_training
 from emapg.run.evaluate import RANK_SEED_STRIDE, RunEvaluator, eval_row
 from emapg.run.export import export_models
 from emapg.run.folder import mark_finished
-from emapg.run.metrics import add_stats, peak_memory_row, rollout_row, update_row
-from emapg.run.step_plan import schedule_step_lr, step_micro_batches
 from emapg.tasks.base import score_completions, training_prompts
 
 
@@ -325,3 +324,146 @@ def _rows(which: str, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     eval/{set}_{which}_* for the others."""
     return {k: v for name, res in results.items() for k, v in eval_row(which if name == "heldout" else
                                                                         f"{name}_{which}", res).items()}
+
+
+# How a step is cut: this process's share of a step as mini-batches (one optimizer step each) of micro-batches (one
+# forward and backward each, gradients accumulating), by prompts (``micro_batch_prompts``: whole groups of
+# responses) or packed by tokens (``micro_batch_tokens``: verl's dynamic batch size, ``ppo_max_token_len_per_gpu``).
+# The cut changes memory, never the gradient: a mini-batch's loss is normalised by its global counts, whatever its
+# micro-batches (tests/test_micro_batches.py). Packing keeps the rows in order (a prompt's rows that land together
+# share its pass) and makes, on every process, as many micro-batches as the process that needs the most: under
+# FSDP2 each is a sequence of collectives that all ranks must make alike (one all-reduce).
+
+
+def step_micro_batches(batch: RolloutBatch, mini_prompts: int, micro_prompts: int,
+                       micro_tokens: int = 0) -> list[list[RolloutBatch]]:
+    """This process's rows of a step as mini-batches of ``mini_prompts`` prompts, each cut into micro-batches
+    of ``micro_prompts`` prompts, or, with ``micro_tokens`` > 0, packed by tokens (:func:`cut_into`)."""
+    if not micro_tokens:  # micro_prompts divides mini_prompts (config.check_world)
+        mbs, per = batch.micro_batches(micro_prompts), mini_prompts // micro_prompts
+        return [mbs[i : i + per] for i in range(0, len(mbs), per)]
+    minis = [slice(s, s + mini_prompts) for s in range(0, batch.num_prompts, mini_prompts)]
+    tokens = row_tokens(batch)
+    rows = [batch.rows(m) for m in minis]
+    fewest = [len(greedy_cuts(tokens[r], micro_tokens)) - 1 for r in rows]
+    counts = [int(c) for c in distributed.all_reduce(fewest, op="max")]  # every rank makes as many
+    out = []
+    for r, parts in zip(rows, counts, strict=True):
+        cuts = cut_into(tokens[r], parts, micro_tokens)
+        out.append([batch.row_batch(slice(r.start + a, r.start + b)) for a, b in pairwise(cuts)])
+    return out
+
+
+def row_tokens(batch: RolloutBatch) -> list[int]:
+    """Each row's tokens, as verl counts them against its budget: its prompt's and its response's up to the
+    last token that counts (tool output before it is context the pass runs too)."""
+    return (batch.per_row(batch.prompt_mask.sum(1)) + batch.extent()).tolist()
+
+
+def greedy_cuts(tokens: list[int], budget: int) -> list[int]:
+    """Boundaries [0, ..., len(tokens)] of the fewest consecutive runs of rows that each count at most
+    ``budget`` tokens (a row over it alone): the greedy cut, which is the fewest for consecutive runs."""
+    cuts, total = [0], 0
+    for i, t in enumerate(tokens):
+        if i > cuts[-1] and total + t > budget:
+            cuts.append(i)
+            total = 0
+        total += t
+    return [*cuts, len(tokens)]
+
+
+def cut_into(tokens: list[int], parts: int, budget: int) -> list[int]:
+    """Boundaries of exactly ``parts`` consecutive non-empty runs (1 <= parts <= rows, and at least the fewest
+    :func:`greedy_cuts` makes): the greedy cut, whose runs are within ``budget``, then the run with the most
+    tokens split where its two halves' tokens are closest, until there are ``parts``; every run stays within
+    ``budget`` (or is one row)."""
+    cuts = greedy_cuts(tokens, budget)
+    if not len(cuts) - 1 <= parts <= len(tokens):
+        raise ValueError(f"{parts} runs of {len(tokens)} rows: the greedy cut needs {len(cuts) - 1}")
+    while len(cuts) - 1 < parts:
+        _, a, b = max((sum(tokens[a:b]), a, b) for a, b in pairwise(cuts) if b - a > 1)
+        middle = min(range(a + 1, b), key=lambda m: (abs(sum(tokens[a:m]) - sum(tokens[m:b])), m))
+        cuts = sorted([*cuts, middle])
+    return cuts
+
+
+def schedule_step_lr(optimizer: torch.optim.Optimizer, scheduler) -> float:
+    """Set the learning rate for a new training step (a schedule by training step changes it here; one by
+    optimizer step is unchanged); returns it."""
+    for group, lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+    return optimizer.param_groups[0]["lr"]
+
+
+# The step's metrics row: what tells a user when training goes wrong (reward, groups with no signal, entropy,
+# lengths, truncation; the KL, clip fractions, ratio, grad norm, the head's mass), reduced over ranks
+
+
+def add_stats(total: dict[str, float], part: dict[str, float]) -> None:
+    """Add one micro-batch's statistics into the step's: sums, and the max of ``*_max`` keys."""
+    for key, v in part.items():
+        total[key] = max(total.get(key, v), v) if key.endswith("_max") else total.get(key, 0.0) + v
+
+
+def update_row(stats: dict[str, float], applied: int, grad_norms: list[float]) -> dict[str, Any]:
+    """The learning half's metrics from this rank's summed statistics (reduced over ranks here):
+    the loss terms per applied update, clip fractions and kl_to_init per token, the ratio's max,
+    the mean grad norm before clipping. Collective."""
+    summed = sorted(k for k in stats if not k.endswith("_max"))  # every rank holds the same keys
+    maxed = sorted(k for k in stats if k.endswith("_max"))
+    stats = {**dict(zip(summed, distributed.all_reduce([stats[k] for k in summed]), strict=True)),
+             **dict(zip(maxed, distributed.all_reduce([stats[k] for k in maxed], op="max"), strict=True))}
+    updates, tokens = max(applied, 1), max(stats.get("tokens", 0.0), 1.0)
+    row = {"kl": stats.get("kl", math.nan) / updates, "pg_loss": stats.get("pg_loss", math.nan) / updates,
+           "clip_frac": stats.get("clip_frac", 0.0) / tokens,
+           "dual_clip_frac": stats.get("dual_clip_frac", 0.0) / tokens,
+           "ratio_max": stats.get("ratio_max", math.nan),
+           "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan}
+    for key in ("kl_to_init", "tis_weight", "tis_capped_frac", "head_mass", "head_mass_anchor", "tail_token_frac",
+                "kl_clamp_frac"):
+        if key in stats:  # per token (both sides summed over the epochs)
+            row[key] = stats[key] / tokens
+    if "kl_tok_sq" in stats:  # the per-token KL estimate's variance over this step's tokens
+        mean = stats["kl_tok_sum"] / tokens
+        row["kl_tok_var"] = max(stats["kl_tok_sq"] / tokens - mean**2, 0.0)
+    return row
+
+
+def rollout_row(batch, group_size: int) -> dict[str, Any]:
+    """The rollout's metrics over every rank's share of the batch: reward, the fraction of groups
+    with no learning signal (every reward equal: all wrong or all right), entropy, response length,
+    truncation, the mass top-p cut, and the means of the rollout's own diagnostics. Collective."""
+    mask = batch.response_mask
+    local = {"rewards": batch.rewards.tolist(), "lengths": mask.sum(1).tolist(),
+             "stats": {k: v.tolist() for k, v in batch.stats.items()},
+             "truncated": batch.truncated.tolist(), "mask": float(mask.sum()),
+             "entropy": float((batch.entropy * mask).sum()),
+             "top_p_cut": None if batch.top_p_cut is None else float((batch.top_p_cut * mask).sum())}
+    parts = distributed.all_gather_objects(local)
+    rewards = torch.tensor([x for p in parts for x in p["rewards"]], dtype=torch.float32)
+    lengths = torch.tensor([x for p in parts for x in p["lengths"]], dtype=torch.float32)
+    truncated = torch.tensor([x for p in parts for x in p["truncated"]], dtype=torch.float32)
+    positions = max(sum(p["mask"] for p in parts), 1.0)
+    groups = rewards.view(-1, group_size)
+    row = {"reward_mean": float(rewards.mean()),
+           "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+           "no_signal_frac": float((groups.max(1).values == groups.min(1).values).float().mean()),
+           "entropy": sum(p["entropy"] for p in parts) / positions,
+           "response_length": float(lengths.mean()), "truncated_frac": float(truncated.mean())}
+    if all(p["top_p_cut"] is not None for p in parts):  # the vLLM backend does not measure it
+        row["top_p_cut"] = sum(p["top_p_cut"] for p in parts) / positions
+    for key in batch.stats:  # rollout diagnostics, e.g. searches per episode
+        values = [x for p in parts for x in p["stats"][key]]
+        row[f"{key}_mean"] = sum(values) / max(len(values), 1)
+    return row
+
+
+def peak_memory_row(device: torch.device) -> dict[str, float]:
+    """On CUDA, this rank's memory high-water marks since the last call (GiB), then reset: what tensors held
+    (allocated) and what the allocator took from the GPU (reserved: what must fit); else nothing."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"peak_memory_gb": peak, "peak_reserved_gb": reserved}
