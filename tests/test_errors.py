@@ -16,6 +16,8 @@ SMOKE = Path(__file__).resolve().parents[1] / "recipes" / "smoke.yaml"
     (["train", "--config", str(SMOKE), "device=cuda", "eval.size=0"], "device cuda: no CUDA device is visible"),
     (["train", "--config", str(SMOKE), "task_args.digits=two"], "task_args.digits: expected an integer, got 'two'"),
     (["train", "--config", "no-such-recipe"], "no such file, and no recipe of that name (recipes: cpu_demo"),
+    (["train", "--config", str(SMOKE), "--force"],
+     "--force: only with --resume (or a config's init_from)"),
     (["serve-retriever", "--index", "x", "--host", "0.0.0.0"], "--host 0.0.0.0: reachable from the network"),
     (["serve-retriever", "--index", "x", "--host", "::"], "pass --allow-remote"),
     (["serve-retriever", "--index", "x", "--port", "99999"], "--port 99999: expected 0..65535"),

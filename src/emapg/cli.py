@@ -57,8 +57,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="emapg", description="EMA Policy Gradient for language models. Every config key is "
-                "documented where it is declared (src/emapg/config/schema.py) and in docs/USAGE.md; `emapg recipes` "
-                "lists the shipped configs.")
+                "documented in docs/CONFIG.md and by `emapg config` (from its declaration in "
+                "src/emapg/config/schema.py); `emapg recipes` lists the shipped configs.")
     p.add_argument("--version", action="version", version=f"emapg {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_train_parser, _plan_parser, _eval_parser, _retrieval_parsers, _compare_parser):
@@ -93,8 +93,8 @@ def _train_parser(sub) -> None:
     t.add_argument("--out", help="run folder (default runs/<time>-<task>)")
     t.add_argument("--resume", help="continue the run in this folder from its latest checkpoint")
     t.add_argument("--force", action="store_true",
-                   help="with --resume: accept changes to what the resumed steps replay (overrides of seed, "
-                        "algo...; a teacher whose weights changed)")
+                   help="with --resume (or init_from): accept changes to what the resumed steps replay "
+                        "(overrides of seed, algo...; a teacher whose weights changed)")
     _trust_plugins_arg(t)
     t.add_argument("--nproc", type=int, default=1,
                    help="data-parallel processes on this machine (runs torchrun; or launch torchrun yourself)")

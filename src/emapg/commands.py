@@ -129,6 +129,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(recipe_path(DEFAULT_RECIPE if args.config is None else args.config), args.overrides,
                           trust_plugins=args.trust_plugins, task_check=task_args_problems)
         run_dir = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}")
+        if args.force and cfg.init_from is None:  # a new run replays nothing: the flag would change nothing
+            raise ConfigError("--force: only with --resume (or a config's init_from), where it accepts changes to "
+                              "what the resumed steps replay; a new run has nothing to force")
     if args.nproc > 1 and not launched:  # the batch must split over the processes: said once, before torchrun
         check_world(cfg, args.nproc)
     change = None
