@@ -623,10 +623,10 @@ def test_a_bad_value_is_blamed_on_the_file_that_set_it(tmp_path):
     (tmp_path / "child.yaml").write_text("extends: parent\nsteps: 3\nalgo: {k: 8}\n")
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "child.yaml")
-    assert str(e.value).startswith(f"{tmp_path / 'parent.yaml'}: 2 problems: lr: must be")
+    assert str(e.value).startswith(f"{tmp_path / 'parent.yaml'}: 2 problems: line 2: lr: must be")
     assert "algo.eta: must be in (0, 1], got 2.0" in str(e.value)
     (tmp_path / "child.yaml").write_text("extends: parent\nlr: -2\nalgo: {eta: 0.5}\n")
-    with pytest.raises(ConfigError, match=r"child.yaml: lr: must be a finite number > 0, got -2"):
+    with pytest.raises(ConfigError, match=r"child.yaml, line 2: lr: must be a finite number > 0, got -2"):
         load_config(tmp_path / "child.yaml")
 
 

@@ -335,7 +335,7 @@ def test_a_bad_override_is_blamed_on_the_command_line_not_the_file(tmp_path):
         load_config(SMOKE, ["algo.eta=2"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: tiny-llama\nsteps: abc\n")
-    with pytest.raises(ConfigError, match=r"^\S*bad.yaml: steps: expected int"):  # the file's own value: the file
+    with pytest.raises(ConfigError, match=r"^\S*bad.yaml, line 2: steps: expected int"):  # the file: its line
         load_config(bad, ["algo.k=4"])
 
 
@@ -360,7 +360,8 @@ def test_every_wrong_field_of_a_config_is_named_in_one_message(tmp_path):
     message = str(e.value)
     assert "steps:" not in message  # the override fixed it
     assert f"override eval.size=x (over {bad}): eval.size: expected int, got 'x'" in message
-    assert f"override algo.beta=-1 (over {bad}): algo.beta:" in message and f"{bad}: algo.eta: must be in" in message
+    assert f"override algo.beta=-1 (over {bad}): algo.beta:" in message
+    assert f"{bad}, line 5: algo.eta: must be in" in message and f"{bad}, line 7: algo: unknown key(s) etta" in message
 
 
 def test_config_file_errors_name_file_and_line(tmp_path):
@@ -371,7 +372,7 @@ def test_config_file_errors_name_file_and_line(tmp_path):
     with pytest.raises(ConfigError, match=r"bad.yaml, line \d+: invalid YAML"):
         load_config(bad)
     bad.write_text("steps: 3\nalgo:\n  etta: 0.9\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: algo: unknown key\(s\) etta"):
+    with pytest.raises(ConfigError, match=r"bad.yaml, line 3: algo: unknown key\(s\) etta"):  # the key's line
         load_config(bad)
     with pytest.raises(ConfigError, match="does-not-exist.yaml"):
         load_config(tmp_path / "does-not-exist.yaml")

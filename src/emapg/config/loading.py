@@ -249,10 +249,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         validate(cfg, task_check)
     except ConfigError as e:  # each problem blamed on where its value came from: the file or an override
         blames = [_blamed(p, source, overrides or [], origins) for p in e.problems]
+        lines = [_line_in(b, p) for b, p in zip(blames, e.problems, strict=True)]  # a file's: the key's line
+        at = [f"line {n}: {p}" if n else p for p, n in zip(e.problems, lines, strict=True)]
         if len(set(blames)) == 1 and not unapplied:  # one place to fix: named once
+            if len(at) == 1 and lines[0]:
+                raise ConfigError(f"{blames[0]}, {at[0]}", [f"{blames[0]}, {at[0]}"]) from None
             head = f"{blames[0]}: " + (f"{len(blames)} problems: " if len(blames) > 1 else "")
-            raise ConfigError(head + "; ".join(e.problems), [f"{blames[0]}: {p}" for p in e.problems]) from None
-        raise all_of(unapplied + [f"{b}: {p}" for b, p in zip(blames, e.problems, strict=True)]) from None
+            raise ConfigError(head + "; ".join(at), [f"{blames[0]}: {a}" for a in at]) from None
+        raise all_of(unapplied + [f"{b}, {a}" if n else f"{b}: {a}"
+                                  for b, a, n in zip(blames, at, lines, strict=True)]) from None
     if unapplied:
         raise all_of(unapplied)
     return cfg
@@ -313,7 +318,7 @@ def _blamed(message: str, source: str, overrides: list[str], origins: dict[str, 
     """Where a bad value came from: the command line's ``KEY=VALUE`` that set the field the message names
     (``override steps=abc (over smoke.yaml)``), else the file that set it (``origins``: a file it extends, when the
     value is that file's), else the config file."""
-    field = message.split(":", 1)[0].strip()
+    field = _field_of(message)
     for item in reversed(overrides):  # the last override of a field is the one that counts
         key = item.split("=", 1)[0].strip()
         if key == field or key.startswith(field + ".") or field.startswith(key + "."):
@@ -323,6 +328,36 @@ def _blamed(message: str, source: str, overrides: list[str], origins: dict[str, 
         if ".".join(parts[:n]) in (origins or {}):
             return str(origins[".".join(parts[:n])])
     return source
+
+
+def _field_of(problem: str) -> str:
+    """The dotted field a problem names: its own (``algo.eta: must be...``), or a section's first unknown key
+    (``algo: unknown key(s) etta`` names ``algo.etta``, which an override of ``algo.beta`` did not set)."""
+    unknown = re.match(r"^(.*?): unknown key\(s\) ([^;,\s]+)", problem)
+    if unknown:
+        return unknown[2] if unknown[1] == "top level" else f"{unknown[1]}.{unknown[2]}"
+    return problem.split(":", 1)[0].strip()
+
+
+def _line_in(blame: str, problem: str) -> int | None:
+    """The line of the file ``blame`` that holds the key ``problem`` names: the field's own key, the first unknown
+    key of a section, or the deepest of the field's sections the file gives; None for an override's or the
+    defaults' blame, or a file that no longer reads."""
+    field = _field_of(problem)
+    if blame.startswith("override ") or blame == "defaults":
+        return None
+    try:
+        node = yaml.compose(Path(blame).read_bytes().decode("utf-8"), Loader=_UniqueKeys)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    line = None
+    for part in field.split("."):
+        pairs = node.value if isinstance(node, yaml.MappingNode) else []
+        key = next(((k, v) for k, v in pairs if getattr(k, "value", None) == part), None)
+        if key is None:
+            break
+        line, node = key[0].start_mark.line + 1, key[1]
+    return line
 
 
 def _origins(data: dict[str, Any], path: Path, out: dict[str, Path], prefix: str = "") -> None:
