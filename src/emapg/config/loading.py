@@ -249,7 +249,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         validate(cfg, task_check)
     except ConfigError as e:  # each problem blamed on where its value came from: the file or an override
         blames = [_blamed(p, source, overrides or [], origins) for p in e.problems]
-        lines = [_line_in(b, p) for b, p in zip(blames, e.problems, strict=True)]  # a file's: the key's line
+        trees = {b: _key_tree(b) for b in set(blames)}  # each blamed file parsed once, for its keys' lines
+        lines = [_line_in(trees[b], p) for b, p in zip(blames, e.problems, strict=True)]
         at = [f"line {n}: {p}" if n else p for p, n in zip(e.problems, lines, strict=True)]
         if len(set(blames)) == 1 and not unapplied:  # one place to fix: named once
             if len(at) == 1 and lines[0]:
@@ -339,19 +340,22 @@ def _field_of(problem: str) -> str:
     return problem.split(":", 1)[0].strip()
 
 
-def _line_in(blame: str, problem: str) -> int | None:
-    """The line of the file ``blame`` that holds the key ``problem`` names: the field's own key, the first unknown
-    key of a section, or the deepest of the field's sections the file gives; None for an override's or the
-    defaults' blame, or a file that no longer reads."""
-    field = _field_of(problem)
+def _key_tree(blame: str) -> yaml.Node | None:
+    """The YAML tree of the file ``blame`` names, with its keys' lines; None for an override's or the defaults'
+    blame, or a file that no longer reads."""
     if blame.startswith("override ") or blame == "defaults":
         return None
     try:
-        node = yaml.compose(Path(blame).read_bytes().decode("utf-8"), Loader=_UniqueKeys)
+        return yaml.compose(Path(blame).read_bytes().decode("utf-8"), Loader=_UniqueKeys)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
+
+
+def _line_in(node: yaml.Node | None, problem: str) -> int | None:
+    """The line that holds the key ``problem`` names in a file's tree (:func:`_key_tree`): the field's own key,
+    the first unknown key of a section, or the deepest of the field's sections the file gives."""
     line = None
-    for part in field.split("."):
+    for part in _field_of(problem).split("."):
         pairs = node.value if isinstance(node, yaml.MappingNode) else []
         key = next(((k, v) for k, v in pairs if getattr(k, "value", None) == part), None)
         if key is None:
